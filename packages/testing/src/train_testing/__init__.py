@@ -1,0 +1,18 @@
+"""Test helpers shared by the workspace's packages (unpublished).
+
+- :func:`run_on_ranks` / :class:`RankPool`: run a function on N real gloo (or NCCL) processes.
+- ``rank_pool`` pytest fixture: session-wide pools, one per world size.
+- :func:`requires_cuda` / :func:`requires_module`: skip markers that state their reason.
+"""
+
+from train_testing.markers import requires_cuda, requires_module
+from train_testing.ranks import RankError, RankFailure, RankPool, run_on_ranks
+
+__all__ = [
+    "RankError",
+    "RankFailure",
+    "RankPool",
+    "requires_cuda",
+    "requires_module",
+    "run_on_ranks",
+]
