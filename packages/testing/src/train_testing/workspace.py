@@ -1,0 +1,117 @@
+"""Facts about the workspace read from its files: members, versions, pins, imports."""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+RECIPES_DIST = "train-recipes"
+TESTING_DIST = "train-testing"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Member:
+    """One workspace member.
+
+    Attributes:
+        folder: its folder under packages/.
+        dist: distribution name.
+        version: the static version in its pyproject.toml.
+        import_name: the package under src/.
+        dependencies: its runtime requirements, as written.
+    """
+
+    folder: Path
+    dist: str
+    version: str
+    import_name: str
+    dependencies: tuple[str, ...]
+
+
+def load_members(root: Path) -> dict[str, Member]:
+    """Read every packages/*/pyproject.toml under ``root``; key = distribution name."""
+    members = {}
+    for pyproject in sorted((root / "packages").glob("*/pyproject.toml")):
+        with open(pyproject, "rb") as f:
+            project = tomllib.load(f)["project"]
+        (src_pkg,) = [p for p in (pyproject.parent / "src").iterdir() if p.is_dir()]
+        members[project["name"]] = Member(
+            folder=pyproject.parent,
+            dist=project["name"],
+            version=project["version"],
+            import_name=src_pkg.name,
+            dependencies=tuple(project.get("dependencies", [])),
+        )
+    return members
+
+
+def library_members(members: dict[str, Member]) -> dict[str, Member]:
+    """The published library packages: everything but the recipes and the test helper."""
+    return {d: m for d, m in members.items() if d not in (RECIPES_DIST, TESTING_DIST)}
+
+
+def recipe_pin_problems(root: Path) -> list[str]:
+    """Every way recipes' pins disagree with the library members' versions (empty = consistent)."""
+    members = load_members(root)
+    libraries = library_members(members)
+    pins = {}
+    for line in members[RECIPES_DIST].dependencies:
+        req = Requirement(line)
+        if req.name in libraries:
+            pins[req.name] = req
+    problems = []
+    for dist, member in sorted(libraries.items()):
+        pin = pins.get(dist)
+        if pin is None:
+            problems.append(
+                f"{RECIPES_DIST} does not depend on {dist}; add '{dist}=={member.version}'"
+            )
+            continue
+        specs = list(req.specifier)
+        if len(specs) != 1 or specs[0].operator != "==":
+            problems.append(
+                f"{RECIPES_DIST} pins {dist} as '{req.specifier}'; it must be '=={member.version}'"
+            )
+        elif specs[0].version != member.version:
+            problems.append(
+                f"{RECIPES_DIST} pins {dist}=={specs[0].version} but packages/{member.folder.name} is "
+                f"version {member.version}; move the pin (and bump {RECIPES_DIST}, see RELEASING.md)"
+            )
+    return problems
+
+
+def cross_imports(root: Path) -> list[str]:
+    """Imports or dependencies of one library package on another (libraries must stand alone)."""
+    libraries = library_members(load_members(root))
+    names = {m.import_name: d for d, m in libraries.items()}
+    problems = []
+    for dist, member in sorted(libraries.items()):
+        for line in member.dependencies:
+            other = Requirement(line).name
+            if other in libraries or other in (RECIPES_DIST, TESTING_DIST):
+                problems.append(f"{dist} declares a dependency on workspace member {other}")
+        own_roots = [member.folder / "src", member.folder / "bench"]
+        for path in sorted(p for d in own_roots if d.exists() for p in d.rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    modules = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    modules = [node.module]
+                else:
+                    continue
+                for module in modules:
+                    top = module.split(".")[0]
+                    if (top in names and names[top] != dist) or top in (
+                        "train_recipes",
+                        "train_testing",
+                    ):
+                        rel = path.relative_to(root)
+                        problems.append(
+                            f"{rel}:{node.lineno} imports {module} ({dist} must not import it)"
+                        )
+    return problems
