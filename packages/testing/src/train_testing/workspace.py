@@ -71,10 +71,10 @@ def recipe_pin_problems(root: Path) -> list[str]:
                 f"{RECIPES_DIST} does not depend on {dist}; add '{dist}=={member.version}'"
             )
             continue
-        specs = list(req.specifier)
+        specs = list(pin.specifier)
         if len(specs) != 1 or specs[0].operator != "==":
             problems.append(
-                f"{RECIPES_DIST} pins {dist} as '{req.specifier}'; it must be '=={member.version}'"
+                f"{RECIPES_DIST} pins {dist} as '{pin.specifier}'; it must be '=={member.version}'"
             )
         elif specs[0].version != member.version:
             problems.append(
