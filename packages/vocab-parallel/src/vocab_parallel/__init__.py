@@ -2,6 +2,21 @@
 
 from importlib.metadata import version as _version
 
+from vocab_parallel.losses import (
+    cross_entropy,
+    linear_token_log_probs,
+    token_entropy,
+    token_log_probs,
+    token_log_probs_and_entropy,
+)
+
 __version__ = _version("vocab-parallel")
 
-__all__ = ["__version__"]
+__all__ = [
+    "__version__",
+    "cross_entropy",
+    "linear_token_log_probs",
+    "token_entropy",
+    "token_log_probs",
+    "token_log_probs_and_entropy",
+]

@@ -1,0 +1,126 @@
+"""Autograd function for log p(label) straight from hidden states and the output projection.
+
+# N tokens, H hidden, V global vocabulary, Vl local vocabulary rows, B rows per block
+
+The [N, Vl] logits never exist at once: forward walks the projection in blocks of B vocabulary
+rows, computes the [N, B] logits of a block, folds them into running per-token softmax
+statistics (online softmax) and drops them. Backward recomputes each block, turns it into the
+block's logits gradient and immediately into its share of the hidden gradient (accumulated in
+fp32, [N, H]) and its rows of the weight gradient (one matmul per block, so the weight gradient
+is never accumulated in low precision and needs no fp32 weight-sized buffer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from vocab_parallel._logits import CHUNK_ELEMENTS, Plan, locate_targets, raise_invalid
+from vocab_parallel._math import ShardStats, chunk_grad, merge, scaled_target, shard_stats
+from vocab_parallel._reduce import reduce_stats
+
+
+def block_size_for(tokens: int, local_vocab: int) -> int:
+    """Default vocabulary rows per block: about CHUNK_ELEMENTS fp32 logits per block."""
+    return max(1, min(max(local_vocab, 1), CHUNK_ELEMENTS // max(tokens, 1)))
+
+
+def _block_fp32(logits: Tensor, inv_temperature: float) -> Tensor:
+    """Scaled fp32 logits of a block; reuses the matmul output when it is already fp32."""
+    z = logits if logits.dtype == torch.float32 else logits.float()
+    if inv_temperature != 1.0:
+        z.mul_(inv_temperature)
+    return z
+
+
+def _block_targets(index: Tensor, in_shard: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
+    """(in_block [N] bool, column [N] int64 within the block, 0 where not in_block)."""
+    in_block = in_shard & (index >= start) & (index < stop)
+    column = torch.where(in_block, index - start, torch.zeros_like(index))
+    return in_block, column
+
+
+class LinearLogProbs(torch.autograd.Function):
+    """log p(label) [N] from hidden [N, H] and the local projection rows [Vl, H]."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, plan: Plan) -> Tensor:
+        n = hidden.shape[0]
+        local_vocab = weight.shape[0]
+        inv_t = plan.inv_temperature
+        targets = locate_targets(labels, plan=plan, local_vocab=local_vocab)
+        target = hidden.new_zeros(n, dtype=torch.float32)
+        running: ShardStats | None = None
+        for start in range(0, local_vocab, plan.chunk_size):
+            stop = min(start + plan.chunk_size, local_vocab)
+            logits = hidden @ weight[start:stop].T
+            in_block, column = _block_targets(targets.index, targets.in_shard, start, stop)
+            picked = scaled_target(logits.gather(1, column.unsqueeze(-1)).squeeze(-1), inv_t)
+            target = torch.where(in_block, picked, target)
+            block = shard_stats(_block_fp32(logits, inv_t), entropy=False, sum_z=False)
+            del logits
+            running = block if running is None else merge(running, block)
+        if running is None:  # this rank holds no vocabulary rows
+            running = shard_stats(
+                hidden.new_zeros((n, 0), dtype=torch.float32), entropy=False, sum_z=False
+            )
+        glob = reduce_stats(
+            running, target=target, invalid_labels=targets.invalid, group=plan.group
+        )
+        if glob.invalid_labels:
+            raise_invalid(labels, plan=plan, count=glob.invalid_labels)
+        log_p = (glob.target - glob.shift) - glob.log_sum_exp
+        log_p = torch.where(targets.valid, log_p, torch.zeros_like(log_p))
+        ctx.plan = plan
+        ctx.save_for_backward(
+            hidden, weight, glob.log_normalizer, targets.valid, targets.in_shard, targets.index
+        )
+        return log_p
+
+    @staticmethod
+    def backward(ctx: Any, grad_log_p: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+        plan: Plan = ctx.plan
+        hidden, weight, log_normalizer, valid, in_shard, index = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        inv_t = plan.inv_temperature
+        g_all = torch.where(valid, grad_log_p.float(), 0.0) * inv_t
+        local_vocab = weight.shape[0]
+        grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32) if need_hidden else None
+        grad_weight = torch.empty_like(weight) if need_weight else None
+        for start in range(0, local_vocab, plan.chunk_size):
+            stop = min(start + plan.chunk_size, local_vocab)
+            rows = weight[start:stop]
+            logits = hidden @ rows.T
+            in_block, column = _block_targets(index, in_shard, start, stop)
+            z = _block_fp32(logits, inv_t)
+            del logits
+            grad_z = chunk_grad(
+                z,
+                log_normalizer=log_normalizer,
+                entropy=None,
+                grad_target=g_all,
+                grad_entropy=None,
+                grad_uniform=None,
+                inv_vocab=1.0 / plan.vocab_size,
+                target_index=column,
+                target_grad=torch.where(in_block, g_all, 0.0),
+            )
+            grad_logits = grad_z.to(hidden.dtype)
+            del z, grad_z
+            if grad_hidden is not None:
+                grad_hidden.add_(grad_logits @ rows)
+            if grad_weight is not None:
+                torch.mm(grad_logits.T, hidden, out=grad_weight[start:stop])
+        if grad_hidden is not None and plan.group is not None:
+            # Each rank saw only its vocabulary rows: the hidden gradient is a sum over ranks
+            # ([N, H] floats, independent of V).
+            dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=plan.group)
+        return (
+            grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
+            grad_weight,
+            None,
+            None,
+        )

@@ -1,0 +1,232 @@
+"""Autograd function over (possibly vocabulary-sharded) logits, chunked over tokens.
+
+# N tokens, V global vocabulary, Vl local vocabulary columns, C tokens per chunk
+
+Forward reads the logits once (one fp32 chunk of [C, Vl] at a time) and keeps only [N]-sized
+statistics; backward recomputes softmax per chunk from the saved input logits and the saved
+logZ, writing straight into the gradient buffer. No fp32 copy of the logits is ever kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from vocab_parallel._math import (
+    ShardStats,
+    chunk_grad,
+    scaled_fp32,
+    scaled_target,
+    shard_stats,
+)
+from vocab_parallel._reduce import reduce_stats
+
+# Auto chunking: fp32 elements per chunk buffer (64 MiB). Two such buffers live at once.
+CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Plan:
+    """Everything the autograd function needs besides tensors.
+
+    Attributes:
+        group: vocabulary process group, or None when this rank holds all of V.
+        vocab_start: global index of the first local column.
+        vocab_size: global V.
+        inv_temperature: 1 / temperature.
+        ignore_index: label value that marks a position without a target.
+        chunk_size: tokens (or vocabulary rows, for the linear form) per chunk.
+        entropy: compute the entropy.
+        uniform: compute mean_v log p_v (label smoothing).
+        validate: count labels outside [0, V) and raise if any.
+    """
+
+    group: dist.ProcessGroup | None
+    vocab_start: int
+    vocab_size: int
+    inv_temperature: float
+    ignore_index: int
+    chunk_size: int
+    entropy: bool
+    uniform: bool
+    validate: bool
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Targets:
+    """Where each label lives.
+
+    Attributes:
+        valid: [N] bool, label != ignore_index.
+        in_shard: [N] bool, valid and inside this rank's columns.
+        index: [N] int64 local column, 0 where not in_shard (always in bounds).
+        invalid: scalar fp32 count of valid labels outside [0, V), or None when not validated.
+    """
+
+    valid: Tensor
+    in_shard: Tensor
+    index: Tensor
+    invalid: Tensor | None
+
+
+def locate_targets(labels: Tensor, *, plan: Plan, local_vocab: int) -> Targets:
+    """Map global labels [N] to local columns without ever indexing out of bounds."""
+    valid = labels != plan.ignore_index
+    local = labels - plan.vocab_start
+    in_shard = valid & (local >= 0) & (local < local_vocab)
+    index = torch.where(in_shard, local, torch.zeros_like(local))
+    invalid = None
+    if plan.validate:
+        invalid = (valid & ((labels < 0) | (labels >= plan.vocab_size))).sum().to(torch.float32)
+    return Targets(valid=valid, in_shard=in_shard, index=index, invalid=invalid)
+
+
+def raise_invalid(labels: Tensor, *, plan: Plan, count: int) -> None:
+    """Raise the out-of-range label error (every rank reaches it after the same collective)."""
+    valid = labels != plan.ignore_index
+    bad = labels[valid & ((labels < 0) | (labels >= plan.vocab_size))]
+    raise ValueError(
+        f"{count} label(s) are outside [0, {plan.vocab_size}) and are not ignore_index="
+        f"{plan.ignore_index} (first: {bad[:5].tolist()}); fix the labels or set them to "
+        f"ignore_index"
+    )
+
+
+def chunk_size_for(local_vocab: int) -> int:
+    """Default tokens per chunk so that one fp32 chunk holds about CHUNK_ELEMENTS entries."""
+    return max(1, CHUNK_ELEMENTS // max(local_vocab, 1))
+
+
+def target_logits(logits: Tensor, targets: Targets, inv_temperature: float) -> Tensor:
+    """[N] fp32 scaled target logit where the target is in this shard, else 0."""
+    if logits.shape[-1] == 0:
+        return logits.new_zeros(logits.shape[0], dtype=torch.float32)
+    picked = logits.gather(-1, targets.index.unsqueeze(-1)).squeeze(-1)
+    values = scaled_target(picked, inv_temperature)
+    return torch.where(targets.in_shard, values, torch.zeros_like(values))
+
+
+class VocabStats(torch.autograd.Function):
+    """(log p_y, H, mean_v log p_v) per token from logits [N, Vl]; see :class:`Plan`."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, labels: Tensor | None, plan: Plan) -> Any:
+        n, local_vocab = logits.shape
+        parts: list[ShardStats] = []
+        for start in range(0, n, plan.chunk_size):
+            z = scaled_fp32(logits[start : start + plan.chunk_size], plan.inv_temperature)
+            parts.append(shard_stats(z, entropy=plan.entropy, sum_z=plan.uniform))
+            del z
+        stats = _concat(parts, n=n, like=logits, plan=plan)
+
+        targets = None
+        target = logits.new_zeros(n, dtype=torch.float32)
+        if labels is not None:
+            targets = locate_targets(labels, plan=plan, local_vocab=local_vocab)
+            target = target_logits(logits, targets, plan.inv_temperature)
+        invalid = targets.invalid if targets is not None else None
+        glob = reduce_stats(stats, target=target, invalid_labels=invalid, group=plan.group)
+        if glob.invalid_labels and labels is not None:
+            raise_invalid(labels, plan=plan, count=glob.invalid_labels)
+
+        def zeros() -> Tensor:
+            return logits.new_zeros(n, dtype=torch.float32)
+
+        log_p = zeros()
+        if targets is not None:
+            log_p = (glob.target - glob.shift) - glob.log_sum_exp
+            log_p = torch.where(targets.valid, log_p, zeros())
+        entropy = glob.entropy if glob.entropy is not None else zeros()
+        uniform = zeros()
+        if glob.sum_z is not None:
+            uniform = glob.sum_z / plan.vocab_size - glob.log_normalizer
+
+        ctx.plan = plan
+        ctx.has_targets = targets is not None
+        saved = [logits, glob.log_normalizer, entropy]
+        if targets is not None:
+            saved += [targets.valid, targets.in_shard, targets.index]
+        ctx.save_for_backward(*saved)
+        ctx.set_materialize_grads(False)
+        return log_p, entropy, uniform
+
+    @staticmethod
+    def backward(
+        ctx: Any,
+        grad_log_p: Tensor | None,
+        grad_entropy: Tensor | None,
+        grad_uniform: Tensor | None,
+    ) -> tuple[Tensor | None, None, None]:
+        plan: Plan = ctx.plan
+        logits, log_normalizer, entropy, *rest = ctx.saved_tensors
+        if not ctx.has_targets:
+            grad_log_p = None
+        if not plan.entropy:
+            grad_entropy = None
+        if not plan.uniform:
+            grad_uniform = None
+        if grad_log_p is None and grad_entropy is None and grad_uniform is None:
+            return None, None, None
+        inv_t = plan.inv_temperature
+        g_target = g_all = index = None
+        if grad_log_p is not None:
+            valid, in_shard, index = rest
+            # Ignored positions are constant 0: their gradient is dropped here.
+            g = torch.where(valid & in_shard, grad_log_p.float(), 0.0)
+            g_target = g * inv_t
+            # The -p part of d log p_y / dz applies on every rank, not only the target's.
+            g_all = torch.where(valid, grad_log_p.float(), 0.0) * inv_t
+        g_ent = grad_entropy.float() * inv_t if grad_entropy is not None else None
+        g_uni = grad_uniform.float() * inv_t if grad_uniform is not None else None
+
+        grad = torch.empty_like(logits)
+        n = logits.shape[0]
+        if logits.shape[1] == 0:
+            return grad, None, None
+        for start in range(0, n, plan.chunk_size):
+            rows = slice(start, start + plan.chunk_size)
+            z = scaled_fp32(logits[rows], inv_t)
+            chunk = chunk_grad(
+                z,
+                log_normalizer=log_normalizer[rows],
+                entropy=entropy[rows] if g_ent is not None else None,
+                grad_target=g_all[rows] if g_all is not None else None,
+                grad_entropy=g_ent[rows] if g_ent is not None else None,
+                grad_uniform=g_uni[rows] if g_uni is not None else None,
+                inv_vocab=1.0 / plan.vocab_size,
+                target_index=index[rows] if index is not None else None,
+                target_grad=g_target[rows] if g_target is not None else None,
+            )
+            grad[rows].copy_(chunk)
+            del z, chunk
+        return grad, None, None
+
+
+def _concat(parts: list[ShardStats], *, n: int, like: Tensor, plan: Plan) -> ShardStats:
+    if not parts:
+        empty = like.new_zeros(n, dtype=torch.float32)
+        return ShardStats(
+            max=empty.clone(),
+            sum_exp=empty.clone(),
+            sum_exp_z=empty.clone() if plan.entropy else None,
+            sum_z=empty.clone() if plan.uniform else None,
+        )
+    if len(parts) == 1:
+        return parts[0]
+
+    def cat(values: list[Tensor | None]) -> Tensor | None:
+        return None if values[0] is None else torch.cat([v for v in values if v is not None])
+
+    max_ = cat([p.max for p in parts])
+    sum_exp = cat([p.sum_exp for p in parts])
+    assert max_ is not None and sum_exp is not None
+    return ShardStats(
+        max=max_,
+        sum_exp=sum_exp,
+        sum_exp_z=cat([p.sum_exp_z for p in parts]),
+        sum_z=cat([p.sum_z for p in parts]),
+    )

@@ -1,0 +1,311 @@
+"""Public functions: token log-probs, entropy, cross-entropy and the fused linear form.
+
+# N tokens (the flattened leading dims [...]), H hidden, V vocabulary
+
+Every function accepts a plain tensor or a DTensor whose vocabulary dim is sharded (``Shard(-1)``
+for logits, ``Shard(0)`` for the projection weight) over one mesh dim, with ``Replicate()`` on
+any other mesh dim. Results are plain tensors, identical on every vocabulary rank. Only per-token
+scalars cross ranks: one MAX and one SUM all-reduce in forward (plus, for the fused linear form,
+one SUM of the [N, H] hidden gradient in backward).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from vocab_parallel._linear import LinearLogProbs, block_size_for
+from vocab_parallel._logits import Plan, VocabStats, chunk_size_for
+from vocab_parallel._sharding import check_labels, replicated_local, vocab_shard
+
+Reduction = Literal["none", "mean", "sum"]
+
+
+def _check_temperature(temperature: float) -> float:
+    if not (isinstance(temperature, int | float) and math.isfinite(temperature)) or (
+        temperature <= 0
+    ):
+        raise ValueError(
+            f"temperature must be a finite number > 0, got {temperature!r}; use 1.0 for the "
+            "plain softmax"
+        )
+    return 1.0 / float(temperature)
+
+
+def _check_chunk(chunk_size: int | None) -> None:
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(
+            f"chunk_size must be a positive int or None (automatic), got {chunk_size!r}"
+        )
+
+
+def _check_float(t: Tensor, name: str) -> None:
+    if not t.dtype.is_floating_point:
+        raise TypeError(
+            f"{name} has dtype {t.dtype}; expected a floating dtype (bfloat16, float16, float32 "
+            "or float64)"
+        )
+
+
+def _vocab_stats(
+    logits: Tensor,
+    labels: Tensor | None,
+    *,
+    temperature: float,
+    ignore_index: int,
+    chunk_size: int | None,
+    entropy: bool,
+    uniform: bool,
+    validate: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Run :class:`VocabStats` on any logits; returns (log_p, entropy, uniform), each [...]."""
+    inv_t = _check_temperature(temperature)
+    _check_chunk(chunk_size)
+    if logits.ndim < 1:
+        raise ValueError("logits must have at least one dim (the vocabulary, last)")
+    _check_float(logits, "logits")
+    shard = vocab_shard(logits, vocab_dim=-1, name="logits", expected="Shard(-1)")
+    batch_shape = logits.shape[:-1]
+    flat_labels = None
+    if labels is not None:
+        labels = check_labels(
+            replicated_local(labels, name="labels"), batch_shape=batch_shape, what="logits"
+        )
+        if labels.device != shard.local.device:
+            raise ValueError(
+                f"labels are on {labels.device} but logits on {shard.local.device}; move them"
+            )
+        flat_labels = labels.reshape(-1)
+    local = shard.local
+    local_vocab = local.shape[-1]
+    flat = local.reshape(-1, local_vocab)
+    plan = Plan(
+        group=shard.group,
+        vocab_start=shard.vocab_start,
+        vocab_size=shard.vocab_size,
+        inv_temperature=inv_t,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size or chunk_size_for(local_vocab),
+        entropy=entropy,
+        uniform=uniform,
+        validate=validate,
+    )
+    log_p, ent, uni = VocabStats.apply(flat, flat_labels, plan)
+    return log_p.view(batch_shape), ent.view(batch_shape), uni.view(batch_shape)
+
+
+def token_log_probs(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    validate: bool = False,
+) -> Tensor:
+    """Log-probability of each label under softmax(logits / temperature).
+
+    Args:
+        logits: [..., V] any float dtype; a DTensor may shard V (``Shard(-1)``).
+        labels: [...] integer; ``ignore_index`` positions give 0 and get no gradient.
+        temperature: > 0; the logits are divided by it before the softmax.
+        ignore_index: label value without a target.
+        chunk_size: tokens per fp32 working chunk; None picks about 16M elements per chunk.
+            Results do not depend on it.
+        validate: check that every label is ``ignore_index`` or in [0, V) and raise
+            otherwise. Costs one device-to-host sync. Without it an out-of-range label is
+            never read out of bounds but yields a meaningless value.
+
+    Returns:
+        [...] float32, identical on every vocabulary rank (a plain tensor).
+    """
+    log_p, _, _ = _vocab_stats(
+        logits,
+        labels,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
+        entropy=False,
+        uniform=False,
+        validate=validate,
+    )
+    return log_p
+
+
+def token_entropy(
+    logits: Tensor, *, temperature: float = 1.0, chunk_size: int | None = None
+) -> Tensor:
+    """Entropy H = -sum_v p_v log p_v (>= 0) of softmax(logits / temperature), differentiable.
+
+    Args:
+        logits: [..., V] any float dtype; a DTensor may shard V (``Shard(-1)``).
+        temperature: > 0.
+        chunk_size: tokens per fp32 working chunk; None = automatic.
+
+    Returns:
+        [...] float32, identical on every vocabulary rank.
+    """
+    _, ent, _ = _vocab_stats(
+        logits,
+        None,
+        temperature=temperature,
+        ignore_index=-100,
+        chunk_size=chunk_size,
+        entropy=True,
+        uniform=False,
+        validate=False,
+    )
+    return ent
+
+
+def token_log_probs_and_entropy(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    validate: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Both :func:`token_log_probs` and :func:`token_entropy` from one pass over the logits.
+
+    Returns:
+        (log_probs [...], entropy [...]), both float32; the entropy is computed for every
+        position, ignored or not.
+    """
+    log_p, ent, _ = _vocab_stats(
+        logits,
+        labels,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
+        entropy=True,
+        uniform=False,
+        validate=validate,
+    )
+    return log_p, ent
+
+
+def cross_entropy(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    label_smoothing: float = 0.0,
+    chunk_size: int | None = None,
+    validate: bool = False,
+) -> Tensor:
+    """``torch.nn.functional.cross_entropy`` over the last dim, vocabulary-parallel.
+
+    Same values as ``F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ...)``
+    without class weights: "mean" divides by the number of non-ignored labels (nan when all
+    are ignored, as in PyTorch), ``label_smoothing`` mixes in the uniform distribution.
+
+    Args:
+        logits: [..., V] any float dtype; a DTensor may shard V (``Shard(-1)``).
+        labels: [...] integer.
+        ignore_index: label value that contributes neither loss nor count.
+        reduction: "none" ([...]), "mean" or "sum" (scalars).
+        label_smoothing: in [0, 1].
+        chunk_size: tokens per fp32 working chunk; None = automatic.
+        validate: check the label range (one device-to-host sync).
+
+    Returns:
+        float32 loss (dtype differs from PyTorch, which returns the logits' dtype).
+    """
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    smooth = label_smoothing > 0.0
+    log_p, _, uniform = _vocab_stats(
+        logits,
+        labels,
+        temperature=1.0,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
+        entropy=False,
+        uniform=smooth,
+        validate=validate,
+    )
+    valid = replicated_local(labels, name="labels") != ignore_index
+    loss = -log_p
+    if smooth:
+        uniform = torch.where(valid, uniform, torch.zeros_like(uniform))
+        loss = (1.0 - label_smoothing) * loss - label_smoothing * uniform
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum()
+
+
+def linear_token_log_probs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    validate: bool = False,
+) -> Tensor:
+    """log p(label) under softmax(hidden @ weight.T / temperature), never building [N, V].
+
+    The projection is walked in blocks of ``chunk_size`` vocabulary rows; each block's [N, B]
+    logits are recomputed in backward. Extra memory is about one [N, B] fp32 block plus an
+    fp32 [N, H] hidden-gradient accumulator, besides the gradients themselves.
+
+    Args:
+        hidden: [..., H] float; plain, or a DTensor that is Replicate on every mesh dim.
+        weight: [V, H] same dtype; a DTensor may shard V (``Shard(0)``, e.g. a ColwiseParallel
+            lm_head). No bias.
+        labels: [...] integer; ``ignore_index`` positions give 0 and get no gradient.
+        temperature: > 0.
+        ignore_index: label value without a target.
+        chunk_size: vocabulary rows per block; None picks about 16M logits per block.
+        validate: check the label range (one device-to-host sync).
+
+    Returns:
+        [...] float32, identical on every vocabulary rank. The hidden gradient is summed over
+        the vocabulary ranks in backward, so it is the full gradient on every rank.
+    """
+    inv_t = _check_temperature(temperature)
+    _check_chunk(chunk_size)
+    _check_float(hidden, "hidden")
+    _check_float(weight, "weight")
+    if weight.ndim != 2:
+        raise ValueError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
+    if hidden.ndim < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden has shape {tuple(hidden.shape)} but weight is {tuple(weight.shape)}; "
+            f"expected hidden [..., {weight.shape[1]}] (the weight's H)"
+        )
+    if hidden.dtype != weight.dtype:
+        raise TypeError(
+            f"hidden is {hidden.dtype} but weight is {weight.dtype}; cast one of them so they match"
+        )
+    shard = vocab_shard(weight, vocab_dim=0, name="weight", expected="Shard(0)")
+    local_hidden = replicated_local(hidden, name="hidden")
+    batch_shape = local_hidden.shape[:-1]
+    labels = check_labels(
+        replicated_local(labels, name="labels"), batch_shape=batch_shape, what="hidden states"
+    )
+    flat_hidden = local_hidden.reshape(-1, local_hidden.shape[-1])
+    plan = Plan(
+        group=shard.group,
+        vocab_start=shard.vocab_start,
+        vocab_size=shard.vocab_size,
+        inv_temperature=inv_t,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size or block_size_for(flat_hidden.shape[0], shard.local.shape[0]),
+        entropy=False,
+        uniform=False,
+        validate=validate,
+    )
+    log_p = LinearLogProbs.apply(flat_hidden, shard.local, labels.reshape(-1), plan)
+    return log_p.view(batch_shape)
