@@ -1,0 +1,533 @@
+"""The training Engine: backward with exact accumulation scaling, deferred gradient sync,
+sharding-aware clipping, a non-finite policy and one optimizer/scheduler update per window.
+
+The caller owns the forward's inputs and the loss; the Engine owns everything from the loss's
+backward to cleared gradients. It wraps an already-distributed model (plain module, DDP, or
+FSDP2 with optional tensor-parallel DTensor parameters); see :mod:`train_engine.setup`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from train_engine._topology import detect_topology
+from train_engine.grad_norm import clip_grads_with_norm_, global_grad_norm
+
+__all__ = ["Engine", "NonFiniteGradientError", "StepResult"]
+
+logger = logging.getLogger(__name__)
+
+NonFinitePolicy = Literal["skip", "raise", "step"]
+_POLICIES = ("skip", "raise", "step")
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """Raised by :meth:`Engine.step` on every rank when ``nonfinite="raise"`` and the global
+    gradient norm is inf or NaN. The window's gradients are cleared; the Engine stays usable."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StepResult:
+    """What one :meth:`Engine.step` call did.
+
+    Attributes:
+        updated: the optimizer (and scheduler) stepped.
+        skipped: a window ended but its update was skipped (non-finite gradients).
+        grad_norm: global gradient norm before clipping, a 0-dim float64 device tensor (read
+            it with ``float()`` when you need it on the host); None off the boundary.
+        lrs: learning rate of each optimizer parameter group used by this update (the rates in
+            force at this call when nothing was updated).
+        optimizer_steps: number of optimizer updates done so far, this one included.
+    """
+
+    updated: bool
+    skipped: bool
+    grad_norm: Tensor | None
+    lrs: tuple[float, ...]
+    optimizer_steps: int
+
+
+class Engine:
+    """Backward, gradient synchronisation, clipping and the update, for one accumulation window.
+
+    Example::
+
+        engine = Engine(model, optimizer, scheduler, max_grad_norm=1.0, gradient_accumulation_steps=4)
+        for batch in loader:
+            out = engine(**batch)
+            engine.backward(loss_fn(out, batch))
+            result = engine.step()          # updates on every 4th call
+
+    Args:
+        model: a plain module, a ``DistributedDataParallel`` wrapper, or a module on which
+            ``fully_shard`` was applied (FSDP2, possibly with DTensor TP parameters).
+        optimizer: the optimizer over the model's parameters (the sharded ones under FSDP2).
+        lr_scheduler: stepped once after every optimizer update; None for none.
+        max_grad_norm: clip the global gradient norm to this value; None disables clipping
+            (the norm is still computed and reported).
+        norm_type: p of the gradient p-norm (``float("inf")`` allowed).
+        gradient_accumulation_steps: micro-batches per optimizer update (the window).
+        defer_grad_sync: reduce gradients only in the window's last backward (DDP
+            ``no_sync``, FSDP2 ``set_requires_gradient_sync``): less communication, and, for
+            FSDP2, unsharded gradients kept during the window (more memory).
+        nonfinite: what to do when the global gradient norm is inf/NaN, decided identically on
+            every rank: "skip" the update (gradients cleared, scheduler not stepped), "raise"
+            :class:`NonFiniteGradientError`, or "step" anyway (no host synchronisation).
+        dp_group: the data-parallel ranks over which :meth:`global_num_tokens` sums; a process
+            group or a (possibly multi-dimensional) mesh. None uses the wrapper's gradient
+            averaging group. Pass it when that group also spans context-parallel ranks that
+            count the same tokens.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any = None,
+        *,
+        max_grad_norm: float | None = None,
+        norm_type: float = 2.0,
+        gradient_accumulation_steps: int = 1,
+        defer_grad_sync: bool = True,
+        nonfinite: NonFinitePolicy = "skip",
+        dp_group: dist.ProcessGroup | DeviceMesh | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(
+                f"max_grad_norm must be > 0, got {max_grad_norm}; pass None to disable clipping"
+            )
+        if nonfinite not in _POLICIES:
+            raise ValueError(f"nonfinite must be one of {_POLICIES}, got {nonfinite!r}")
+        self.module = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.max_grad_norm = max_grad_norm
+        self.norm_type = float(norm_type)
+        self.defer_grad_sync = defer_grad_sync
+        self.nonfinite: NonFinitePolicy = nonfinite
+        self._topology = detect_topology(model)
+        if dp_group is None:
+            self._dp_groups = self._topology.dp_groups
+        elif isinstance(dp_group, DeviceMesh):
+            self._dp_groups = tuple(dp_group.get_group(d) for d in range(dp_group.ndim))
+        else:
+            self._dp_groups = (dp_group,)
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._window = 1
+        self.set_gradient_accumulation_steps(gradient_accumulation_steps)
+
+        # Counters (saved in state_dict).
+        self._micro_step = 0  # index of the current micro-batch inside the window
+        self._optimizer_steps = 0
+        self._skipped_steps = 0
+        self._windows = 0
+        # Per-window bookkeeping.
+        self._backward_since_step = False
+        self._window_backwards = 0
+        self._contract: str | None = None
+        self._window_num_tokens: float | None = None
+        self._sync_state: bool | None = None
+        self._broken: str | None = None
+        self._last_norm: Tensor | None = None
+
+    # ----------------------------------------------------------------- properties and queries
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer update."""
+        return self._window
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer updates done so far (skipped windows not counted)."""
+        return self._optimizer_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Windows whose update was skipped for non-finite gradients."""
+        return self._skipped_steps
+
+    @property
+    def micro_step(self) -> int:
+        """Index of the current micro-batch in its window (0 .. window-1)."""
+        return self._micro_step
+
+    @property
+    def grad_average_size(self) -> int | float:
+        """The factor by which the wrapper averages gradients (1 for a plain module)."""
+        return self._topology.grad_average_size
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-batch is the last of its window (its step() updates)."""
+        return self._micro_step == self._window - 1
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm (before clipping) of the last window; None before the first.
+
+        This reads the value to the host (one synchronisation).
+        """
+        return None if self._last_norm is None else float(self._last_norm.item())
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(
+                f"the Engine is unusable after a failed backward ({self._broken}); gradients and "
+                "the wrapper's reduction state are undefined. Rebuild the model, optimizer and "
+                "Engine and resume from the last checkpoint"
+            )
+
+    # ----------------------------------------------------------------------------- windows
+
+    def set_gradient_accumulation_steps(self, n: int) -> None:
+        """Set the window length; allowed only between windows (e.g. for a shorter last one)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {n!r}")
+        if getattr(self, "_micro_step", 0) != 0 or getattr(self, "_backward_since_step", False):
+            raise RuntimeError(
+                f"cannot change gradient_accumulation_steps to {n} in the middle of a window "
+                f"(micro-batch {self._micro_step + 1} of {self._window}); call it right after "
+                "the step() that ended the previous window"
+            )
+        if n > 1 and getattr(self.module, "static_graph", False):
+            raise ValueError(
+                f"gradient_accumulation_steps={n} with a DDP model built with static_graph=True: "
+                "DDP's static graph does not support no_sync(); rebuild DDP with static_graph=False"
+            )
+        self._window = n
+
+    def _set_grad_sync(self) -> None:
+        sync = (not self.defer_grad_sync) or self.is_gradient_accumulation_boundary()
+        if sync == self._sync_state:
+            return
+        kind = self._topology.kind
+        if kind == "ddp":
+            # DDP decides in forward whether the following backward reduces (what no_sync()
+            # toggles), so this must be set before the forward.
+            setattr(self.module, "require_backward_grad_sync", sync)  # noqa: B010
+        elif kind == "fsdp2":
+            for module in self._topology.fsdp_modules:
+                module.set_requires_gradient_sync(sync, recurse=False)  # type: ignore[operator]
+        self._sync_state = sync
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward (see :meth:`forward`)."""
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model's forward with the gradient-sync mode of the current micro-batch.
+
+        Under DDP the forward must go through the Engine: DDP decides in forward whether the
+        following backward all-reduces.
+        """
+        self._check_usable()
+        self._set_grad_sync()
+        return self.module(*args, **kwargs)
+
+    def global_num_tokens(self, local_count: int | float | Tensor) -> Tensor:
+        """Sum a per-rank count of loss tokens over the data-parallel ranks.
+
+        Args:
+            local_count: this rank's number (or total weight) of loss tokens in the whole
+                window, a Python number or a 0-dim tensor.
+
+        Returns:
+            0-dim tensor, identical on every data-parallel rank (int64 for integer counts,
+            float64 otherwise), on the device of the data-parallel backend. No host sync.
+        """
+        if isinstance(local_count, Tensor):
+            if local_count.numel() != 1:
+                raise ValueError(
+                    f"local_count must hold one value, got shape {tuple(local_count.shape)}"
+                )
+            count = local_count.detach().reshape(()).clone()
+        else:
+            dtype = torch.int64 if isinstance(local_count, int) else torch.float64
+            count = torch.tensor(local_count, dtype=dtype)
+        if count.dtype.is_floating_point:
+            count = count.to(torch.float64)
+        else:
+            count = count.to(torch.int64)
+        for group in self._dp_groups:
+            count = count.to(_backend_device(group))
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(count, group=group)
+        return count
+
+    # ---------------------------------------------------------------------------- backward
+
+    def backward(self, loss: Tensor, *, num_tokens: int | float | Tensor | None = None) -> None:
+        """Backpropagate one micro-batch's loss, scaled for the window.
+
+        Two contracts:
+
+        (a) ``num_tokens=None``: ``loss`` is this micro-batch's mean loss; it is divided by the
+            window length, so the update follows the mean of the micro-batch means
+            (DeepSpeed's semantics).
+        (b) ``num_tokens`` given: ``loss`` is the *sum* of this micro-batch's per-token losses
+            and ``num_tokens`` the number of loss tokens in the whole window over all
+            data-parallel ranks (:meth:`global_num_tokens`). The gradient becomes exactly that
+            of (sum of all token losses) / num_tokens: the scale includes the wrapper's
+            averaging factor, so it does not depend on how the global batch is split over
+            ranks and micro-batches. A window with zero tokens gives zero gradients (the
+            backward still runs, so every rank joins the reduction).
+
+        Args:
+            loss: 0-dim tensor attached to the graph.
+            num_tokens: see (b); the same value for every micro-batch of a window.
+        """
+        self._check_usable()
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"loss must be a torch.Tensor, got {type(loss).__name__}")
+        if loss.ndim != 0:
+            raise ValueError(
+                f"loss must be a scalar (0-dim) tensor, got shape {tuple(loss.shape)}; reduce it "
+                "first (mean for contract (a), sum with num_tokens= for contract (b))"
+            )
+        if not loss.requires_grad:
+            raise ValueError(
+                "loss does not require grad (computed under torch.no_grad(), or detached); "
+                "compute it from the model's output with gradients enabled"
+            )
+        contract = "mean" if num_tokens is None else "sum"
+        if self._contract is not None and contract != self._contract:
+            raise ValueError(
+                f"backward(num_tokens={'None' if num_tokens is None else 'given'}) in a window "
+                f"that started with the {self._contract!r} contract; use one contract per "
+                "window (pass num_tokens on every micro-batch or on none)"
+            )
+        if isinstance(num_tokens, int | float) and not isinstance(num_tokens, bool):
+            if num_tokens < 0:
+                raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+            if self._window_num_tokens is not None and num_tokens != self._window_num_tokens:
+                raise ValueError(
+                    f"num_tokens changed within a window ({self._window_num_tokens} then "
+                    f"{num_tokens}); pass the whole window's global token count every time"
+                )
+        scaled = self._scale(loss, num_tokens)
+        self._set_grad_sync()
+        try:
+            scaled.backward()
+        except BaseException as err:
+            self._broken = f"{type(err).__name__}: {err}"
+            raise
+        self._contract = contract
+        if isinstance(num_tokens, int | float):
+            self._window_num_tokens = float(num_tokens)
+        self._backward_since_step = True
+        self._window_backwards += 1
+
+    def _scale(self, loss: Tensor, num_tokens: int | float | Tensor | None) -> Tensor:
+        if num_tokens is None:
+            return loss / self._window if self._window > 1 else loss
+        size = self._topology.grad_average_size
+        if isinstance(num_tokens, Tensor):
+            n = num_tokens.detach().to(device=loss.device, dtype=torch.float64).reshape(())
+            # G / inf = 0: a window without tokens contributes a graph-connected zero.
+            scale = size / torch.where(n > 0, n, torch.full_like(n, float("inf")))
+            return loss * scale.to(loss.dtype)
+        return loss * (size / num_tokens if num_tokens > 0 else 0.0)
+
+    # -------------------------------------------------------------------------------- step
+
+    def _lrs(self) -> tuple[float, ...]:
+        return tuple(float(group["lr"]) for group in self.optimizer.param_groups)
+
+    def _nonfinite_everywhere(self, norm: Tensor) -> bool:
+        flag = (~torch.isfinite(norm)).to(torch.float32)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            flag = flag.to(_backend_device(None))
+            # A NaN on any rank must skip (or raise) on all of them, or ranks diverge or hang.
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _end_window(self) -> None:
+        self._clear_grads()
+        self._reset_window()
+        self._windows += 1
+
+    def step(self) -> StepResult:
+        """End the micro-batch; at the window's boundary clip and update.
+
+        Off the boundary it only advances the micro-batch counter. At the boundary it computes
+        the global gradient norm, applies the non-finite policy, clips, steps the optimizer
+        and the scheduler once, and clears the gradients.
+
+        Raises:
+            RuntimeError: no :meth:`backward` since the previous step().
+            NonFiniteGradientError: ``nonfinite="raise"`` and the norm is not finite.
+        """
+        self._check_usable()
+        if not self._backward_since_step:
+            raise RuntimeError(
+                f"step() without a backward() since the previous step() (micro-batch "
+                f"{self._micro_step + 1} of a {self._window}-step window); call "
+                "engine.backward(loss) once per micro-batch before engine.step()"
+            )
+        self._backward_since_step = False
+        if not self.is_gradient_accumulation_boundary():
+            self._micro_step += 1
+            return StepResult(
+                updated=False,
+                skipped=False,
+                grad_norm=None,
+                lrs=self._lrs(),
+                optimizer_steps=self._optimizer_steps,
+            )
+        norm = global_grad_norm(self._params, self.norm_type)
+        self._last_norm = norm
+        if self.nonfinite != "step" and self._nonfinite_everywhere(norm):
+            self._end_window()
+            self._skipped_steps += 1
+            if self.nonfinite == "raise":
+                raise NonFiniteGradientError(
+                    f"non-finite global gradient norm at optimizer step {self._optimizer_steps} "
+                    "(on at least one rank); the window's gradients were cleared and no update "
+                    "was made. Use nonfinite='skip' to continue past such windows"
+                )
+            logger.warning(
+                "skipping optimizer step %d: non-finite global gradient norm",
+                self._optimizer_steps,
+            )
+            return StepResult(
+                updated=False,
+                skipped=True,
+                grad_norm=norm,
+                lrs=self._lrs(),
+                optimizer_steps=self._optimizer_steps,
+            )
+        if self.max_grad_norm is not None:
+            clip_grads_with_norm_(self._params, self.max_grad_norm, norm)
+        lrs = self._lrs()
+        self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self._optimizer_steps += 1
+        self._end_window()
+        return StepResult(
+            updated=True,
+            skipped=False,
+            grad_norm=norm,
+            lrs=lrs,
+            optimizer_steps=self._optimizer_steps,
+        )
+
+    def zero_grad(self) -> None:
+        """Clear all gradients (to None). Mid-window, this discards the window and starts anew."""
+        if self._micro_step != 0 or self._backward_since_step:
+            logger.warning(
+                "zero_grad() in the middle of a window (micro-batch %d of %d): the window's "
+                "gradients are discarded and a new window starts",
+                self._micro_step + 1,
+                self._window,
+            )
+        self._clear_grads()
+        self._reset_window()
+
+    def _clear_grads(self) -> None:
+        self.module.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _reset_window(self) -> None:
+        self._micro_step = 0
+        self._backward_since_step = False
+        self._window_backwards = 0
+        self._contract = None
+        self._window_num_tokens = None
+
+    # ------------------------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, int]:
+        """The Engine's own counters (not model, optimizer or scheduler)."""
+        return {
+            "micro_step": self._micro_step,
+            "optimizer_steps": self._optimizer_steps,
+            "skipped_steps": self._skipped_steps,
+            "windows": self._windows,
+            "gradient_accumulation_steps": self._window,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore counters saved by :meth:`state_dict`; only between windows."""
+        self._require_between_windows("load_state_dict")
+        expected = set(self.state_dict())
+        if set(state) != expected:
+            raise ValueError(
+                f"Engine state keys {sorted(state)} do not match the expected {sorted(expected)}"
+            )
+        if state["micro_step"] != 0:
+            raise ValueError(
+                f"the saved Engine state is in the middle of a window (micro_step="
+                f"{state['micro_step']}); only states saved between windows can be restored"
+            )
+        self.set_gradient_accumulation_steps(int(state["gradient_accumulation_steps"]))
+        self._optimizer_steps = int(state["optimizer_steps"])
+        self._skipped_steps = int(state["skipped_steps"])
+        self._windows = int(state["windows"])
+
+    def _require_between_windows(self, what: str) -> None:
+        if self._micro_step != 0 or self._backward_since_step:
+            raise RuntimeError(
+                f"{what}() in the middle of a window (micro-batch {self._micro_step + 1} of "
+                f"{self._window}); call it right after the step() that ends a window"
+            )
+
+    def save_checkpoint(
+        self, directory: str | os.PathLike[str], *, extra_state: Any = None
+    ) -> None:
+        """Atomically save model, optimizer, scheduler, Engine counters, RNG and caller state.
+
+        Collective: every rank calls it with the same directory (on a filesystem all ranks
+        share). See :func:`train_engine.checkpoint.save_checkpoint`.
+
+        Args:
+            directory: the checkpoint directory; replaced atomically if it exists.
+            extra_state: any picklable per-rank object (e.g. a data loader's state), returned
+                on this rank by :meth:`load_checkpoint`.
+        """
+        from train_engine.checkpoint import save_checkpoint
+
+        self._check_usable()
+        self._require_between_windows("save_checkpoint")
+        save_checkpoint(
+            directory,
+            model=self.module,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            engine_state=self.state_dict(),
+            extra_state=extra_state,
+        )
+
+    def load_checkpoint(self, directory: str | os.PathLike[str]) -> Any:
+        """Restore a checkpoint written by :meth:`save_checkpoint`; returns this rank's extra state."""
+        from train_engine.checkpoint import load_checkpoint
+
+        self._check_usable()
+        self._require_between_windows("load_checkpoint")
+        loaded = load_checkpoint(
+            directory, model=self.module, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler
+        )
+        self.load_state_dict(loaded.engine_state)
+        self._last_norm = None
+        return loaded.extra_state
+
+
+def _backend_device(group: dist.ProcessGroup | None) -> torch.device:
+    """A device whose tensors the group's backend can reduce (CUDA for NCCL, else CPU)."""
+    backend = dist.get_backend(group)
+    if "nccl" in str(backend) and "gloo" not in str(backend):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
