@@ -1,0 +1,71 @@
+"""Independent float64 references (plain log_softmax / gather / F.cross_entropy), one process."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def ref_log_probs(logits: Tensor, labels: Tensor, temperature: float, ignore_index: int) -> Tensor:
+    """[...] float64 log p(label); 0 at ignored positions. ``logits`` is float64 [..., V]."""
+    log_p = F.log_softmax(logits / temperature, dim=-1)
+    valid = labels != ignore_index
+    picked = log_p.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
+    # A masked (-inf) column read at an ignored row must give 0, not -inf * 0 = nan.
+    return torch.where(valid, picked, torch.zeros_like(picked))
+
+
+def ref_entropy(logits: Tensor, temperature: float) -> Tensor:
+    """[...] float64 entropy; masked (-inf) entries contribute 0."""
+    log_p = F.log_softmax(logits / temperature, dim=-1)
+    finite_log_p = log_p.masked_fill(~torch.isfinite(log_p), 0.0)
+    return -(log_p.exp() * finite_log_p).sum(-1)
+
+
+def ref_cross_entropy(
+    logits: Tensor, labels: Tensor, ignore_index: int, reduction: str, label_smoothing: float
+) -> Tensor:
+    """F.cross_entropy in float64 over the flattened leading dims."""
+    v = logits.shape[-1]
+    loss = F.cross_entropy(
+        logits.reshape(-1, v),
+        labels.reshape(-1),
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+    )
+    return loss.reshape(labels.shape) if reduction == "none" else loss
+
+
+def make_logits(
+    shape: tuple[int, ...], vocab: int, *, seed: int, masked_columns: int = 0, scale: float = 3.0
+) -> Tensor:
+    """Random float32 logits [*shape, V] with the first ``masked_columns`` columns at -inf."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(*shape, vocab, generator=gen) * scale
+    if masked_columns:
+        logits[..., :masked_columns] = float("-inf")
+    return logits
+
+
+def make_labels(
+    shape: tuple[int, ...],
+    vocab: int,
+    *,
+    seed: int,
+    low: int = 0,
+    ignore_index: int = -100,
+    ignore_fraction: float = 0.25,
+) -> Tensor:
+    """Random int64 labels in [low, V) with about ``ignore_fraction`` set to ``ignore_index``."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    labels = torch.randint(low, vocab, shape, generator=gen)
+    ignored = torch.rand(shape, generator=gen) < ignore_fraction
+    return torch.where(ignored, ignore_index, labels)
+
+
+def upstream(shape: tuple[int, ...], *, seed: int) -> Tensor:
+    """Random float64 upstream gradient weights [...]: checks gradients, not just sums."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    return torch.randn(shape, generator=gen, dtype=torch.float64)

@@ -1,0 +1,222 @@
+"""Dense (single-process) parity with the float64 reference, forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vocab_parallel as vp
+from _vp_reference import (
+    make_labels,
+    make_logits,
+    ref_cross_entropy,
+    ref_entropy,
+    ref_log_probs,
+    upstream,
+)
+
+IGNORE = -100
+SHAPE = (3, 5)
+VOCAB = 97
+MASKED = 11  # the first 11 vocabulary columns are -inf; labels avoid them
+
+# (value atol, grad atol, grad rtol) per input dtype. bf16 gradients are rounded to bf16.
+TOL = {
+    torch.float32: (2e-5, 2e-6, 1e-5),
+    torch.bfloat16: (5e-5, 4e-3, 1e-2),
+    torch.float16: (5e-5, 1e-3, 2e-3),
+}
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float, what: str):
+    torch.testing.assert_close(
+        actual.double(),
+        expected,
+        atol=atol,
+        rtol=rtol,
+        equal_nan=True,
+        msg=lambda m: f"{what}: {m}",
+    )
+
+
+def _inputs(dtype: torch.dtype, seed: int, masked: int = MASKED):
+    logits = make_logits(SHAPE, VOCAB, seed=seed, masked_columns=masked).to(dtype)
+    labels = make_labels(SHAPE, VOCAB, seed=seed, low=masked, ignore_index=IGNORE)
+    ours = logits.clone().requires_grad_()
+    ref = logits.double().requires_grad_()
+    return ours, ref, labels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_log_probs_matches_reference(dtype: torch.dtype, temperature: float) -> None:
+    ours, ref, labels = _inputs(dtype, seed=1)
+    assert (labels == IGNORE).any() and (labels != IGNORE).any()
+    out = vp.token_log_probs(ours, labels, temperature=temperature, chunk_size=4)
+    expected = ref_log_probs(ref, labels, temperature, IGNORE)
+    assert out.dtype == torch.float32 and out.shape == SHAPE
+    v_atol, g_atol, g_rtol = TOL[dtype]
+    _close(out, expected, atol=v_atol, rtol=1e-5, what="log-probs")
+    assert torch.all(out[labels == IGNORE] == 0)
+    weights = upstream(SHAPE, seed=1)
+    (out.double() * weights).sum().backward()
+    (expected * weights).sum().backward()
+    assert ours.grad is not None and ours.grad.dtype == dtype
+    _close(ours.grad, ref.grad, atol=g_atol, rtol=g_rtol, what="log-prob gradient")
+    assert torch.all(ours.grad[labels == IGNORE] == 0), "ignored rows must get zero gradient"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 1.6])
+def test_token_entropy_matches_reference(dtype: torch.dtype, temperature: float) -> None:
+    ours, ref, _ = _inputs(dtype, seed=2)
+    out = vp.token_entropy(ours, temperature=temperature, chunk_size=2)
+    expected = ref_entropy(ref, temperature)
+    v_atol, g_atol, g_rtol = TOL[dtype]
+    _close(out, expected, atol=v_atol, rtol=1e-5, what="entropy")
+    assert torch.all(out >= 0)
+    weights = upstream(SHAPE, seed=2)
+    (out.double() * weights).sum().backward()
+    (expected * weights).sum().backward()
+    _close(ours.grad, ref.grad, atol=g_atol, rtol=g_rtol, what="entropy gradient")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_log_probs_and_entropy_share_one_pass(dtype: torch.dtype) -> None:
+    ours, ref, labels = _inputs(dtype, seed=3)
+    log_p, ent = vp.token_log_probs_and_entropy(ours, labels, temperature=0.9, chunk_size=3)
+    ref_lp = ref_log_probs(ref, labels, 0.9, IGNORE)
+    ref_h = ref_entropy(ref, 0.9)
+    v_atol, g_atol, g_rtol = TOL[dtype]
+    _close(log_p, ref_lp, atol=v_atol, rtol=1e-5, what="log-probs")
+    _close(ent, ref_h, atol=v_atol, rtol=1e-5, what="entropy")
+    w1, w2 = upstream(SHAPE, seed=30), upstream(SHAPE, seed=31)
+    (log_p.double() * w1 + ent.double() * w2).sum().backward()
+    (ref_lp * w1 + ref_h * w2).sum().backward()
+    _close(ours.grad, ref.grad, atol=g_atol, rtol=g_rtol, what="joint gradient")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
+def test_cross_entropy_matches_torch(dtype: torch.dtype, reduction: str, label_smoothing: float):
+    # No masked columns here: with label smoothing a -inf logit makes both losses infinite.
+    ours, ref, labels = _inputs(dtype, seed=4, masked=0)
+    out = vp.cross_entropy(
+        ours, labels, reduction=reduction, label_smoothing=label_smoothing, chunk_size=5
+    )
+    expected = ref_cross_entropy(ref, labels, IGNORE, reduction, label_smoothing)
+    assert out.shape == expected.shape
+    v_atol, g_atol, g_rtol = TOL[dtype]
+    _close(out, expected, atol=v_atol, rtol=1e-5, what="cross-entropy")
+    weights = upstream(tuple(expected.shape), seed=4)
+    (out.double() * weights).sum().backward()
+    (expected * weights).sum().backward()
+    _close(ours.grad, ref.grad, atol=g_atol, rtol=g_rtol, what="cross-entropy gradient")
+
+
+def test_cross_entropy_with_masked_vocabulary() -> None:
+    ours, ref, labels = _inputs(torch.float32, seed=5)
+    out = vp.cross_entropy(ours, labels)
+    expected = ref_cross_entropy(ref, labels, IGNORE, "mean", 0.0)
+    _close(out, expected, atol=2e-5, rtol=1e-5, what="masked cross-entropy")
+    out.backward()
+    expected.backward()
+    _close(ours.grad, ref.grad, atol=2e-6, rtol=1e-5, what="masked cross-entropy gradient")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_size", [None, 1, 7])
+def test_linear_token_log_probs_matches_reference(dtype: torch.dtype, chunk_size: int | None):
+    gen = torch.Generator().manual_seed(6)
+    hidden = torch.randn(*SHAPE, 16, generator=gen).to(dtype)
+    weight = (torch.randn(VOCAB, 16, generator=gen) * 0.5).to(dtype)
+    labels = make_labels(SHAPE, VOCAB, seed=6, ignore_index=IGNORE)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    out = vp.linear_token_log_probs(h, w, labels, temperature=1.3, chunk_size=chunk_size)
+    expected = ref_log_probs(hd @ wd.T, labels, 1.3, IGNORE)
+    # bf16: our logits are bf16 matmul outputs (as in `hidden @ weight.T`), the reference's exact.
+    v_atol, g_atol = (1e-5, 1e-5) if dtype == torch.float32 else (0.1, 0.1)
+    _close(out, expected, atol=v_atol, rtol=1e-4, what="linear log-probs")
+    weights = upstream(SHAPE, seed=6)
+    (out.double() * weights).sum().backward()
+    (expected * weights).sum().backward()
+    _close(h.grad, hd.grad, atol=g_atol, rtol=1e-2, what="hidden gradient")
+    _close(w.grad, wd.grad, atol=g_atol, rtol=1e-2, what="weight gradient")
+    assert torch.all(h.grad[labels == IGNORE] == 0)
+
+
+def test_linear_matches_unfused_logits_bitwise_close() -> None:
+    """Same bf16 logits as `hidden @ weight.T`: the fused form equals token_log_probs on them."""
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(4, 32, generator=gen).bfloat16()
+    weight = torch.randn(VOCAB, 32, generator=gen).bfloat16()
+    labels = make_labels((4,), VOCAB, seed=7)
+    fused = vp.linear_token_log_probs(hidden, weight, labels, chunk_size=10)
+    plain = vp.token_log_probs(hidden @ weight.T, labels)
+    torch.testing.assert_close(fused, plain, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_equals_unchunked(dtype: torch.dtype) -> None:
+    logits = make_logits(SHAPE, VOCAB, seed=8, masked_columns=3).to(dtype)
+    labels = make_labels(SHAPE, VOCAB, seed=8, low=3)
+    weights = upstream(SHAPE, seed=8).float()
+
+    def run(chunk: int | None):
+        x = logits.clone().requires_grad_()
+        lp, h = vp.token_log_probs_and_entropy(x, labels, temperature=0.8, chunk_size=chunk)
+        ce = vp.cross_entropy(x, labels, label_smoothing=0.1, chunk_size=chunk)
+        ((lp + h) * weights).sum().add(ce).backward()
+        return lp, h, ce, x.grad
+
+    base = run(None)
+    for chunk in (1, 4, 15, 1000):
+        for a, b in zip(run(chunk), base, strict=True):
+            assert torch.equal(a, b), f"chunk_size={chunk} changed a result"
+
+
+def test_all_ignored_batch() -> None:
+    logits = make_logits(SHAPE, VOCAB, seed=9).requires_grad_()
+    labels = torch.full(SHAPE, IGNORE)
+    out = vp.token_log_probs(logits, labels)
+    assert torch.all(out == 0)
+    out.sum().backward()
+    assert logits.grad is not None and torch.all(logits.grad == 0)
+    # PyTorch's mean over zero targets is nan (0/0); the sum is 0.
+    assert torch.isnan(vp.cross_entropy(logits, labels))
+    assert torch.isnan(ref_cross_entropy(logits.double(), labels, IGNORE, "mean", 0.0))
+    assert vp.cross_entropy(logits, labels, reduction="sum").item() == 0.0
+
+
+def test_inputs_are_not_modified_and_no_fp32_copy_is_saved() -> None:
+    logits = make_logits((64,), 512, seed=10).bfloat16().requires_grad_()
+    before = logits.detach().clone()
+    labels = make_labels((64,), 512, seed=10)
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp, h = vp.token_log_probs_and_entropy(logits, labels, chunk_size=8)
+    (lp + h).sum().backward()
+    assert torch.equal(logits.detach(), before)
+    big = [(t.dtype, tuple(t.shape)) for t in saved if t.numel() >= logits.numel()]
+    # Only the input logits themselves (bf16) may be saved at logits size.
+    assert big == [(torch.bfloat16, (64, 512))], big
+    fp32 = make_logits((8,), 50, seed=11).requires_grad_()
+    snapshot = fp32.detach().clone()
+    vp.token_entropy(fp32, temperature=0.5).sum().backward()
+    assert torch.equal(fp32.detach(), snapshot), "fp32 logits were modified in place"
+
+
+def test_empty_batch() -> None:
+    logits = torch.randn(0, 10, requires_grad=True)
+    labels = torch.zeros(0, dtype=torch.long)
+    out = vp.token_log_probs(logits, labels)
+    assert out.shape == (0,)
+    out.sum().backward()
+    assert logits.grad is not None and logits.grad.shape == (0, 10)
