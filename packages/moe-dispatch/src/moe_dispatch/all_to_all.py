@@ -1,0 +1,188 @@
+"""Expert-parallel dispatch over ``torch.distributed.all_to_all_single`` with uneven splits.
+
+Works on gloo (CPU) and NCCL (CUDA). Each ``dispatch`` exchanges the per-expert counts first
+(one small all-to-all and one device-to-host sync for the split sizes), then the token rows.
+The backward of each token all-to-all is the reverse all-to-all.
+
+# T tokens, H hidden, K top-k, E experts, W expert-parallel ranks, N routed pairs sent,
+# T' routed pairs received
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from moe_dispatch.dispatcher import weighted_scatter_sum
+from moe_dispatch.routing import (
+    check_routing_shapes,
+    expert_range,
+    group_major_to_expert_major,
+    inverse_permutation,
+    sort_by_expert,
+    validate_topk_ids,
+)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Uneven all-to-all of rows whose backward is the all-to-all in the other direction."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        rows: Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        group: dist.ProcessGroup | None,
+    ) -> Tensor:
+        ctx.output_splits = output_splits
+        ctx.input_splits = input_splits
+        ctx.group = group
+        return _exchange(rows, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return (
+            _exchange(grad, ctx.input_splits, ctx.output_splits, ctx.group),
+            None,
+            None,
+            None,
+        )
+
+
+def _exchange(
+    rows: Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: dist.ProcessGroup | None,
+) -> Tensor:
+    rows = rows.contiguous()
+    out = rows.new_empty((sum(output_splits), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows, output_splits, input_splits, group=group)
+    return out
+
+
+def all_to_all_rows(
+    rows: Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: dist.ProcessGroup | None = None,
+) -> Tensor:
+    """Differentiable uneven all-to-all along dim 0.
+
+    Args:
+        rows: [sum(input_splits), ...]; block i goes to rank i.
+        output_splits: rows received from each rank.
+        input_splits: rows sent to each rank.
+        group: the process group (None: the default group).
+
+    Returns:
+        [sum(output_splits), ...], blocks in source-rank order.
+    """
+    out: Tensor = _AllToAll.apply(rows, output_splits, input_splits, group)
+    return out
+
+
+@dataclass(slots=True)
+class AllToAllHandle:
+    """State kept between ``AllToAllDispatcher.dispatch`` and ``combine``.
+
+    Attributes:
+        slots: [N] flat (token, k) index of each sent pair, in send order.
+        tokens: [N] token row of each sent pair.
+        topk_weights: [T, K] the routing weights given to dispatch.
+        send_splits: pairs sent to each rank.
+        recv_splits: pairs received from each rank.
+        regroup: [T'] permutation from source-major to local-expert-major order.
+        num_tokens: T.
+    """
+
+    slots: Tensor
+    tokens: Tensor
+    topk_weights: Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    regroup: Tensor
+    num_tokens: int
+
+
+class AllToAllDispatcher:
+    """Dispatcher over an uneven all-to-all in the expert-parallel group.
+
+    Example::
+
+        dispatcher = AllToAllDispatcher(ep_group, num_experts=64)
+        x, counts, handle = dispatcher.dispatch(hidden, topk_ids, topk_weights)
+        y = experts(x, counts)            # rows grouped by local expert
+        out = dispatcher.combine(y, handle)
+
+    Args:
+        ep_group: the expert-parallel process group (None: the default group).
+        num_experts: E, divisible by the group size.
+        validate: check every id is in ``[-1, E)`` (one extra host sync per dispatch).
+    """
+
+    def __init__(
+        self, ep_group: dist.ProcessGroup | None, num_experts: int, *, validate: bool = True
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "AllToAllDispatcher needs torch.distributed; call "
+                "torch.distributed.init_process_group first, or use LocalDispatcher on one process"
+            )
+        self.group = ep_group
+        self.ep_size = dist.get_world_size(ep_group)
+        self.ep_rank = dist.get_rank(ep_group)
+        start, end = expert_range(num_experts, self.ep_size, self.ep_rank)
+        self.num_experts = num_experts
+        self.num_local_experts = end - start
+        self.local_expert_start = start
+        self.validate = validate
+
+    def dispatch(
+        self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor
+    ) -> tuple[Tensor, Tensor, AllToAllHandle]:
+        """See :meth:`moe_dispatch.Dispatcher.dispatch`."""
+        check_routing_shapes(hidden, topk_ids, topk_weights)
+        if self.validate:
+            validate_topk_ids(topk_ids, self.num_experts)
+        slots, counts = sort_by_expert(topk_ids, self.num_experts)
+        tokens = torch.div(slots, topk_ids.shape[1], rounding_mode="floor")
+        # Counts first: each rank learns how many rows it gets for each of its local experts.
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.group)
+        recv_counts_2d = recv_counts.view(self.ep_size, self.num_local_experts)
+        send_splits = counts.view(self.ep_size, self.num_local_experts).sum(1).tolist()
+        recv_splits = recv_counts_2d.sum(1).tolist()
+        received = all_to_all_rows(
+            hidden.index_select(0, tokens), recv_splits, send_splits, self.group
+        )
+        regroup = group_major_to_expert_major(recv_counts_2d)
+        expert_input = received.index_select(0, regroup)
+        handle = AllToAllHandle(
+            slots=slots,
+            tokens=tokens,
+            topk_weights=topk_weights,
+            send_splits=send_splits,
+            recv_splits=recv_splits,
+            regroup=regroup,
+            num_tokens=hidden.shape[0],
+        )
+        return expert_input, recv_counts_2d.sum(0), handle
+
+    def combine(self, expert_output: Tensor, handle: AllToAllHandle) -> Tensor:
+        """See :meth:`moe_dispatch.Dispatcher.combine`."""
+        if expert_output.shape[0] != handle.regroup.numel():
+            raise ValueError(
+                f"expert_output has {expert_output.shape[0]} rows but dispatch sent this rank "
+                f"{handle.regroup.numel()}; pass one output row per expert_input row, same order"
+            )
+        source_major = expert_output.index_select(0, inverse_permutation(handle.regroup))
+        returned = all_to_all_rows(source_major, handle.send_splits, handle.recv_splits, self.group)
+        return weighted_scatter_sum(
+            returned, handle.tokens, handle.slots, handle.topk_weights, handle.num_tokens
+        )

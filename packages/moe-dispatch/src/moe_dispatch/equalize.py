@@ -1,0 +1,206 @@
+"""Uniform, aligned per-rank token counts for kernels that need them (HybridEP).
+
+HybridEP aborts or hangs unless every rank of the expert-parallel group passes the same token
+count, and its all-gather asserts a multiple of 16 bytes at 4 bytes per token, i.e. a count that
+is a multiple of 4. Padding rows route nowhere (ids -1, weights 0): they reach no expert, count in
+no load statistic or auxiliary loss, carry no gradient, and ``EqualizingDispatcher.combine``
+slices them off.
+
+# T tokens (this rank), S padded tokens (every rank), H hidden, K top-k
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from moe_dispatch.dispatcher import Dispatcher
+from moe_dispatch.routing import NO_EXPERT, check_routing_shapes
+
+#: HybridEP's requirement: per-rank token counts that are multiples of 4 (16 bytes at 4 B each).
+HYBRID_EP_ALIGNMENT = 4
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def padded_token_count(
+    num_tokens: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    alignment: int = HYBRID_EP_ALIGNMENT,
+    device: torch.device | None = None,
+) -> int:
+    """The group-wide padded count S: max over ranks of T, rounded up to ``alignment``.
+
+    One MAX all-reduce of a scalar. Call it once per step (every MoE layer of a step sees the
+    same T) and pass the result as ``padded_size``, rather than once per layer.
+
+    Args:
+        num_tokens: T on this rank.
+        group: the expert-parallel group; None with torch.distributed uninitialised means one
+            process.
+        alignment: round up to this multiple (>= 1).
+        device: where the scalar lives for the all-reduce (CUDA for NCCL groups; default CPU).
+
+    Returns:
+        S, identical on every rank; at least ``alignment`` so no rank passes an empty batch.
+    """
+    if alignment < 1:
+        raise ValueError(f"alignment must be >= 1, got {alignment}")
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    longest = num_tokens
+    if dist.is_initialized():
+        value = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        longest = int(value.item())
+    return max(_round_up(longest, alignment), alignment)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class EqualizedTokens:
+    """Token tensors padded to the group-uniform count S.
+
+    Attributes:
+        hidden: [S, H]; rows T.. are zeros.
+        topk_ids: [S, K]; rows T.. are -1.
+        topk_weights: [S, K]; rows T.. are 0 and carry no gradient.
+        num_tokens: T, the real rows (always the leading rows).
+    """
+
+    hidden: Tensor
+    topk_ids: Tensor
+    topk_weights: Tensor
+    num_tokens: int
+
+    @property
+    def padded_size(self) -> int:
+        """S."""
+        return int(self.hidden.shape[0])
+
+    def valid_mask(self) -> Tensor:
+        """[S] bool, True for real rows."""
+        mask = torch.zeros(self.padded_size, dtype=torch.bool, device=self.hidden.device)
+        mask[: self.num_tokens] = True
+        return mask
+
+    def unpad(self, rows: Tensor) -> Tensor:
+        """[S, ...] -> [T, ...]: drop the padding rows."""
+        return rows[: self.num_tokens]
+
+
+def equalize_token_counts(
+    hidden: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    alignment: int = HYBRID_EP_ALIGNMENT,
+    padded_size: int | None = None,
+) -> EqualizedTokens:
+    """Pad this rank's tokens to the count S shared by the expert-parallel group.
+
+    Args:
+        hidden: [T, H].
+        topk_ids: [T, K].
+        topk_weights: [T, K].
+        group: the expert-parallel group, for the MAX all-reduce.
+        alignment: S is a multiple of this (default 4, what HybridEP requires).
+        padded_size: S computed by the caller (e.g. once per step from the collated batch,
+            or with :func:`padded_token_count`); skips the all-reduce. Must be the same on every
+            rank, a multiple of ``alignment`` and >= T.
+
+    Returns:
+        The padded tensors; gradients flow to the real rows of hidden and topk_weights.
+    """
+    check_routing_shapes(hidden, topk_ids, topk_weights)
+    num_tokens = int(hidden.shape[0])
+    if padded_size is None:
+        padded_size = padded_token_count(
+            num_tokens, group=group, alignment=alignment, device=hidden.device
+        )
+    elif padded_size < num_tokens or padded_size % alignment != 0:
+        raise ValueError(
+            f"padded_size={padded_size} must be >= this rank's token count {num_tokens} and a "
+            f"multiple of alignment={alignment}; pass the group-wide maximum rounded up to "
+            f"{alignment} (padded_token_count computes it)"
+        )
+    extra = padded_size - num_tokens
+    if extra == 0:
+        return EqualizedTokens(
+            hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights, num_tokens=num_tokens
+        )
+    return EqualizedTokens(
+        hidden=F.pad(hidden, (0, 0, 0, extra)),
+        topk_ids=F.pad(topk_ids, (0, 0, 0, extra), value=NO_EXPERT),
+        topk_weights=F.pad(topk_weights, (0, 0, 0, extra)),
+        num_tokens=num_tokens,
+    )
+
+
+@dataclass(slots=True)
+class EqualizedHandle:
+    """State kept between ``EqualizingDispatcher.dispatch`` and ``combine``."""
+
+    inner: Any
+    num_tokens: int
+
+
+class EqualizingDispatcher:
+    """Wraps any dispatcher so that every rank dispatches the same, aligned token count.
+
+    Outputs equal those of the wrapped dispatcher without padding: padding rows reach no expert
+    and are sliced off in ``combine``.
+
+    Args:
+        inner: the dispatcher that receives the padded tensors.
+        group: the expert-parallel group (for the MAX all-reduce).
+        alignment: padded counts are multiples of this.
+        padded_size: a fixed S for every call (skips the all-reduce); None computes it per call.
+    """
+
+    def __init__(
+        self,
+        inner: Dispatcher,
+        *,
+        group: dist.ProcessGroup | None = None,
+        alignment: int = HYBRID_EP_ALIGNMENT,
+        padded_size: int | None = None,
+    ) -> None:
+        if alignment < 1:
+            raise ValueError(f"alignment must be >= 1, got {alignment}")
+        self.inner = inner
+        self.group = group
+        self.alignment = alignment
+        self.padded_size = padded_size
+        self.num_experts = inner.num_experts
+        self.num_local_experts = inner.num_local_experts
+        self.local_expert_start = inner.local_expert_start
+
+    def dispatch(
+        self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor
+    ) -> tuple[Tensor, Tensor, EqualizedHandle]:
+        """See :meth:`moe_dispatch.Dispatcher.dispatch`; pads before dispatching."""
+        padded = equalize_token_counts(
+            hidden,
+            topk_ids,
+            topk_weights,
+            group=self.group,
+            alignment=self.alignment,
+            padded_size=self.padded_size,
+        )
+        expert_input, counts, inner = self.inner.dispatch(
+            padded.hidden, padded.topk_ids, padded.topk_weights
+        )
+        return expert_input, counts, EqualizedHandle(inner=inner, num_tokens=padded.num_tokens)
+
+    def combine(self, expert_output: Tensor, handle: EqualizedHandle) -> Tensor:
+        """See :meth:`moe_dispatch.Dispatcher.combine`; returns only the real rows."""
+        return self.inner.combine(expert_output, handle.inner)[: handle.num_tokens]

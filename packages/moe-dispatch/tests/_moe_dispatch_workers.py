@@ -1,0 +1,129 @@
+"""Functions run inside spawned gloo ranks (kept light: torch and moe_dispatch only)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from _moe_dispatch_ref import Case, make_weights
+from moe_dispatch import (
+    AllToAllDispatcher,
+    Dispatcher,
+    EqualizingDispatcher,
+    ExpertParallelMoE,
+    MoEConfig,
+    equalize_token_counts,
+    expert_load,
+    padded_token_count,
+)
+
+
+def _local_slice(case: Case, rank: int) -> slice:
+    start = sum(case.counts[:rank])
+    return slice(start, start + case.counts[rank])
+
+
+def _run_moe(case: Case, rank: int, dispatcher: Dispatcher) -> dict[str, Tensor]:
+    w = make_weights(case)
+    moe = ExpertParallelMoE(
+        MoEConfig(
+            hidden_size=case.hidden,
+            intermediate_size=case.ffn,
+            num_experts=case.experts,
+            top_k=case.top_k,
+            norm_topk_prob=case.norm_topk_prob,
+        ),
+        dispatcher=dispatcher,
+    )
+    with torch.no_grad():
+        moe.router.weight.copy_(w.router)
+    moe.load_experts(w.gate_up, w.down)
+    rows = _local_slice(case, rank)
+    x = w.x[rows].clone().requires_grad_()
+    out, routing = moe.forward_with_routing(x)
+    (out * w.grad_out[rows]).sum().backward()
+    assert x.grad is not None and moe.router.weight.grad is not None
+    assert moe.experts.gate_up_proj.grad is not None and moe.experts.down_proj.grad is not None
+    router_grad = moe.router.weight.grad.clone()
+    dist.all_reduce(router_grad)  # the router is replicated; each rank saw its own tokens
+    return {
+        "out": out.detach(),
+        "ids": routing.topk_ids,
+        "x": x.grad,
+        "router": router_grad,
+        "gate_up": moe.experts.gate_up_proj.grad,
+        "down": moe.experts.down_proj.grad,
+    }
+
+
+def check_moe_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, Any]]:
+    """For each case: the plain all-to-all run, the equalized run, and dispatch statistics."""
+    torch.manual_seed(1234 + rank)
+    results: list[dict[str, Any]] = []
+    for case in cases:
+        assert len(case.counts) == world_size
+        plain = _run_moe(case, rank, AllToAllDispatcher(None, case.experts))
+        padded = _run_moe(
+            case, rank, EqualizingDispatcher(AllToAllDispatcher(None, case.experts), alignment=4)
+        )
+        results.append({"plain": plain, "padded": padded, "stats": _equalize_stats(case, rank)})
+    return results
+
+
+def _equalize_stats(case: Case, rank: int) -> dict[str, Any]:
+    """Dispatch the padded tokens directly and report what reached the experts."""
+    w = make_weights(case)
+    rows = _local_slice(case, rank)
+    x = w.x[rows]
+    probs = torch.softmax(x @ w.router.t(), dim=-1)
+    weights, ids = torch.topk(probs, case.top_k, dim=-1)
+    padded = equalize_token_counts(x, ids, weights, alignment=4)
+    fixed = equalize_token_counts(
+        x, ids, weights, padded_size=padded_token_count(x.shape[0], alignment=8)
+    )
+    dispatcher = AllToAllDispatcher(None, case.experts)
+    # Mark padding rows so any that reached an expert would be visible.
+    marked = padded.hidden.clone()
+    marked[padded.num_tokens :] = float("nan")
+    expert_input, counts, _ = dispatcher.dispatch(marked, padded.topk_ids, padded.topk_weights)
+    sizes = [0] * dist.get_world_size()
+    dist.all_gather_object(sizes, padded.padded_size)
+    return {
+        "padded_size": padded.padded_size,
+        "all_padded_sizes": sizes,
+        "fixed_size": fixed.padded_size,
+        "nan_rows_at_experts": int(torch.isnan(expert_input).any(dim=1).sum()),
+        "rows_at_experts": int(expert_input.shape[0]),
+        "counts": counts,
+        "load_padded": expert_load(padded.topk_ids, case.experts),
+        "load_real": expert_load(ids, case.experts),
+        "pad_ids": padded.topk_ids[padded.num_tokens :],
+        "pad_weights": padded.topk_weights[padded.num_tokens :],
+    }
+
+
+def check_hf_conversion(rank: int, world_size: int, seed: int) -> dict[str, Tensor]:
+    """Convert tiny HF Mixtral / Qwen2-MoE blocks to expert-parallel layers on this group."""
+    from _moe_dispatch_hf import build_block
+    from moe_dispatch import from_hf_moe_block
+
+    out: dict[str, Tensor] = {}
+    for kind in ("mixtral", "qwen2_moe"):
+        block = build_block(kind, seed=seed)
+        counts = [5, 0, 9, 2][:world_size]
+        g = torch.Generator().manual_seed(seed + 1)
+        x_all = torch.randn(sum(counts), block.gate.weight.shape[1], generator=g)
+        start = sum(counts[:rank])
+        x = x_all[start : start + counts[rank]].reshape(1, counts[rank], x_all.shape[-1])
+        with torch.no_grad():
+            want = block(x_all.reshape(1, -1, x_all.shape[-1]))[0, start : start + counts[rank]]
+        moe = from_hf_moe_block(
+            block, dispatcher=AllToAllDispatcher(None, block.gate.weight.shape[0]), layer_id=0
+        )
+        with torch.no_grad():
+            got = moe(x)[0]
+        out[kind] = (got - want).abs().max() if got.numel() else torch.tensor(0.0)
+    return out
