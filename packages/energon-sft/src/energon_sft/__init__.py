@@ -2,6 +2,55 @@
 
 from importlib.metadata import version as _version
 
+from energon_sft.batch import IGNORE_INDEX, EncodedSample, SFTBatch
+from energon_sft.cookers import (
+    check_cookers,
+    cook_chat,
+    cook_sharegpt,
+    default_cookers,
+    make_stateless_cooker,
+)
+from energon_sft.dataset import convert_jsonl, prepare_dataset, write_chat_shards
+from energon_sft.encoder import SFTTaskEncoder
+from energon_sft.errors import BadSampleError, TooManyBadSamplesError
+from energon_sft.families import (
+    ImageFeatures,
+    ModelFamilyAdapter,
+    Qwen25VLAdapter,
+    TextAdapter,
+    get_model_family,
+    known_model_families,
+    register_model_family,
+)
+from energon_sft.render import render_conversation
+from energon_sft.schema import ChatSample, MediaItem
+
 __version__ = _version("energon-sft")
 
-__all__ = ["__version__"]
+__all__ = [
+    "IGNORE_INDEX",
+    "BadSampleError",
+    "ChatSample",
+    "EncodedSample",
+    "ImageFeatures",
+    "MediaItem",
+    "ModelFamilyAdapter",
+    "Qwen25VLAdapter",
+    "SFTBatch",
+    "SFTTaskEncoder",
+    "TextAdapter",
+    "TooManyBadSamplesError",
+    "__version__",
+    "check_cookers",
+    "convert_jsonl",
+    "cook_chat",
+    "cook_sharegpt",
+    "default_cookers",
+    "get_model_family",
+    "known_model_families",
+    "make_stateless_cooker",
+    "prepare_dataset",
+    "register_model_family",
+    "render_conversation",
+    "write_chat_shards",
+]

@@ -1,0 +1,334 @@
+"""`build_sft_loader`: a resumable Energon loader for one data-parallel replica."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from energon_sft.batch import SFTBatch
+from energon_sft.encoder import SFTTaskEncoder
+from energon_sft.state import (
+    FORMAT_VERSION,
+    StateMismatchError,
+    fingerprint,
+    pack_state,
+    unpack_state,
+    validate_envelope,
+)
+from energon_sft.topology import logical_shards_for
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LoaderOptions", "SFTLoader", "build_sft_loader"]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LoaderOptions:
+    """Operational Energon loader settings: they may change between save and resume.
+
+    Attributes:
+        prefetch_factor: batches each worker prepares ahead.
+        checkpoint_every_sec: how often workers take an internal checkpoint; a resume replays
+            at most this much work.
+        checkpoint_every_min_n_samples: minimum samples between internal checkpoints; None
+            lets Energon choose (2 x workers).
+        watchdog_timeout_seconds: stall warning after this long without a batch; None disables.
+        watchdog_initial_timeout_seconds: the same for the first batch (a large shuffle buffer
+            fills completely at start and on resume); None uses `watchdog_timeout_seconds`.
+        fail_on_timeout: abort the process on a watchdog timeout.
+        gc_collect_every_n_steps: Python GC cadence inside workers.
+    """
+
+    prefetch_factor: int = 2
+    checkpoint_every_sec: float = 60.0
+    checkpoint_every_min_n_samples: int | None = None
+    watchdog_timeout_seconds: float | None = 60.0
+    watchdog_initial_timeout_seconds: float | None = None
+    fail_on_timeout: bool = False
+    gc_collect_every_n_steps: int = 10
+
+
+def _file_sha(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+def _dataset_identity(path: Path) -> dict[str, Any]:
+    meta = path / ".nv-meta"
+    if path.is_dir() and not meta.is_dir():
+        raise FileNotFoundError(
+            f"{path} has no .nv-meta folder; prepare it first (energon-sft convert or "
+            "`energon prepare`)"
+        )
+    if path.is_dir():
+        uuid = meta / "index.uuid"
+        return {
+            "name": path.name,
+            "index_uuid": uuid.read_text().strip() if uuid.is_file() else None,
+            "info_sha256": _file_sha(meta / ".info.json"),
+            "split_sha256": _file_sha(meta / "split.yaml"),
+            "dataset_yaml_sha256": _file_sha(meta / "dataset.yaml"),
+        }
+    # A metadataset YAML or a JSONL file: its content defines the stream.
+    return {"name": path.name, "file_sha256": _file_sha(path)}
+
+
+class SFTLoader:
+    """Batches of one dp replica, from its logical shards in turn, with an exact-resume state.
+
+    Iterate it for `SFTBatch`es. Each batch records its `logical_shard` and `shard_step`.
+    `state_dict()` may be called between batches; `load_state_dict()` only before iterating.
+    """
+
+    def __init__(
+        self,
+        *,
+        dataset_path: Path,
+        encoder: SFTTaskEncoder,
+        shards: list[int],
+        loaders: list[Any],
+        stream: dict[str, Any],
+        operational: dict[str, Any],
+        virtual_epoch_length: int | None,
+    ) -> None:
+        self.dataset_path = dataset_path
+        self.encoder = encoder
+        self.shards = shards
+        self._loaders = dict(zip(shards, loaders, strict=True))
+        self._consumed = dict.fromkeys(shards, 0)
+        self.stream = stream
+        self.operational = operational
+        self.virtual_epoch_length = virtual_epoch_length
+        self._started = False
+        self._iters: dict[int, Iterator[Any]] = {}
+        self._worker_stats: dict[tuple[int, int], dict[str, int]] = {}
+
+    def __len__(self) -> int:
+        if self.virtual_epoch_length is None:
+            raise TypeError("the loader is infinite; pass virtual_epoch_length to give it a length")
+        return self.virtual_epoch_length * len(self.shards)
+
+    def __iter__(self) -> Iterator[SFTBatch]:
+        """One epoch: `virtual_epoch_length` batches per logical shard, or forever."""
+        self._started = True
+        active = list(self.shards)
+        self._iters = {s: iter(self._loaders[s]) for s in active}
+        while active:
+            # The shard that has given the fewest batches goes next (ties: lowest id), so the
+            # order follows from the consumed counts alone and survives a resume.
+            shard = min(active, key=lambda s: (self._consumed[s], s))
+            try:
+                batch = next(self._iters[shard])
+            except StopIteration:
+                active.remove(shard)
+                continue
+            batch.logical_shard = shard
+            batch.shard_step = self._consumed[shard]
+            self._consumed[shard] += 1
+            self._worker_stats[(shard, batch.worker_id)] = dict(batch.worker_stats)
+            yield batch
+
+    def data_stats(self) -> dict[str, int]:
+        """Bad-sample counters summed over this loader's workers (skips, truncations, ...)."""
+        total: Counter[str] = Counter()
+        for stats in self._worker_stats.values():
+            total.update(stats)
+        return dict(total)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The envelope for this replica's logical shards (see `energon_sft.state`)."""
+        shards = {}
+        for s in self.shards:
+            blob, sha = pack_state(self._loaders[s].save_state_rank())
+            shards[str(s)] = {"consumed": self._consumed[s], "sha256": sha, "state": blob}
+        return {
+            "format_version": FORMAT_VERSION,
+            "fingerprint": fingerprint(self.stream),
+            "stream": self.stream,
+            "operational": self.operational,
+            "shards": shards,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Restore from one envelope or from the envelopes of all old ranks (any dp size).
+
+        Raises:
+            RuntimeError: iteration has already started.
+            StateMismatchError: a stream-defining field differs (with the per-field diff), the
+                payload is corrupt, or a logical shard this replica owns is missing.
+        """
+        if self._started:
+            raise RuntimeError(
+                "load_state_dict() after iteration started; restore into a fresh loader "
+                "before the first iter()"
+            )
+        envelopes = [state] if isinstance(state, Mapping) else list(state)
+        if not envelopes:
+            raise StateMismatchError("no loader state given")
+        merged: dict[int, Mapping[str, Any]] = {}
+        for env in envelopes:
+            validate_envelope(env, self.stream)
+            for key, entry in env["shards"].items():
+                shard = int(key)
+                if shard in merged and merged[shard]["sha256"] != entry["sha256"]:
+                    raise StateMismatchError(
+                        f"two envelopes carry different states for logical shard {shard}"
+                    )
+                merged[shard] = entry
+        missing = [s for s in self.shards if s not in merged]
+        if missing:
+            raise StateMismatchError(
+                f"the given state lacks logical shards {missing} of this replica (it has "
+                f"{sorted(merged)}); pass the envelopes of all ranks of the saved job"
+            )
+        # Only now, with everything validated, is any payload unpickled.
+        restored = {
+            s: unpack_state(merged[s]["state"], merged[s]["sha256"], shard=s) for s in self.shards
+        }
+        for s in self.shards:
+            self._loaders[s].restore_state_rank(restored[s])
+            self._consumed[s] = int(merged[s]["consumed"])
+        logger.info(
+            "energon-sft: restored logical shards %s at steps %s",
+            self.shards,
+            [self._consumed[s] for s in self.shards],
+        )
+
+
+def build_sft_loader(
+    dataset_path: str | Path,
+    *,
+    encoder: SFTTaskEncoder,
+    batch_size: int,
+    dp_rank: int,
+    dp_world_size: int,
+    num_workers: int,
+    seed: int,
+    shuffle: bool = True,
+    virtual_epoch_length: int | None = None,
+    num_logical_shards: int | None = None,
+    shuffle_buffer_size: int = 100,
+    max_samples_per_sequence: int = 100,
+    split_part: str = "train",
+    subflavors: Mapping[str, Any] | None = None,
+    drop_last: bool = True,
+    options: LoaderOptions | None = None,
+) -> SFTLoader:
+    """An Energon savable loader for one data-parallel replica.
+
+    Args:
+        dataset_path: a prepared Energon dataset (folder with `.nv-meta`) or metadataset YAML.
+        encoder: the task encoder (its failure tolerance is >= 1; Energon's 0 is never used).
+        batch_size: rows per batch (packs when the encoder packs).
+        dp_rank, dp_world_size: this replica and the number of replicas.
+        num_workers: loader worker processes per logical shard (0 = in process).
+        seed: Energon `seed_offset`; defines the shuffle.
+        shuffle: False gives a fixed, repeatable order (no shard-slice shuffle, one shard
+            iterator, no sample buffer).
+        virtual_epoch_length: batches per logical shard per `iter()` (None = infinite).
+        num_logical_shards: fixed loader shards (default dp_world_size); a state resumes on
+            any dp size that divides it.
+        shuffle_buffer_size: samples in the shuffle buffer (0 = none); ignored when not shuffling.
+        max_samples_per_sequence: samples read in a row from one shard slice when shuffling.
+        split_part: dataset split.
+        subflavors: routed to the cookers (e.g. {"sft_format": "sharegpt"}).
+        drop_last: drop a final partial batch.
+        options: operational settings (may change on resume).
+    """
+    from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
+    from megatron.energon import __version__ as energon_version
+
+    path = Path(dataset_path)
+    if not path.exists():
+        raise FileNotFoundError(f"dataset {path} does not exist")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+    if num_workers < 0:
+        raise ValueError(f"num_workers={num_workers} must be >= 0")
+    if virtual_epoch_length is not None and virtual_epoch_length < 1:
+        raise ValueError(
+            f"virtual_epoch_length={virtual_epoch_length} must be >= 1 or None (infinite)"
+        )
+    n_shards = dp_world_size if num_logical_shards is None else num_logical_shards
+    shards = logical_shards_for(dp_rank, dp_world_size, n_shards)
+    opts = options or LoaderOptions()
+    buffer = shuffle_buffer_size if shuffle and shuffle_buffer_size > 0 else None
+    stream = {
+        "dataset": _dataset_identity(path),
+        "split_part": split_part,
+        "subflavors": dict(subflavors) if subflavors else None,
+        "energon_version": str(energon_version),
+        "encoder": encoder.identity(),
+        "batch_size": batch_size,
+        "drop_last": drop_last,
+        "seed": seed,
+        "shuffle": shuffle,
+        "shuffle_buffer_size": buffer,
+        "max_samples_per_sequence": max_samples_per_sequence if shuffle else None,
+        "virtual_epoch_length": virtual_epoch_length,
+        "num_workers": num_workers,
+        "num_logical_shards": n_shards,
+    }
+    operational = {
+        "dataset_path": str(path),
+        "dp_rank": dp_rank,
+        "dp_world_size": dp_world_size,
+        "failure_tolerance": encoder.failure_tolerance,
+        **asdict(opts),
+    }
+    extra: dict[str, Any] = {}
+    if subflavors:
+        extra["subflavors"] = dict(subflavors)
+    if not shuffle:
+        # A fixed order needs both: no shard-slice shuffle and a single shard iterator
+        # (several parallel iterators make Energon assert on the first next()).
+        extra["parallel_shard_iters"] = 1
+    loaders = []
+    for shard in shards:
+        wc = WorkerConfig(
+            rank=shard,
+            world_size=n_shards,
+            num_workers=num_workers,
+            seed_offset=seed,
+            global_error_handler=encoder.error_handler,
+        )
+        ds = get_train_dataset(
+            path,
+            split_part=split_part,
+            worker_config=wc,
+            batch_size=batch_size,
+            batch_drop_last=drop_last,
+            packing_buffer_size=encoder.packing_buffer_size,
+            shuffle_buffer_size=buffer,
+            max_samples_per_sequence=max_samples_per_sequence if shuffle else None,
+            virtual_epoch_length=virtual_epoch_length or 0,
+            shuffle_over_epochs_multiplier=1 if shuffle else None,
+            task_encoder=encoder,
+            **extra,
+        )
+        loaders.append(
+            get_savable_loader(
+                ds,
+                checkpoint_every_sec=opts.checkpoint_every_sec,
+                checkpoint_every_min_n_samples=opts.checkpoint_every_min_n_samples,
+                gc_collect_every_n_steps=opts.gc_collect_every_n_steps,
+                prefetch_factor=opts.prefetch_factor,
+                watchdog_timeout_seconds=opts.watchdog_timeout_seconds,
+                watchdog_initial_timeout_seconds=opts.watchdog_initial_timeout_seconds,
+                fail_on_timeout=opts.fail_on_timeout,
+            )
+        )
+    return SFTLoader(
+        dataset_path=path,
+        encoder=encoder,
+        shards=shards,
+        loaders=loaders,
+        stream=stream,
+        operational=operational,
+        virtual_epoch_length=virtual_epoch_length,
+    )

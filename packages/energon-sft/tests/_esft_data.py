@@ -1,0 +1,164 @@
+"""Test fixtures for energon-sft built locally: tokenizer, chat template, processor, datasets.
+
+Imported by the tests and by the subprocess scripts of the kill-and-resume test, so it keeps
+imports light and builds everything from explicit parameters (no downloads).
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from pathlib import Path
+from typing import Any
+
+SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+]
+
+# ChatML-like; image parts render as one placeholder block, tool calls as JSON.
+CHAT_TEMPLATE = (
+    "{%- if tools -%}{{ '<|im_start|>tools\\n' + (tools | tojson) + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{%- if m['content'] is string -%}{{ m['content'] }}"
+    "{%- elif m['content'] -%}{%- for p in m['content'] -%}"
+    "{%- if p['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- else -%}{{ p['text'] }}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- if m['tool_calls'] -%}{%- for c in m['tool_calls'] -%}"
+    "{{ '<tool_call>' + (c['function'] | tojson) + '</tool_call>' }}{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+CORPUS = [
+    "You are a helpful assistant. Answer briefly.",
+    "What is in the picture? A red square and a blue circle.",
+    "The weather in Paris is sunny today, twenty degrees.",
+    "Call the tool get_weather with the city name.",
+    "user assistant system tool tools tool_call name arguments city",
+    "Hello! How are you? I am fine, thank you. Tell me a joke.",
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+] * 4
+
+
+def build_tokenizer() -> Any:
+    """A byte-level BPE trained on a tiny corpus, wrapped as a fast tokenizer with a template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL[1:],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+class LocalProcessor:
+    """The two parts a Qwen2.5-VL processor carries, built from explicit parameters."""
+
+    def __init__(self, tokenizer: Any, image_processor: Any) -> None:
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+
+
+MIN_PIXELS = 28 * 28 * 4
+MAX_PIXELS = 28 * 28 * 64
+
+
+def build_image_processor() -> Any:
+    import logging
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    from transformers import Qwen2VLImageProcessor
+
+    return Qwen2VLImageProcessor(
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+        patch_size=14,
+        merge_size=2,
+        temporal_patch_size=2,
+    )
+
+
+def build_processor(tokenizer: Any | None = None) -> LocalProcessor:
+    return LocalProcessor(tokenizer or build_tokenizer(), build_image_processor())
+
+
+def png_bytes(width: int, height: int, seed: int) -> bytes:
+    from PIL import Image
+
+    rng = random.Random(seed)
+    img = Image.new("RGB", (width, height), tuple(rng.randrange(256) for _ in range(3)))
+    for _ in range(4):
+        x, y = rng.randrange(width), rng.randrange(height)
+        img.putpixel((x, y), tuple(rng.randrange(256) for _ in range(3)))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def chat_rows(n: int, *, seed: int = 0, image_every: int = 2) -> list[dict[str, Any]]:
+    """Canonical rows; every `image_every`-th row has an image (media given as file names)."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        words = " ".join(rng.choice(CORPUS).split()[: rng.randint(2, 6)])
+        user: Any = f"Question {i}: {words}?"
+        media = []
+        if image_every and i % image_every == 0:
+            user = [{"type": "image", "media_index": 0}, {"type": "text", "text": user}]
+            media = [f"img{i}.png"]
+        rows.append(
+            {
+                "id": f"row-{i}",
+                "messages": [
+                    {"role": "system", "content": "You are a helpful assistant."},
+                    {"role": "user", "content": user},
+                    {"role": "assistant", "content": f"Answer {i}: {words}."},
+                ],
+                "media": media,
+            }
+        )
+    return rows
+
+
+def write_images(root: Path, rows: list[dict[str, Any]], *, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    for row in rows:
+        for name in row.get("media", []):
+            w, h = rng.choice([(56, 56), (84, 56), (40, 70)])
+            (root / name).write_bytes(png_bytes(w, h, rng.randrange(1 << 30)))
+
+
+def build_dataset(
+    root: Path, rows: list[dict[str, Any]], *, samples_per_shard: int = 8, seed: int = 0
+) -> Path:
+    """Write media files + shards for `rows` and run real `energon prepare`."""
+    from energon_sft import write_chat_shards
+    from energon_sft.dataset import prepare_dataset
+
+    media = root / "media"
+    media.mkdir(parents=True, exist_ok=True)
+    write_images(media, rows, seed=seed)
+    ds = root / "ds"
+    write_chat_shards(rows, ds, media_root=media, samples_per_shard=samples_per_shard)
+    return prepare_dataset(ds)
