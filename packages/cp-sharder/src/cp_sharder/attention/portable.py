@@ -1,0 +1,267 @@
+"""Portable context-parallel attention: all-gather K/V, mask by global token index.
+
+Plain PyTorch on torch.distributed, so it runs on CPU/gloo as well as CUDA/NCCL. Each rank
+keeps its queries, all-gathers keys and values (one collective per layer; the backward
+reduce-scatters dK/dV back to their owners), and builds the mask from the global position of
+every query and key: causal, per-document (block-diagonal causal), sliding window, key padding.
+The gathered keys stay in rank order; the mask, not a permutation, restores global semantics.
+
+Dimension letters: B batch, H heads, Hkv key/value heads, Sq local queries, P padded global
+length, D head dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cp_sharder._dist import CPGroup, all_gather_seq
+
+logger = logging.getLogger(__name__)
+
+# Captured at import so the SDPA override below can never route this module's own call back
+# into itself.
+_SDPA = F.scaled_dot_product_attention
+
+#: Name under which the attention function is registered in transformers' attention registry.
+HF_ATTENTION_KEY = "cp_sharder_portable"
+
+
+@dataclass(kw_only=True, slots=True)
+class MaskSpec:
+    """Global token metadata of one step, from which every layer's mask is built.
+
+    Attributes:
+        q_index: [Sq] int64 global positions of this rank's tokens, in local order.
+        k_index: [P] int64 global positions of the gathered keys (all ranks' q_index, rank order).
+        doc_ids: [B or 1, P] int64 document id at each global position, or None (one document).
+        key_valid: [B, P] bool, False for keys no query may attend to (padding), or None.
+        cache: masks already built this step, keyed by (causal, window, device).
+    """
+
+    q_index: Tensor
+    k_index: Tensor
+    doc_ids: Tensor | None = None
+    key_valid: Tensor | None = None
+    cache: dict[tuple[bool, int | None, str], Tensor] = field(default_factory=dict)
+
+    def mask(self, *, causal: bool, window: int | None, device: torch.device) -> Tensor:
+        """[B or 1, 1, Sq, P] bool: True where query i may attend to key j."""
+        key = (causal, window, str(device))
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit
+        qi = self.q_index.to(device)[:, None]
+        ki = self.k_index.to(device)[None, :]
+        allowed = torch.ones(qi.shape[0], ki.shape[1], dtype=torch.bool, device=device)[None]
+        if causal:
+            allowed = allowed & (ki <= qi)
+        if window is not None:
+            # transformers' convention: key j is visible to query i when i - j < window.
+            allowed = allowed & (qi - ki < window)
+        if self.doc_ids is not None:
+            docs = self.doc_ids.to(device)
+            allowed = allowed & (
+                docs[:, self.q_index.to(device)][:, :, None]
+                == docs[:, self.k_index.to(device)][:, None, :]
+            )
+        if self.key_valid is not None:
+            allowed = allowed & self.key_valid.to(device)[:, self.k_index.to(device)][:, None, :]
+        # A query that may see nothing (a padding query) attends to itself, so no row is all
+        # -inf: its output is never used by a real token, but NaNs would poison the backward.
+        empty = ~allowed.any(dim=-1, keepdim=True)
+        allowed = allowed | (empty & (ki == qi))
+        result = allowed[:, None]
+        self.cache[key] = result
+        return result
+
+
+def cp_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    spec: MaskSpec,
+    cp: CPGroup,
+    causal: bool = True,
+    window: int | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """Attention of local queries over all ranks' keys and values.
+
+    Args:
+        query: [B, H, Sq, D] this rank's queries.
+        key: [B, Hkv, Sq, D] this rank's keys (Hkv divides H).
+        value: [B, Hkv, Sq, Dv] this rank's values.
+        spec: the step's global token metadata.
+        cp: the CP group.
+        causal: mask keys after the query.
+        window: sliding-window size (keys with i - j >= window are masked), or None.
+        scale: softmax scale; None means 1/sqrt(D).
+        dropout_p: attention dropout probability.
+
+    Returns:
+        [B, H, Sq, Dv].
+    """
+    if query.shape[2] != spec.q_index.numel():
+        raise ValueError(
+            f"attention got {query.shape[2]} local queries but the shard layout holds "
+            f"{spec.q_index.numel()} tokens per rank; call the model inside the train_ctx of "
+            "the shard() that produced this batch"
+        )
+    head_dim = key.shape[-1]
+    # One collective for K and V together.
+    kv = torch.cat([key, value], dim=-1)
+    kv = all_gather_seq(kv, dim=2, cp=cp)
+    full_key, full_value = kv[..., :head_dim], kv[..., head_dim:]
+    if full_key.shape[1] != query.shape[1]:
+        repeat = query.shape[1] // full_key.shape[1]
+        full_key = full_key.repeat_interleave(repeat, dim=1)
+        full_value = full_value.repeat_interleave(repeat, dim=1)
+    mask = spec.mask(causal=causal, window=window, device=query.device)
+    return _SDPA(query, full_key, full_value, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+
+
+def make_hf_attention(spec: MaskSpec, cp: CPGroup) -> Callable[..., tuple[Tensor, None]]:
+    """A transformers attention function (the registry signature) bound to this step."""
+
+    def attention(
+        module: torch.nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[Tensor, None]:
+        if softcap is not None:
+            raise ValueError(
+                f"the portable CP attention does not support logit softcapping (softcap={softcap}); "
+                "use a model without attention softcapping"
+            )
+        if attention_mask is not None:
+            raise ValueError(
+                "the portable CP attention got a materialised attention mask from the model; it "
+                "builds its own from global token indices. Pass attention_mask to shard(), not to "
+                "the model"
+            )
+        causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
+        out = cp_attention(
+            query,
+            key,
+            value,
+            spec=spec,
+            cp=cp,
+            causal=causal,
+            window=sliding_window,
+            scale=scaling,
+            dropout_p=dropout,
+        )
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+def _text_configs(model: torch.nn.Module) -> list[Any]:
+    """Configs whose attention runs on the sharded sequence (vision/audio towers excluded)."""
+    configs: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is None or not hasattr(config, "_attn_implementation_internal"):
+            continue
+        stack = [config]
+        while stack:
+            cfg = stack.pop()
+            if id(cfg) in configs:
+                continue
+            configs[id(cfg)] = cfg
+            for sub_key in getattr(cfg, "sub_configs", {}) or {}:
+                # Vision and audio towers see whole images/clips, never a sequence shard.
+                if any(word in sub_key for word in ("vision", "audio", "image", "video")):
+                    continue
+                sub = getattr(cfg, sub_key, None)
+                if sub is not None and hasattr(sub, "_attn_implementation_internal"):
+                    stack.append(sub)
+    return list(configs.values())
+
+
+@contextlib.contextmanager
+def hf_attention_override(
+    model: torch.nn.Module, key: str, fn: Callable[..., Any]
+) -> Iterator[None]:
+    """Route an unmodified transformers model's attention through ``fn`` inside the block.
+
+    Registers ``fn`` under ``key`` in transformers' attention registry and points the model's
+    (text) configs at it; on exit both are restored. A key unknown to transformers' mask registry
+    also makes the model skip building its own (local, hence wrong) causal mask.
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    configs = _text_configs(model)
+    if not configs:
+        raise ValueError(
+            f"{type(model).__name__} has no transformers config with an attention implementation; "
+            "the portable backend cannot route its attention"
+        )
+    saved = [(cfg, cfg._attn_implementation_internal) for cfg in configs]
+    had_key = key in ALL_ATTENTION_FUNCTIONS._local_mapping
+    previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get(key)
+    ALL_ATTENTION_FUNCTIONS[key] = fn
+    try:
+        for cfg in configs:
+            cfg._attn_implementation_internal = key
+        yield
+    finally:
+        for cfg, value in saved:
+            cfg._attn_implementation_internal = value
+        if had_key:
+            ALL_ATTENTION_FUNCTIONS[key] = previous
+        else:
+            del ALL_ATTENTION_FUNCTIONS[key]
+
+
+@contextlib.contextmanager
+def sdpa_override(spec: MaskSpec, cp: CPGroup) -> Iterator[None]:
+    """Route ``torch.nn.functional.scaled_dot_product_attention`` through CP attention.
+
+    For plain PyTorch models that call SDPA with ``[B, H, S, D]`` tensors and ``is_causal`` (no
+    ``attn_mask``). The original function is restored on exit.
+    """
+    original = F.scaled_dot_product_attention
+
+    def patched(
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> Tensor:
+        if attn_mask is not None:
+            raise ValueError(
+                "the portable CP attention cannot honour an explicit attn_mask under the SDPA "
+                "override (it is local to the shard); pass padding as attention_mask to shard() "
+                "and call SDPA with is_causal only"
+            )
+        return cp_attention(
+            query, key, value, spec=spec, cp=cp, causal=is_causal, scale=scale, dropout_p=dropout_p
+        )
+
+    F.scaled_dot_product_attention = patched
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original

@@ -1,0 +1,328 @@
+"""Rank functions for cp-sharder's distributed tests (re-imported by every spawned rank).
+
+Each function builds the same global inputs on every rank from a fixed seed, runs the CP path,
+and compares against a single-process float64 reference computed without CP. Errors are
+returned (not asserted) so the test shows every case's numbers at once.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from cp_sharder import ContextParallelSharder
+
+VOCAB = 128
+
+
+def _config(arch: str) -> Any:
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**common)
+    if arch == "qwen3_sliding":
+        from transformers import Qwen3Config
+
+        # Layer 0 uses a 4-token sliding window, layer 1 full causal attention.
+        return Qwen3Config(
+            **common,
+            head_dim=8,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=4,
+            use_sliding_window=True,
+        )
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A 2-layer random-init causal LM (hidden 32, vocab 128) in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(arch))
+    return model.float().eval()
+
+
+def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float()
+        if logits.dtype != torch.float64
+        else logits.reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=-100,
+        reduction="sum",
+    )
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+        for n, p in model.named_parameters()
+    }
+
+
+def _compare(
+    loss: float, grads: dict[str, torch.Tensor], ref_loss: float, ref: dict[str, torch.Tensor]
+) -> dict[str, float]:
+    worst = 0.0
+    worst_name = ""
+    for name, g in grads.items():
+        r = ref[name]
+        err = float((g.double() - r).abs().max()) / (float(r.abs().max()) + 1e-6)
+        if err > worst:
+            worst, worst_name = err, name
+    return {
+        "loss_rel_err": abs(loss - ref_loss) / abs(ref_loss),
+        "grad_rel_err": worst,
+        "worst_param": worst_name,  # type: ignore[dict-item]
+        "ref_loss": ref_loss,
+    }
+
+
+def _bshd_batch(seed: int, bsz: int, seq: int) -> dict[str, torch.Tensor]:
+    """Row 1 is left-padded by 3 tokens; labels are pre-shifted (labels[t] = ids[t+1])."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (bsz, seq), generator=g)
+    mask = torch.ones(bsz, seq, dtype=torch.long)
+    if bsz > 1:
+        mask[1, :3] = 0
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    labels[mask == 0] = -100
+    labels[:, :-1][mask[:, 1:] == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _reference_bshd(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], embeds: bool
+) -> tuple[float, dict[str, torch.Tensor]]:
+    ref = copy.deepcopy(model).double()
+    ref.zero_grad()
+    count = int((batch["labels"] != -100).sum())
+    if embeds:
+        inputs = {"inputs_embeds": ref.get_input_embeddings()(batch["input_ids"])}
+    else:
+        inputs = {"input_ids": batch["input_ids"]}
+    logits = ref(**inputs, attention_mask=batch["attention_mask"]).logits
+    loss = _token_loss_sum(logits, batch["labels"]) / count
+    loss.backward()
+    return float(loss.detach()), _grads(ref)
+
+
+def _cp_step(
+    model: torch.nn.Module, mesh: Any, batch: dict[str, Any], *, embeds: bool = False
+) -> tuple[float, dict[str, torch.Tensor], ContextParallelSharder]:
+    model.zero_grad()
+    batch = dict(batch)
+    if embeds:
+        # As a VLM passes it: embeddings that carry grad back to the embedding table.
+        batch["inputs_embeds"] = model.get_input_embeddings()(batch.pop("input_ids"))
+    sharder = ContextParallelSharder(model, mesh, padding_token_id=0)
+    train_ctx, local = sharder.shard(batch)
+    labels = local.pop("labels")
+    with train_ctx():
+        logits = model(**local).logits
+    count = sharder.num_label_tokens()
+    loss = _token_loss_sum(logits, labels) / count
+    loss.backward()
+    group = mesh.get_group()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    return float(total), _grads(model), sharder
+
+
+def _packed_batch(
+    real: list[list[int]], padded: list[list[int]] | None, seq: int, seed: int
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Rows of packed documents; returns the THD batch and each document's real tokens."""
+    g = torch.Generator().manual_seed(seed)
+    bsz = len(real)
+    ids = torch.zeros(bsz, seq, dtype=torch.long)
+    labels = torch.full((bsz, seq), -100, dtype=torch.long)
+    docs: list[torch.Tensor] = []
+    pads = padded if padded is not None else real
+    for b in range(bsz):
+        start = 0
+        for r_len, p_len in zip(real[b], pads[b], strict=True):
+            tok = torch.randint(1, VOCAB, (r_len,), generator=g)
+            ids[b, start : start + r_len] = tok
+            labels[b, start : start + r_len - 1] = tok[1:]
+            docs.append(tok)
+            start += p_len
+    width = max(len(r) for r in real)
+    seq_lens = torch.full((bsz, width), -1000)
+    seq_lens_padded = torch.full((bsz, width), -1000)
+    for b in range(bsz):
+        seq_lens[b, : len(real[b])] = torch.tensor(real[b])
+        seq_lens_padded[b, : len(pads[b])] = torch.tensor(pads[b])
+    batch: dict[str, Any] = {
+        "input_ids": ids,
+        "labels": labels,
+        "seq_lens": seq_lens,
+        "qkv_format": "thd",
+    }
+    if padded is not None:
+        batch["seq_lens_padded"] = seq_lens_padded
+    return batch, docs
+
+
+def _reference_docs(
+    model: torch.nn.Module, docs: list[torch.Tensor]
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """Each document run on its own (no packing at all), float64."""
+    ref = copy.deepcopy(model).double()
+    ref.zero_grad()
+    count = sum(int(d.numel()) - 1 for d in docs)
+    total = torch.zeros((), dtype=torch.float64)
+    for d in docs:
+        logits = ref(input_ids=d[None]).logits[0, :-1]
+        total = total + F.cross_entropy(logits, d[1:], reduction="sum")
+    loss = total / count
+    loss.backward()
+    return float(loss.detach()), _grads(ref)
+
+
+def hf_parity(rank: int, world_size: int, arch: str) -> dict[str, dict[str, float]]:
+    """Loss and all-reduced gradients of CP vs no-CP for BSHD, THD and inputs_embeds."""
+    torch.manual_seed(1234)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    model = tiny_model(arch)
+    results: dict[str, dict[str, float]] = {}
+
+    # (a) batch 2, length 13 (not divisible by 2*cp), left padding in row 1.
+    batch = _bshd_batch(seed=7, bsz=2, seq=13)
+    ref_loss, ref = _reference_bshd(model, batch, embeds=False)
+    loss, grads, sharder = _cp_step(model, mesh, batch)
+    results["bshd"] = _compare(loss, grads, ref_loss, ref)
+    results["bshd"]["padded_len"] = sharder.layout.padded_seq_len
+
+    # (c) inputs_embeds carrying grad into the embedding table.
+    loss, grads, _ = _cp_step(model, mesh, batch, embeds=True)
+    ref_loss, ref = _reference_bshd(model, batch, embeds=True)
+    results["embeds"] = _compare(loss, grads, ref_loss, ref)
+
+    # (b) packed documents: each padded to a multiple of 8 (TE's THD partition) ...
+    thd, docs = _packed_batch([[5, 7], [6, 3]], [[8, 8], [8, 8]], seq=16, seed=11)
+    ref_loss, ref = _reference_docs(model, docs)
+    loss, grads, sharder = _cp_step(model, mesh, thd)
+    results["thd_padded"] = _compare(loss, grads, ref_loss, ref)
+    results["thd_padded"]["layout"] = sharder.layout.kind.value  # type: ignore[assignment]
+
+    # ... and unpadded documents (head/tail over the stream with document masking).
+    thd, docs = _packed_batch([[5, 7, 4], [9, 3]], None, seq=16, seed=13)
+    ref_loss, ref = _reference_docs(model, docs)
+    loss, grads, sharder = _cp_step(model, mesh, thd)
+    results["thd_unpadded"] = _compare(loss, grads, ref_loss, ref)
+    results["thd_unpadded"]["layout"] = sharder.layout.kind.value  # type: ignore[assignment]
+    return results
+
+
+def token_verbs(rank: int, world_size: int) -> dict[str, float]:
+    """shard/gather round trips and gradient routing to owners, on BSHD and packed layouts."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    model = torch.nn.Linear(2, 2)  # no hook, no TE: portable family
+    out: dict[str, float] = {}
+    for case, batch in (
+        ("bshd", {"input_ids": torch.arange(2 * 11).reshape(2, 11)}),
+        (
+            "thd",
+            {
+                "input_ids": torch.arange(2 * 16).reshape(2, 16),
+                "seq_lens": torch.tensor([[8, 8], [16, -1]]),
+                "qkv_format": "thd",
+            },
+        ),
+    ):
+        sharder = ContextParallelSharder(model, mesh)
+        sharder.shard(batch)
+        layout = sharder.layout
+        g = torch.Generator().manual_seed(5)
+        rows = 2
+        seq = batch["input_ids"].shape[1]
+        x = torch.randn(rows, seq, 3, generator=g, dtype=torch.float64)
+        x_local = sharder.shard_token_tensor(x, fill=0.0).detach().requires_grad_(True)
+        back = sharder.gather_token_tensor(x_local, trim=True)
+        out[f"{case}_roundtrip_err"] = float((back.detach() - x).abs().max())
+        # Every rank weighs the gathered tensor differently; the gradient a token receives
+        # must be the sum over ranks of those weights at its global position.
+        full = sharder.gather_token_tensor(x_local)
+        weights = [
+            torch.randn(
+                full.shape, generator=torch.Generator().manual_seed(100 + r), dtype=torch.float64
+            )
+            for r in range(world_size)
+        ]
+        (full * weights[rank]).sum().backward()
+        expected = sum(weights).index_select(1, layout.local_token_global_indices)
+        out[f"{case}_grad_err"] = float((x_local.grad - expected).abs().max())
+        out[f"{case}_local_len"] = layout.local_seq_len
+    return out
+
+
+class _TinyAttention(torch.nn.Module):
+    """A plain PyTorch causal self-attention block calling SDPA (no transformers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.out = torch.nn.Linear(16, VOCAB)
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = self.emb(input_ids)
+        b, s, _ = h.shape
+        q, k, v = self.qkv(h).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(a.transpose(1, 2).reshape(b, s, 16) + h)
+
+
+def plain_sdpa_parity(rank: int, world_size: int) -> dict[str, float]:
+    """A non-transformers model: the SDPA override routes its causal attention through CP."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    model = _TinyAttention()
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, VOCAB, (2, 10), generator=g)
+    labels = torch.randint(0, VOCAB, (2, 10), generator=g)
+    ref = copy.deepcopy(model).double()
+    ref_loss = F.cross_entropy(ref(ids).reshape(-1, VOCAB), labels.reshape(-1))
+    ref_loss.backward()
+    sharder = ContextParallelSharder(model, mesh)
+    ctx, local = sharder.shard({"input_ids": ids, "labels": labels})
+    local_labels = local.pop("labels")
+    with ctx():
+        logits = model(**local)
+    restored = F.scaled_dot_product_attention.__module__
+    loss = _token_loss_sum(logits, local_labels) / sharder.num_label_tokens()
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    result = _compare(float(total), _grads(model), float(ref_loss.detach()), _grads(ref))
+    result["sdpa_restored"] = float(restored == "torch._C._nn" or "portable" not in restored)
+    return result
