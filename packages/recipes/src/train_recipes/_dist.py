@@ -1,0 +1,97 @@
+"""Process-group start-up for the recipes: gloo on CPU, NCCL on CUDA, one (dp, cp) mesh."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RankContext:
+    """Where this process sits in the job.
+
+    Attributes:
+        rank: global rank.
+        world_size: number of ranks (dp * cp).
+        device: this rank's device.
+        mesh: 2-D mesh ("dp", "cp").
+        dp_rank: index of this rank's data-parallel replica.
+        dp_size: number of data-parallel replicas.
+        cp_size: context-parallel degree.
+    """
+
+    rank: int
+    world_size: int
+    device: torch.device
+    mesh: DeviceMesh
+    dp_rank: int
+    dp_size: int
+    cp_size: int
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that prints and writes shared files."""
+        return self.rank == 0
+
+    def grad_mesh(self) -> DeviceMesh:
+        """The mesh gradients are averaged over: every rank holding a distinct part of the batch."""
+        if self.cp_size == 1:
+            return self.mesh["dp"]
+        return self.mesh["dp", "cp"]._flatten("dp_cp")
+
+
+def pick_device(preference: str) -> torch.device:
+    """ "auto" picks the local CUDA device when there is one, else the CPU."""
+    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.device='cuda' but CUDA is not available; use 'cpu' or 'auto'")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def init_distributed(*, device_preference: str, cp: int, timeout_s: float = 600.0) -> RankContext:
+    """Join (or create, for one process) the default process group and build the (dp, cp) mesh.
+
+    Works under torchrun (RANK/WORLD_SIZE/MASTER_ADDR set) and as a plain single process, where a
+    one-rank group on a local file store is created so the same code path runs everywhere.
+    """
+    device = pick_device(device_preference)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(
+                backend,
+                timeout=timedelta(seconds=timeout_s),
+                device_id=device if device.type == "cuda" else None,
+            )
+        else:
+            store = dist.HashStore()
+            dist.init_process_group(
+                backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=timeout_s)
+            )
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    if world % cp:
+        raise ValueError(f"parallel.cp={cp} does not divide the world size {world}")
+    dp = world // cp
+    mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
+    return RankContext(
+        rank=rank,
+        world_size=world,
+        device=device,
+        mesh=mesh,
+        dp_rank=mesh.get_local_rank("dp"),
+        dp_size=dp,
+        cp_size=cp,
+    )

@@ -1,0 +1,94 @@
+"""The one place where the recipes touch energon-sft's data API.
+
+Everything the recipes need from energon-sft goes through these functions, so an API change
+there is a change here only.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+# The batch fields a causal LM forward (plus our loss) needs, in energon-sft's SFTBatch names.
+_TEXT_FIELDS = ("input_ids", "labels", "attention_mask", "position_ids")
+
+
+def convert_chat_jsonl(jsonl: str | Path, out_dir: str | Path) -> Path:
+    """Chat JSONL -> a prepared Energon dataset, through energon-sft's converter."""
+    import energon_sft
+
+    convert = getattr(energon_sft, "convert_jsonl", None)
+    if convert is None:
+        raise ImportError(
+            "energon_sft does not export convert_jsonl (its documented JSONL -> Energon "
+            f"converter); installed energon-sft {energon_sft.__version__} is not the tested version"
+        )
+    return Path(convert(jsonl, out_dir))
+
+
+def build_encoder(
+    tokenizer: Any,
+    *,
+    model_family: str,
+    max_length: int,
+    train_on: str,
+    pad_to_multiple_of: int,
+    packing: bool,
+) -> Any:
+    """energon-sft's SFTTaskEncoder for this recipe."""
+    from energon_sft import SFTTaskEncoder
+
+    return SFTTaskEncoder(
+        tokenizer,
+        model_family=model_family,
+        max_length=max_length,
+        train_on=train_on,  # type: ignore[arg-type]
+        pad_to_multiple_of=pad_to_multiple_of,
+        packing_buffer_size=64 if packing else None,
+    )
+
+
+def build_loader(
+    path: str | Path,
+    *,
+    encoder: Any,
+    batch_size: int,
+    dp_rank: int,
+    dp_world_size: int,
+    num_workers: int,
+    seed: int,
+    shuffle: bool,
+) -> Any:
+    """energon-sft's savable loader for one data-parallel replica (state_dict/load_state_dict)."""
+    from energon_sft import build_sft_loader
+
+    return build_sft_loader(
+        str(path),
+        encoder=encoder,
+        batch_size=batch_size,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        num_workers=num_workers,
+        seed=seed,
+        shuffle=shuffle,
+    )
+
+
+def batch_tensors(batch: Any, device: torch.device) -> dict[str, Tensor]:
+    """The text fields of an energon-sft batch as a dict on ``device``.
+
+    ``labels`` are already shifted (``labels[:, t]`` is the target of position t, -100 where
+    untrained), which is what cp-sharder expects and what the token-sum loss uses directly.
+    """
+    out: dict[str, Tensor] = {}
+    for name in _TEXT_FIELDS:
+        value = batch[name] if isinstance(batch, dict) else getattr(batch, name)
+        out[name] = value.to(device)
+    out["attention_mask"] = out["attention_mask"].to(torch.long)
+    return out

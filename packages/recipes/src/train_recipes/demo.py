@@ -1,0 +1,176 @@
+"""The embedded demo: a learnable chat task with exact answers and a local character tokenizer.
+
+The task is deterministic from a seed, so the train and held-out splits are reproducible and
+disjoint (a question never appears in both).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ("<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+PAD, UNK, SYSTEM, USER, ASSISTANT, END = SPECIAL_TOKENS
+# A chat template in the usual Jinja form: every message is `<|role|>content<|end|>`; the
+# generation prompt is the assistant header, so greedy decoding starts right at the answer.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DemoSplit:
+    """Paths of a demo dataset written by :func:`write_demo_dataset`.
+
+    Attributes:
+        train_jsonl: training chats (JSONL, one ``{"messages": [...]}`` per line).
+        eval_jsonl: held-out chats; the last message is the reference answer.
+        energon_dir: the prepared Energon dataset of ``train_jsonl``.
+    """
+
+    train_jsonl: Path
+    eval_jsonl: Path
+    energon_dir: Path
+
+
+def build_char_tokenizer() -> Any:
+    """A character-level fast tokenizer with the demo chat template, built locally.
+
+    Every printable ASCII character is one token; the role markers are special tokens.
+
+    Returns:
+        A ``transformers.PreTrainedTokenizerFast``.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS) + chars)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()  # characters join back without spaces
+    core.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        unk_token=UNK,
+        eos_token=END,
+        bos_token=None,
+        clean_up_tokenization_spaces=False,
+        additional_special_tokens=[SYSTEM, USER, ASSISTANT],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def _question(task: str, rng: random.Random) -> tuple[str, str]:
+    if task == "addition":
+        a, b = rng.randrange(100), rng.randrange(100)
+        return f"{a}+{b}=", str(a + b)
+    if task == "reverse":
+        word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 6)))
+        return f"reverse {word}", word[::-1]
+    raise ValueError(f"unknown demo task {task!r}; expected 'addition' or 'reverse'")
+
+
+def demo_chats(
+    task: str, *, train_size: int, eval_size: int, seed: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Generate train and held-out chats; no held-out question occurs in the train split.
+
+    Returns:
+        (train, held_out), each a list of ``{"messages": [user, assistant]}`` rows.
+    """
+    rng = random.Random(seed)
+    held: dict[str, str] = {}
+    while len(held) < eval_size:
+        q, a = _question(task, rng)
+        held[q] = a
+    train: list[dict[str, Any]] = []
+    while len(train) < train_size:
+        q, a = _question(task, rng)
+        if q not in held:
+            train.append(_chat(q, a))
+    return train, [_chat(q, a) for q, a in held.items()]
+
+
+def _chat(question: str, answer: str) -> dict[str, Any]:
+    return {
+        "messages": [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": answer},
+        ]
+    }
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    tmp.replace(path)
+
+
+def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
+    """Rows of a JSONL file."""
+    with Path(path).open() as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def write_demo_dataset(
+    out_dir: str | Path,
+    *,
+    task: str = "addition",
+    train_size: int = 20000,
+    eval_size: int = 200,
+    seed: int = 0,
+) -> DemoSplit:
+    """Write the demo chats as JSONL and convert the train split to an Energon dataset.
+
+    Idempotent: an existing complete dataset with the same settings is reused.
+
+    Args:
+        out_dir: the folder to write (``train.jsonl``, ``eval.jsonl``, ``energon/``).
+        task: "addition" (two-digit sums) or "reverse" (reverse a 3-6 letter word).
+        train_size: training chats.
+        eval_size: held-out chats.
+        seed: generation seed.
+
+    Returns:
+        The written paths.
+    """
+    from train_recipes._integrations import convert_chat_jsonl
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    split = DemoSplit(
+        train_jsonl=out / "train.jsonl", eval_jsonl=out / "eval.jsonl", energon_dir=out / "energon"
+    )
+    stamp = out / "settings.json"
+    settings = {"task": task, "train_size": train_size, "eval_size": eval_size, "seed": seed}
+    if (
+        stamp.is_file()
+        and json.loads(stamp.read_text()) == settings
+        and (split.energon_dir / ".nv-meta").is_dir()
+    ):
+        logger.info("reusing the demo dataset in %s", out)
+        return split
+    train, held = demo_chats(task, train_size=train_size, eval_size=eval_size, seed=seed)
+    _write_jsonl(split.train_jsonl, train)
+    _write_jsonl(split.eval_jsonl, held)
+    convert_chat_jsonl(split.train_jsonl, split.energon_dir)
+    stamp.write_text(json.dumps(settings))
+    return split

@@ -1,0 +1,208 @@
+"""Models and tokenizers for the SFT recipe: build, unwrap, greedy-decode, export to HF format."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from train_recipes.config import SFTConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_tokenizer(config: SFTConfig) -> Any:
+    """The model's own tokenizer (``model.path``) or the demo character tokenizer."""
+    if config.model.path is None:
+        from train_recipes.demo import build_char_tokenizer
+
+        return build_char_tokenizer()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_model(config: SFTConfig, tokenizer: Any) -> nn.Module:
+    """Load ``model.path`` or build the random-init tiny Llama from ``model.tiny``.
+
+    Call after seeding: the tiny model's weights come from the global RNG.
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    dtype = _DTYPES[config.model.dtype]
+    if config.model.path is not None:
+        return AutoModelForCausalLM.from_pretrained(
+            config.model.path, dtype=dtype, attn_implementation=config.model.attn_implementation
+        )
+    tiny = config.model.tiny
+    hf_config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=tiny.hidden_size,
+        intermediate_size=tiny.intermediate_size or 3 * tiny.hidden_size,
+        num_hidden_layers=tiny.num_layers,
+        num_attention_heads=tiny.num_heads,
+        num_key_value_heads=tiny.num_kv_heads,
+        max_position_embeddings=max(64, 2 * config.data.max_length),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
+    hf_config._attn_implementation = config.model.attn_implementation
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a DDP wrapper (FSDP2 works in place, so it is returned as is)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+@torch.no_grad()
+def greedy_answers(
+    model: nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[list[dict[str, str]]],
+    *,
+    max_new_tokens: int,
+    device: torch.device,
+    batch_size: int = 64,
+    num_batches: int | None = None,
+) -> list[str]:
+    """Greedy-decode an answer for each chat prompt (messages without the final answer).
+
+    Decoding recomputes the whole right-padded sequence at every step: no attention mask and
+    no KV cache are needed (causal attention never sees the padding to the right), which keeps
+    it exact for any batch composition. Every rank runs exactly ``num_batches`` batches of
+    ``max_new_tokens`` forwards (padding the list with copies), so sharded models (FSDP2), whose
+    forward is collective, stay in lock-step.
+
+    Returns:
+        The decoded answer text of each prompt (up to the end-of-turn token).
+    """
+    was_training = model.training
+    model.eval()
+    end_id = tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_id
+    encoded = [
+        list(
+            tokenizer.apply_chat_template(
+                p, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for p in prompts
+    ]
+    needed = (len(encoded) + batch_size - 1) // batch_size
+    total_batches = needed if num_batches is None else num_batches
+    answers: list[str] = []
+    for b in range(total_batches):
+        chunk = encoded[b * batch_size : (b + 1) * batch_size] or [
+            encoded[0] if encoded else [pad_id]
+        ]
+        lengths = torch.tensor([len(x) for x in chunk])
+        width = int(lengths.max()) + max_new_tokens
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        for i, x in enumerate(chunk):
+            ids[i, : len(x)] = torch.tensor(x)
+        ids = ids.to(device)
+        cur = lengths.clone().to(device)
+        done = torch.zeros(len(chunk), dtype=torch.bool, device=device)
+        rows = torch.arange(len(chunk), device=device)
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=ids[:, : int(cur.max())]).logits  # [B, S, V]
+            nxt = logits[rows, cur - 1].argmax(-1)
+            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+            ids[rows, cur] = nxt
+            done |= nxt == end_id
+            cur = cur + 1
+        if b * batch_size < len(encoded):
+            for i in range(len(chunk)):
+                gen = ids[i, int(lengths[i]) :].tolist()
+                if end_id in gen:
+                    gen = gen[: gen.index(end_id)]
+                answers.append(tokenizer.decode(gen, skip_special_tokens=True))
+    model.train(was_training)
+    return answers
+
+
+def exact_match_accuracy(
+    model: nn.Module,
+    tokenizer: Any,
+    rows: Sequence[dict[str, Any]],
+    *,
+    max_new_tokens: int,
+    device: torch.device,
+    batch_size: int = 64,
+) -> float:
+    """Held-out exact-match accuracy by greedy decoding, split over all ranks (collective).
+
+    Args:
+        rows: chats whose last message is the reference assistant answer.
+
+    Returns:
+        The fraction of rows whose decoded answer equals the reference (stripped), same on
+        every rank.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mine = list(rows)[rank::world]
+    per_rank = (len(rows) + world - 1) // world
+    num_batches = max(1, (per_rank + batch_size - 1) // batch_size)
+    answers = greedy_answers(
+        model,
+        tokenizer,
+        [r["messages"][:-1] for r in mine],
+        max_new_tokens=max_new_tokens,
+        device=device,
+        batch_size=batch_size,
+        num_batches=num_batches,
+    )
+    correct = sum(a.strip() == r["messages"][-1]["content"].strip() for a, r in zip(answers, mine, strict=False))
+    counts = torch.tensor([correct, len(mine)], dtype=torch.float64, device=device)
+    if world > 1:
+        dist.all_reduce(counts)
+    return float(counts[0] / counts[1].clamp(min=1))
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The consolidated state dict of a plain, DDP or FSDP2 model on CPU (collective for FSDP2).
+
+    Only rank 0 gets the tensors for FSDP2 (others get an empty dict).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    inner = unwrap(model)
+    return get_model_state_dict(
+        inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+
+
+def export_hf(
+    model: nn.Module, tokenizer: Any, out_dir: str | Path, *, is_main: bool
+) -> Path | None:
+    """Write the model in Hugging Face format (config + safetensors + tokenizer) on rank 0.
+
+    Collective for FSDP2 (the shards are gathered first). Returns the directory on rank 0.
+    """
+    state = full_state_dict(model)
+    if not is_main:
+        return None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    inner: Any = unwrap(model)
+    inner.save_pretrained(out, state_dict=state, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    logger.info("exported the model to %s", out)
+    return out

@@ -1,0 +1,404 @@
+"""The SFT recipe: energon-sft data -> (cp-sharder) -> HF causal LM -> vocab-parallel token-sum
+loss -> train_engine.Engine (DDP or FSDP2), with metrics, checkpoints, resume and HF export.
+
+# B batch, S sequence, S_l local (cp-sharded) sequence, V vocabulary
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from train_recipes import _integrations as data_api
+from train_recipes._dist import RankContext, init_distributed
+from train_recipes.config import SFTConfig, to_dict
+from train_recipes.metrics import RunLogger, plot_loss
+from train_recipes.modeling import (
+    build_model,
+    exact_match_accuracy,
+    export_hf,
+    load_tokenizer,
+    unwrap,
+)
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+EXPORT_DIR = "hf_model"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SFTResult:
+    """What a finished run reports (identical on every rank).
+
+    Attributes:
+        output_dir: the run directory.
+        steps: optimizer steps done in total.
+        first_loss: the loss of the first logged step of this process.
+        last_loss: the loss of the last step.
+        accuracy_before: held-out exact match before training (None when not measured).
+        accuracy_after: held-out exact match after training.
+        export_dir: the Hugging Face export, when written.
+    """
+
+    output_dir: Path
+    steps: int
+    first_loss: float | None
+    last_loss: float | None
+    accuracy_before: float | None
+    accuracy_after: float | None
+    export_dir: Path | None
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run (saves are atomic: a listed one is whole)."""
+    root = Path(output_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return None
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and p.is_dir()
+    ]
+    return max(found)[1] if found else None
+
+
+def _prune_checkpoints(output_dir: Path, keep: int) -> None:
+    root = output_dir / CHECKPOINT_DIR
+    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
+    for _, path in found[:-keep] if keep > 0 else []:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _lr_lambda(config: SFTConfig) -> Any:
+    warmup, total, floor = config.optim.warmup_steps, config.train.steps, config.optim.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return max(floor, 1.0 - (1.0 - floor) * progress)
+
+    return factor
+
+
+def _prepare_data(config: SFTConfig, ctx: RankContext, out_dir: Path) -> tuple[Path, Path | None]:
+    """The Energon dataset path and the held-out JSONL (rank 0 writes the demo; others wait)."""
+    if config.data.path is not None:
+        eval_path = Path(config.data.eval_path) if config.data.eval_path else None
+        return Path(config.data.path), eval_path
+    from train_recipes.demo import write_demo_dataset
+
+    data_dir = out_dir / "data"
+    if ctx.is_main:
+        write_demo_dataset(
+            data_dir,
+            task=config.data.demo,
+            train_size=config.data.demo_train_size,
+            eval_size=config.data.demo_eval_size,
+            seed=config.train.seed,
+        )
+    dist.barrier()
+    return data_dir / "energon", data_dir / "eval.jsonl"
+
+
+def _dp_config(config: SFTConfig) -> Any:
+    from train_engine import DDPConfig, FSDP2Config
+
+    p = config.parallel
+    if p.data_parallel == "ddp":
+        k = p.ddp
+        return DDPConfig(
+            broadcast_buffers=k.broadcast_buffers,
+            find_unused_parameters=k.find_unused_parameters,
+            static_graph=k.static_graph,
+            bucket_cap_mb=k.bucket_cap_mb,
+            gradient_as_bucket_view=k.gradient_as_bucket_view,
+        )
+    dtypes = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+    return FSDP2Config(
+        reshard_after_forward=p.fsdp.reshard_after_forward,
+        param_dtype=dtypes[p.fsdp.param_dtype],
+        reduce_dtype=dtypes[p.fsdp.reduce_dtype],
+    )
+
+
+def _forever(loader: Any) -> Iterator[Any]:
+    while True:
+        yield from loader
+
+
+def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
+    """Run the SFT recipe on the already-launched ranks (or one process).
+
+    Args:
+        config: a validated config.
+        resume: continue from the newest checkpoint in ``train.output_dir`` (fresh start when
+            there is none).
+
+    Returns:
+        The run summary, identical on every rank.
+    """
+    from train_engine import Engine, LossWindow, apply_data_parallel, param_groups
+    from vocab_parallel import token_log_probs
+
+    train = config.train
+    ctx = init_distributed(device_preference=train.device, cp=config.parallel.cp)
+    out_dir = Path(train.output_dir)
+    if ctx.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    torch.manual_seed(train.seed)
+
+    dataset_path, eval_path = _prepare_data(config, ctx, out_dir)
+    tokenizer = load_tokenizer(config)
+    if ctx.is_main:
+        tokenizer.save_pretrained(out_dir / "tokenizer")
+    model = build_model(config, tokenizer).to(ctx.device)
+    model.train()
+    model = apply_data_parallel(
+        model,
+        mesh=ctx.grad_mesh(),
+        config=_dp_config(config),
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
+    )
+    optimizer = torch.optim.AdamW(
+        param_groups(model, weight_decay=config.optim.weight_decay),
+        lr=config.optim.lr,
+        betas=config.optim.betas,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
+    engine = Engine(
+        model,
+        optimizer,
+        scheduler,
+        max_grad_norm=config.optim.max_grad_norm,
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
+        # Token counts are per data-parallel replica: cp ranks of a replica count the same tokens.
+        dp_group=ctx.mesh["dp"].get_group(),
+    )
+    sharder = None
+    if ctx.cp_size > 1:
+        from cp_sharder import ContextParallelSharder
+
+        sharder = ContextParallelSharder(
+            unwrap(model), ctx.mesh["cp"], padding_token_id=int(tokenizer.pad_token_id)
+        )
+    encoder = data_api.build_encoder(
+        tokenizer,
+        model_family=config.data.model_family,
+        max_length=config.data.max_length,
+        train_on=config.data.train_on,
+        pad_to_multiple_of=2 * ctx.cp_size,
+        packing=config.data.packing,
+    )
+    # cp ranks of one replica build identical loaders (same dp rank, same seed): same batches.
+    loader = data_api.build_loader(
+        dataset_path,
+        encoder=encoder,
+        batch_size=config.data.micro_batch_size,
+        dp_rank=ctx.dp_rank,
+        dp_world_size=ctx.dp_size,
+        num_workers=config.data.num_workers,
+        seed=train.seed,
+        shuffle=config.data.shuffle,
+    )
+
+    start_step = 0
+    accuracy_before: float | None = None
+    ckpt = latest_checkpoint(out_dir) if resume else None
+    if ckpt is not None:
+        extra = engine.load_checkpoint(ckpt)
+        loader.load_state_dict(extra["loader"])
+        start_step = int(extra["step"])
+        accuracy_before = extra.get("accuracy_before")
+    eval_rows: list[dict[str, Any]] = []
+    if eval_path is not None and train.eval_samples > 0:
+        from train_recipes.demo import read_jsonl
+
+        eval_rows = list(read_jsonl(eval_path))[: train.eval_samples]
+    run_log = RunLogger(
+        out_dir,
+        enabled=ctx.is_main,
+        total_steps=train.steps,
+        start_step=start_step,
+        tensorboard=train.tensorboard,
+        desc=f"sft dp={ctx.dp_size} cp={ctx.cp_size}",
+    )
+    if ckpt is not None:
+        run_log.write(f"resumed from {ckpt} at step {start_step}")
+    if eval_rows and start_step == 0:
+        accuracy_before = exact_match_accuracy(
+            unwrap(model),
+            tokenizer,
+            eval_rows,
+            max_new_tokens=train.eval_max_new_tokens,
+            device=ctx.device,
+        )
+        run_log.write(
+            f"held-out exact match before training: {accuracy_before:.1%} ({len(eval_rows)} questions)"
+        )
+        run_log.log(0, {"eval/exact_match": accuracy_before})
+
+    window = LossWindow(train.loss_window)
+    batches = _forever(loader)
+    accum = train.gradient_accumulation_steps
+    first_loss: float | None = None
+    last_loss: float | None = None
+    seen = torch.zeros(2, dtype=torch.float64)  # [loss tokens, input tokens] since the last log
+    t_last = time.perf_counter()
+    for step in range(start_step + 1, train.steps + 1):
+        micro = [data_api.batch_tensors(next(batches), ctx.device) for _ in range(accum)]
+        local_tokens = sum(int((m["labels"] != -100).sum()) for m in micro)
+        # Contract (b): the window's loss tokens over all data-parallel replicas (counted before
+        # cp sharding, so every cp rank of a replica holds the same count).
+        num_tokens = engine.global_num_tokens(local_tokens)
+        step_loss = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        for batch in micro:
+            seen[1] += float(batch["attention_mask"].sum()) / ctx.cp_size
+            inputs = {
+                "input_ids": batch["input_ids"],
+                "position_ids": batch["position_ids"],
+                "labels": batch["labels"],
+            }
+            train_ctx: Any = None
+            if sharder is not None:
+                train_ctx, inputs = sharder.shard(inputs)
+            labels = inputs.pop("labels")
+            if train_ctx is not None:
+                with train_ctx():
+                    logits = engine(**inputs).logits  # [B, S_l, V]
+                    loss_sum = -token_log_probs(logits, labels).sum()
+            else:
+                logits = engine(**inputs).logits  # [B, S, V]
+                loss_sum = -token_log_probs(logits, labels).sum()
+            engine.backward(loss_sum, num_tokens=num_tokens)
+            step_loss += loss_sum.detach().to(torch.float64)
+            engine.step()
+        seen[0] += float(num_tokens) / ctx.world_size
+        # Each rank holds a part of the global token sum; scaled so the mean over all ranks is
+        # the exact global token-mean loss.
+        window.update(step_loss * ctx.world_size / num_tokens.to(step_loss.device, torch.float64))
+        if step % train.log_every == 0 or step == train.steps:
+            loss = window.last()
+            avg = window.average()
+            totals = seen.clone().to(ctx.device)
+            dist.all_reduce(totals)
+            now = time.perf_counter()
+            tokens_per_s = float(totals[1]) / max(now - t_last, 1e-9)
+            t_last = now
+            seen.zero_()
+            lr = scheduler.get_last_lr()[0]
+            grad_norm = engine.get_global_grad_norm()
+            first_loss = loss if first_loss is None else first_loss
+            last_loss = loss
+            record = {
+                "loss": loss,
+                "loss_avg_window": avg,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_s": tokens_per_s,
+                "loss_tokens": float(totals[0]),
+            }
+            run_log.log(step, record)
+            run_log.progress(
+                step,
+                {
+                    "loss": f"{loss:.4f}",
+                    "avg": f"{avg:.4f}",
+                    "tok/s": f"{tokens_per_s:.0f}",
+                    "lr": f"{lr:.2e}",
+                },
+            )
+        if train.checkpoint_every and step % train.checkpoint_every == 0 and step < train.steps:
+            engine.save_checkpoint(
+                out_dir / CHECKPOINT_DIR / f"step_{step:06d}",
+                extra_state={
+                    "loader": loader.state_dict(),
+                    "step": step,
+                    "accuracy_before": accuracy_before,
+                },
+            )
+            if ctx.is_main:
+                _prune_checkpoints(out_dir, train.keep_checkpoints)
+            dist.barrier()
+
+    accuracy_after: float | None = None
+    if eval_rows:
+        accuracy_after = exact_match_accuracy(
+            unwrap(model),
+            tokenizer,
+            eval_rows,
+            max_new_tokens=train.eval_max_new_tokens,
+            device=ctx.device,
+        )
+        run_log.log(train.steps, {"eval/exact_match": accuracy_after})
+    export_dir = None
+    if train.export:
+        export_dir = export_hf(model, tokenizer, out_dir / EXPORT_DIR, is_main=ctx.is_main)
+    run_log.close()
+    result = SFTResult(
+        output_dir=out_dir,
+        steps=train.steps,
+        first_loss=first_loss,
+        last_loss=last_loss,
+        accuracy_before=accuracy_before,
+        accuracy_after=accuracy_after,
+        export_dir=out_dir / EXPORT_DIR if train.export else None,
+    )
+    if ctx.is_main:
+        png = plot_loss(out_dir)
+        summary = {
+            "steps": train.steps,
+            "first_loss": first_loss,
+            "last_loss": last_loss,
+            "accuracy_before": accuracy_before,
+            "accuracy_after": accuracy_after,
+            "world_size": ctx.world_size,
+            "dp": ctx.dp_size,
+            "cp": ctx.cp_size,
+        }
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(_summary_table(summary, out_dir, png, export_dir), flush=True)
+    dist.barrier()
+    return result
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4f}" if math.isfinite(value) else str(value)
+    return str(value)
+
+
+def _summary_table(
+    summary: dict[str, Any], out_dir: Path, png: Path, export_dir: Path | None
+) -> str:
+    acc0, acc1 = summary["accuracy_before"], summary["accuracy_after"]
+    lines = [
+        "",
+        f"run            {out_dir}",
+        f"ranks          {summary['world_size']} (dp={summary['dp']}, cp={summary['cp']})",
+        f"steps          {summary['steps']}",
+        f"loss           {_fmt(summary['first_loss'])} -> {_fmt(summary['last_loss'])}",
+    ]
+    if acc0 is not None and acc1 is not None:
+        lines.append(f"exact match    {acc0:.1%} -> {acc1:.1%} (held-out, greedy)")
+    lines.append(f"loss curve     {png}")
+    if export_dir is not None:
+        lines.append(f"HF export      {export_dir}")
+    return "\n".join(lines)
