@@ -162,3 +162,16 @@ def build_dataset(
     ds = root / "ds"
     write_chat_shards(rows, ds, media_root=media, samples_per_shard=samples_per_shard)
     return prepare_dataset(ds)
+
+
+def batch_digest(batch: Any) -> str:
+    """sha256 over the content of a batch: ids, labels, pixels, grids, keys."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in (batch.input_ids, batch.labels, batch.image_grid_thw, batch.cu_seqlens):
+        h.update(t.contiguous().numpy().tobytes())
+    if batch.pixel_values is not None:
+        h.update(batch.pixel_values.contiguous().numpy().tobytes())
+    h.update(",".join(batch.source_ids).encode())
+    return h.hexdigest()

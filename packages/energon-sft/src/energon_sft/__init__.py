@@ -22,8 +22,11 @@ from energon_sft.families import (
     known_model_families,
     register_model_family,
 )
+from energon_sft.loader import LoaderOptions, SFTLoader, build_sft_loader
 from energon_sft.render import render_conversation
 from energon_sft.schema import ChatSample, MediaItem
+from energon_sft.state import StateMismatchError
+from energon_sft.topology import TopologyMapper, broadcast_batch, logical_shards_for
 
 __version__ = _version("energon-sft")
 
@@ -33,14 +36,20 @@ __all__ = [
     "ChatSample",
     "EncodedSample",
     "ImageFeatures",
+    "LoaderOptions",
     "MediaItem",
     "ModelFamilyAdapter",
     "Qwen25VLAdapter",
     "SFTBatch",
+    "SFTLoader",
     "SFTTaskEncoder",
+    "StateMismatchError",
     "TextAdapter",
     "TooManyBadSamplesError",
+    "TopologyMapper",
     "__version__",
+    "broadcast_batch",
+    "build_sft_loader",
     "check_cookers",
     "convert_jsonl",
     "cook_chat",
@@ -48,6 +57,7 @@ __all__ = [
     "default_cookers",
     "get_model_family",
     "known_model_families",
+    "logical_shards_for",
     "make_stateless_cooker",
     "prepare_dataset",
     "register_model_family",

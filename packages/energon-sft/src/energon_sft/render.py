@@ -66,7 +66,8 @@ def _render(
     *,
     generation_prompt: bool,
 ) -> str:
-    if not messages and not generation_prompt:
+    if not messages:
+        # HF refuses to render an empty conversation; nothing precedes the first turn.
         return ""
     text = tokenizer.apply_chat_template(
         messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
