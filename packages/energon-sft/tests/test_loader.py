@@ -100,7 +100,7 @@ def test_corrupt_or_hostile_payload_is_refused_before_unpickling(ds: Path, tok: 
     data = pickle.dumps(Evil())
     blob = torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
     evil = {"consumed": 0, "sha256": hashlib.sha256(data).hexdigest(), "state": blob}
-    with pytest.raises(pickle.UnpicklingError, match="refusing to unpickle builtins.print"):
+    with pytest.raises(pickle.UnpicklingError, match=r"refusing to unpickle builtins\.print"):
         _loader(ds, enc).load_state_dict({**state, "shards": {"0": evil}})
 
 

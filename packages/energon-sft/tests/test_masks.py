@@ -190,7 +190,7 @@ def test_vlm_image_tokens_grids_and_masks(tok: Any, proc: Any) -> None:
     pad = tok.convert_tokens_to_ids("<|image_pad|>")
     vs, ve = tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
     blocks, run = [], 0
-    for a, b in zip(ids, ids[1:] + [-1], strict=True):
+    for a, b in zip(ids, [*ids[1:], -1], strict=True):
         if a == pad:
             run += 1
             if b != pad:
