@@ -26,7 +26,13 @@ def _local_slice(case: Case, rank: int) -> slice:
     return slice(start, start + case.counts[rank])
 
 
-def _run_moe(case: Case, rank: int, dispatcher: Dispatcher) -> dict[str, Tensor]:
+def _run_moe(
+    case: Case,
+    rank: int,
+    dispatcher: Dispatcher,
+    device: str,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Tensor]:
     w = make_weights(case)
     moe = ExpertParallelMoE(
         MoEConfig(
@@ -41,15 +47,16 @@ def _run_moe(case: Case, rank: int, dispatcher: Dispatcher) -> dict[str, Tensor]
     with torch.no_grad():
         moe.router.weight.copy_(w.router)
     moe.load_experts(w.gate_up, w.down)
+    moe.to(device=device, dtype=dtype)
     rows = _local_slice(case, rank)
-    x = w.x[rows].clone().requires_grad_()
+    x = w.x[rows].to(device=device, dtype=dtype).requires_grad_()
     out, routing = moe.forward_with_routing(x)
-    (out * w.grad_out[rows]).sum().backward()
+    (out * w.grad_out[rows].to(device=device, dtype=dtype)).sum().backward()
     assert x.grad is not None and moe.router.weight.grad is not None
     assert moe.experts.gate_up_proj.grad is not None and moe.experts.down_proj.grad is not None
     router_grad = moe.router.weight.grad.clone()
     dist.all_reduce(router_grad)  # the router is replicated; each rank saw its own tokens
-    return {
+    result = {
         "out": out.detach(),
         "ids": routing.topk_ids,
         "x": x.grad,
@@ -57,32 +64,43 @@ def _run_moe(case: Case, rank: int, dispatcher: Dispatcher) -> dict[str, Tensor]
         "gate_up": moe.experts.gate_up_proj.grad,
         "down": moe.experts.down_proj.grad,
     }
+    return {
+        key: value.cpu() if key == "ids" else value.cpu().float() for key, value in result.items()
+    }
 
 
-def check_moe_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, Any]]:
+def check_moe_cases(
+    rank: int, world_size: int, cases: list[Case], device: str = "cpu"
+) -> list[dict[str, Any]]:
     """For each case: the plain all-to-all run, the equalized run, and dispatch statistics."""
     torch.manual_seed(1234 + rank)
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     results: list[dict[str, Any]] = []
     for case in cases:
         assert len(case.counts) == world_size
-        plain = _run_moe(case, rank, AllToAllDispatcher(None, case.experts))
+        plain = _run_moe(case, rank, AllToAllDispatcher(None, case.experts), device)
         padded = _run_moe(
-            case, rank, EqualizingDispatcher(AllToAllDispatcher(None, case.experts), alignment=4)
+            case,
+            rank,
+            EqualizingDispatcher(AllToAllDispatcher(None, case.experts), alignment=4),
+            device,
         )
-        results.append({"plain": plain, "padded": padded, "stats": _equalize_stats(case, rank)})
+        stats = _equalize_stats(case, rank, device)
+        results.append({"plain": plain, "padded": padded, "stats": stats})
     return results
 
 
-def _equalize_stats(case: Case, rank: int) -> dict[str, Any]:
+def _equalize_stats(case: Case, rank: int, device: str) -> dict[str, Any]:
     """Dispatch the padded tokens directly and report what reached the experts."""
     w = make_weights(case)
     rows = _local_slice(case, rank)
-    x = w.x[rows]
-    probs = torch.softmax(x @ w.router.t(), dim=-1)
+    x = w.x[rows].to(device)
+    probs = torch.softmax(x @ w.router.t().to(device), dim=-1)
     weights, ids = torch.topk(probs, case.top_k, dim=-1)
     padded = equalize_token_counts(x, ids, weights, alignment=4)
     fixed = equalize_token_counts(
-        x, ids, weights, padded_size=padded_token_count(x.shape[0], alignment=8)
+        x, ids, weights, padded_size=padded_token_count(x.shape[0], alignment=8, device=x.device)
     )
     dispatcher = AllToAllDispatcher(None, case.experts)
     # Mark padding rows so any that reached an expert would be visible.
@@ -97,11 +115,11 @@ def _equalize_stats(case: Case, rank: int) -> dict[str, Any]:
         "fixed_size": fixed.padded_size,
         "nan_rows_at_experts": int(torch.isnan(expert_input).any(dim=1).sum()),
         "rows_at_experts": int(expert_input.shape[0]),
-        "counts": counts,
-        "load_padded": expert_load(padded.topk_ids, case.experts),
-        "load_real": expert_load(ids, case.experts),
-        "pad_ids": padded.topk_ids[padded.num_tokens :],
-        "pad_weights": padded.topk_weights[padded.num_tokens :],
+        "counts": counts.cpu(),
+        "load_padded": expert_load(padded.topk_ids, case.experts).cpu(),
+        "load_real": expert_load(ids, case.experts).cpu(),
+        "pad_ids": padded.topk_ids[padded.num_tokens :].cpu(),
+        "pad_weights": padded.topk_weights[padded.num_tokens :].cpu(),
     }
 
 
@@ -127,3 +145,13 @@ def check_hf_conversion(rank: int, world_size: int, seed: int) -> dict[str, Tens
             got = moe(x)[0]
         out[kind] = (got - want).abs().max() if got.numel() else torch.tensor(0.0)
     return out
+
+
+def check_hybrid_ep(rank: int, world_size: int, case: Case) -> dict[str, dict[str, Tensor]]:
+    """bf16 MoE through HybridEP and through the NCCL all-to-all, same weights and tokens."""
+    from moe_dispatch import HybridEPDispatcher
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    a2a = _run_moe(case, rank, AllToAllDispatcher(None, case.experts), "cuda", torch.bfloat16)
+    hybrid = _run_moe(case, rank, HybridEPDispatcher(None, case.experts), "cuda", torch.bfloat16)
+    return {"a2a": a2a, "hybrid": hybrid}

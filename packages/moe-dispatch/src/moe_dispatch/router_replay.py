@@ -106,6 +106,7 @@ class RouterReplay:
             ValueError: a router has no layer id, or two routers share one.
         """
         bound: dict[int, str] = {}
+        routers: list[nn.Module] = []
         for model in models:
             for name, module in model.named_modules():
                 if not (hasattr(module, "router_replay") and hasattr(module, "layer_id")):
@@ -122,7 +123,9 @@ class RouterReplay:
                         "layer ids must be unique across all bound model parts"
                     )
                 bound[layer_id] = name
-                module.router_replay = self
+                routers.append(module)
+        for module in routers:  # only after every check passed: binding is all or nothing
+            module.router_replay = self
         return sorted(bound)
 
     @contextlib.contextmanager
