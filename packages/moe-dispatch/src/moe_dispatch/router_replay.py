@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -106,7 +106,7 @@ class RouterReplay:
             ValueError: a router has no layer id, or two routers share one.
         """
         bound: dict[int, str] = {}
-        routers: list[nn.Module] = []
+        routers: list[Any] = []
         for model in models:
             for name, module in model.named_modules():
                 if not (hasattr(module, "router_replay") and hasattr(module, "layer_id")):
