@@ -33,10 +33,14 @@ def _fake_model_and_data(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def _world_for(path: Path) -> int:
-    return {"qwen-8gpu-cp2.yaml": 8, "demo-cpu-cp2.yaml": 4, "llama-1b5-1gpu.yaml": 1}.get(path.name, 2)
+    return {"qwen-8gpu-cp2.yaml": 8, "demo-cpu-cp2.yaml": 4, "llama-1b5-1gpu.yaml": 1}.get(
+        path.name, 2
+    )
 
 
-@pytest.mark.skipif(not CONFIGS.is_dir(), reason="configs/ folder not present (installed-wheel run)")
+@pytest.mark.skipif(
+    not CONFIGS.is_dir(), reason="configs/ folder not present (installed-wheel run)"
+)
 def test_every_shipped_config_loads_and_validates(tmp_path: Path) -> None:
     files = sorted(CONFIGS.glob("*.yaml"))
     assert len(files) >= 5, files
@@ -119,11 +123,14 @@ def test_bad_yaml_key_names_the_nested_key(tmp_path: Path) -> None:
 def test_bad_retrieval_config_names_the_key() -> None:
     with pytest.raises(ConfigError) as info:
         validate_retrieval(
-            load_config(RetrievalConfig, None, ["train.gradient_accumulation_steps=2"]), world_size=2
+            load_config(RetrievalConfig, None, ["train.gradient_accumulation_steps=2"]),
+            world_size=2,
         )
     assert info.value.key == "train.gradient_accumulation_steps"
     with pytest.raises(ConfigError) as info:
-        validate_retrieval(load_config(RetrievalConfig, None, ["model.temperature=0"]), world_size=1)
+        validate_retrieval(
+            load_config(RetrievalConfig, None, ["model.temperature=0"]), world_size=1
+        )
     assert info.value.key == "model.temperature"
 
 

@@ -64,6 +64,7 @@ def build_loader(
     num_workers: int,
     seed: int,
     shuffle: bool,
+    num_logical_shards: int | None,
 ) -> Any:
     """energon-sft's savable loader for one data-parallel replica (state_dict/load_state_dict)."""
     from energon_sft import build_sft_loader
@@ -77,6 +78,7 @@ def build_loader(
         num_workers=num_workers,
         seed=seed,
         shuffle=shuffle,
+        num_logical_shards=num_logical_shards,
     )
 
 

@@ -47,7 +47,7 @@ class TinyModelConfig:
         intermediate_size: MLP width; None means 3*H.
     """
 
-    hidden_size: int = 128
+    hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 4
@@ -88,6 +88,9 @@ class DataConfig:
         max_length: maximum tokens per sample after the chat template.
         micro_batch_size: samples per data-parallel rank per micro-batch.
         num_workers: Energon loader worker processes per rank.
+        num_logical_shards: fixed loader shards (energon-sft); None = the dp size. A fixed
+            number lets a run resume on another dp size that divides it, and makes the global
+            batch independent of how it is split over dp ranks and accumulation steps.
         shuffle: shuffle the stream (False gives a repeatable order).
         packing: pack several samples into one sequence.
         train_on: "all_assistant" turns or only the "final_assistant" one.
@@ -99,9 +102,10 @@ class DataConfig:
     demo_eval_size: int = 200
     eval_path: str | None = None
     model_family: str = "text"
-    max_length: int = 64
-    micro_batch_size: int = 16
+    max_length: int = 32
+    micro_batch_size: int = 32
     num_workers: int = 0
+    num_logical_shards: int | None = None
     shuffle: bool = True
     packing: bool = False
     train_on: Literal["all_assistant", "final_assistant"] = "all_assistant"
@@ -193,17 +197,17 @@ class TrainConfig:
         tensorboard: write TensorBoard event files.
     """
 
-    steps: int = 500
+    steps: int = 1000
     gradient_accumulation_steps: int = 1
     seed: int = 0
     output_dir: str = "runs/sft"
-    log_every: int = 10
+    log_every: int = 25
     loss_window: int = 50
-    checkpoint_every: int = 0
+    checkpoint_every: int = 250
     keep_checkpoints: int = 2
     device: Literal["auto", "cpu", "cuda"] = "auto"
     eval_samples: int = 200
-    eval_max_new_tokens: int = 8
+    eval_max_new_tokens: int = 6
     export: bool = True
     tensorboard: bool = True
 
@@ -380,7 +384,9 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             return tuple(_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
         if len(value) != len(args):
             raise ConfigError(key, f"expected {len(args)} values, got {len(value)}")
-        return tuple(_convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=False)))
+        return tuple(
+            _convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=False))
+        )
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(key, f"expected true or false, got {value!r}")
@@ -546,6 +552,14 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
         raise ConfigError("train.steps", f"must be >= 1, got {train.steps}")
     if data.micro_batch_size < 1:
         raise ConfigError("data.micro_batch_size", f"must be >= 1, got {data.micro_batch_size}")
+    if data.num_logical_shards is not None and data.num_logical_shards % (
+        world_size // (config.parallel.cp * config.parallel.tp) or 1
+    ):
+        raise ConfigError(
+            "data.num_logical_shards",
+            f"{data.num_logical_shards} logical shards cannot be split evenly over "
+            f"dp={world_size // (config.parallel.cp * config.parallel.tp)} replicas",
+        )
     if data.max_length < 2:
         raise ConfigError("data.max_length", f"must be >= 2, got {data.max_length}")
     if data.path is not None and not (Path(data.path) / ".nv-meta").is_dir():
@@ -561,12 +575,6 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
             "model.path",
             f"{model.path} is not a local Hugging Face model directory (no config.json); "
             f"download it first (e.g. `hf download ORG/NAME --local-dir DIR`)",
-        )
-    if model.path is None and data.path is not None:
-        raise ConfigError(
-            "model.path",
-            "a custom data.path needs a model with its own tokenizer; set model.path "
-            "(the random-init tiny model only knows the demo tokenizer)",
         )
     tiny = model.tiny
     if tiny.hidden_size % tiny.num_heads or tiny.num_heads % tiny.num_kv_heads:

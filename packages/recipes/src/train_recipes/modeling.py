@@ -169,7 +169,10 @@ def exact_match_accuracy(
         batch_size=batch_size,
         num_batches=num_batches,
     )
-    correct = sum(a.strip() == r["messages"][-1]["content"].strip() for a, r in zip(answers, mine, strict=False))
+    correct = sum(
+        a.strip() == r["messages"][-1]["content"].strip()
+        for a, r in zip(answers, mine, strict=False)
+    )
     counts = torch.tensor([correct, len(mine)], dtype=torch.float64, device=device)
     if world > 1:
         dist.all_reduce(counts)
@@ -184,9 +187,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     inner = unwrap(model)
-    return get_model_state_dict(
+    state = get_model_state_dict(
         inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
+    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
 def export_hf(

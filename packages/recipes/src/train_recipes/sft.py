@@ -52,6 +52,7 @@ class SFTResult:
         accuracy_before: held-out exact match before training (None when not measured).
         accuracy_after: held-out exact match after training.
         export_dir: the Hugging Face export, when written.
+        model: the trained model (unwrapped from DDP; FSDP2 models stay sharded).
     """
 
     output_dir: Path
@@ -61,6 +62,7 @@ class SFTResult:
     accuracy_before: float | None
     accuracy_after: float | None
     export_dir: Path | None
+    model: torch.nn.Module
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -215,6 +217,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         num_workers=config.data.num_workers,
         seed=train.seed,
         shuffle=config.data.shuffle,
+        num_logical_shards=config.data.num_logical_shards,
     )
 
     start_step = 0
@@ -358,6 +361,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         accuracy_before=accuracy_before,
         accuracy_after=accuracy_after,
         export_dir=out_dir / EXPORT_DIR if train.export else None,
+        model=unwrap(model),
     )
     if ctx.is_main:
         png = plot_loss(out_dir)

@@ -1,0 +1,35 @@
+"""Rank functions for the recipes' distributed tests (a light module: ranks re-import it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def run_sft_on_rank(
+    rank: int, world_size: int, overrides: list[str], probe: list[list[int]]
+) -> dict[str, Any]:
+    """Run the SFT recipe on this rank; rank 0 returns the logged losses and probe logits."""
+    from train_recipes.config import SFTConfig, load_config, validate_sft
+    from train_recipes.sft import run_sft
+
+    config = load_config(SFTConfig, None, overrides)
+    validate_sft(config, world_size=world_size)
+    result = run_sft(config)
+    if rank != 0:
+        return {}
+    rows = [json.loads(x) for x in (Path(config.train.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    with torch.no_grad():
+        result.model.eval()
+        logits = result.model(input_ids=torch.tensor(probe)).logits
+    return {
+        "losses": losses,
+        "logits": logits,
+        "accuracy_before": result.accuracy_before,
+        "accuracy_after": result.accuracy_after,
+        "export_dir": str(result.export_dir),
+    }

@@ -1,0 +1,18 @@
+"""Shared fixtures: one small demo dataset for the session (generation + energon prepare once)."""
+
+from __future__ import annotations
+
+import pytest
+
+from train_recipes.demo import DemoSplit, write_demo_dataset
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory: pytest.TempPathFactory) -> DemoSplit:
+    return write_demo_dataset(
+        tmp_path_factory.mktemp("demo") / "data", task="addition", train_size=4000, eval_size=64, seed=0
+    )
+
+
+def data_overrides(split: DemoSplit) -> list[str]:
+    return [f"data.path={split.energon_dir}", f"data.eval_path={split.eval_jsonl}"]

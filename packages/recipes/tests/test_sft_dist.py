@@ -1,0 +1,76 @@
+"""The SFT recipe on 2 gloo ranks: dp x cp composition, and the HF export of the trained model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _recipes_workers import run_sft_on_rank
+from conftest import data_overrides
+
+from train_recipes.demo import DemoSplit
+
+PROBE = [[3, 23, 24, 17, 25, 35, 5, 4], [3, 30, 31, 17, 22, 22, 35, 5]]
+
+
+def _common(split: DemoSplit, out: Path) -> list[str]:
+    return [
+        *data_overrides(split),
+        f"train.output_dir={out}",
+        "train.steps=12",
+        "train.log_every=1",
+        "train.checkpoint_every=0",
+        "train.eval_samples=0",
+        "train.tensorboard=false",
+        "train.device=cpu",
+        "data.micro_batch_size=8",
+        "data.num_logical_shards=2",
+        "data.shuffle=false",
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_dp_and_cp_reach_the_same_losses_and_export_matches(
+    rank_pool: object, demo_data: DemoSplit, tmp_path: Path
+) -> None:
+    """dp=2,cp=1 (accumulation 1) and dp=1,cp=2 (accumulation 2) see the same global batches
+    (two logical loader shards), so with the token-sum loss they must follow the same losses."""
+    dp_run = rank_pool.run(  # type: ignore[attr-defined]
+        2,
+        run_sft_on_rank,
+        [*_common(demo_data, tmp_path / "dp2"), "parallel.cp=1", "train.export=true"],
+        PROBE,
+        timeout_s=240,
+    )[0]
+    cp_run = rank_pool.run(  # type: ignore[attr-defined]
+        2,
+        run_sft_on_rank,
+        [
+            *_common(demo_data, tmp_path / "cp2"),
+            "parallel.cp=2",
+            "train.gradient_accumulation_steps=2",
+            "train.export=false",
+        ],
+        PROBE,
+        timeout_s=240,
+    )[0]
+    dp_losses, cp_losses = dp_run["losses"], cp_run["losses"]
+    assert sorted(dp_losses) == sorted(cp_losses) == list(range(1, 13))
+    steps = sorted(dp_losses)
+    a = torch.tensor([dp_losses[s] for s in steps], dtype=torch.float64)
+    b = torch.tensor([cp_losses[s] for s in steps], dtype=torch.float64)
+    torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-5, msg=lambda m: f"dp vs cp losses\n{a}\n{b}\n{m}")
+    assert a[-1] < a[0], f"loss did not go down: {a.tolist()}"
+
+    # The exported folder loads with from_pretrained and reproduces the trained model's logits.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = Path(dp_run["export_dir"])
+    assert (export / "model.safetensors").is_file()
+    model = AutoModelForCausalLM.from_pretrained(export).eval()
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    assert tokenizer.chat_template
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROBE)).logits
+    torch.testing.assert_close(logits, dp_run["logits"], rtol=1e-5, atol=1e-5)
