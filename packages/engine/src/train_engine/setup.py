@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -146,13 +147,18 @@ def _apply_ddp(
         )
     device = devices.pop()
     kwargs: dict[str, object] = {}
+    # torch >= 2.12 renamed the forward-time buffer broadcast to forward_sync_buffers (and warns
+    # on the old name); 2.11 only knows broadcast_buffers. Both mean "sync buffers every forward".
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        kwargs["forward_sync_buffers"] = config.broadcast_buffers
+    else:
+        kwargs["broadcast_buffers"] = config.broadcast_buffers
     if config.bucket_cap_mb is not None:
         kwargs["bucket_cap_mb"] = config.bucket_cap_mb
     return DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         process_group=mesh.get_group(),
-        broadcast_buffers=config.broadcast_buffers,
         find_unused_parameters=config.find_unused_parameters,
         static_graph=config.static_graph,
         gradient_as_bucket_view=config.gradient_as_bucket_view,
