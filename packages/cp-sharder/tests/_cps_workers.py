@@ -326,3 +326,128 @@ def plain_sdpa_parity(rank: int, world_size: int) -> dict[str, float]:
     result = _compare(float(total), _grads(model), float(ref_loss.detach()), _grads(ref))
     result["sdpa_restored"] = float(restored == "torch._C._nn" or "portable" not in restored)
     return result
+
+
+def no_context_control(rank: int, world_size: int) -> dict[str, Any]:
+    """Negative control: the sharded batch run WITHOUT train_ctx must fail the parity check."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    model = tiny_model("llama")
+    batch = _bshd_batch(seed=7, bsz=2, seq=13)
+    ref_loss, ref = _reference_bshd(model, batch, embeds=False)
+    model.zero_grad()
+    sharder = ContextParallelSharder(model, mesh)
+    _, local = sharder.shard(batch)
+    labels = local.pop("labels")
+    logits = model(**local).logits  # local attention only: tokens miss other ranks' keys
+    loss = _token_loss_sum(logits, labels) / sharder.num_label_tokens()
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return _compare(float(total), _grads(model), ref_loss, ref)
+
+
+def batch_prep(rank: int, world_size: int) -> dict[str, Any]:
+    """Gathered (untrimmed) padded tensors, to check the pad fills and rotary handling."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+
+    class Model(torch.nn.Module):
+        def forward(
+            self,
+            input_ids: torch.Tensor,
+            position_ids: torch.Tensor,
+            padding_mask: torch.Tensor,
+            teacher: torch.Tensor,
+        ) -> None:
+            return None
+
+    ids = torch.arange(1, 2 * 7 + 1).reshape(2, 7)
+    labels = ids + 100
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mrope = torch.stack([torch.arange(7).expand(2, 7) * (a + 1) for a in range(3)])  # [3, B, S]
+    teacher = torch.randn(2, 7, 5, generator=torch.Generator().manual_seed(1))
+    sharder = ContextParallelSharder(
+        Model(), mesh, padding_token_id=-7, extra_seq_buffers={"teacher": 1}
+    )
+    _, local = sharder.shard(
+        {
+            "input_ids": ids,
+            "labels": labels,
+            "attention_mask": mask,
+            "padding_mask": mask == 0,
+            "position_ids": mrope,
+            "teacher": teacher,
+        }
+    )
+    g = sharder.gather_token_tensor
+    return {
+        "keys": sorted(local),
+        "ids": g(local["input_ids"]),
+        "labels": g(local["labels"]),
+        "padding_mask": g(local["padding_mask"]),
+        "attention_mask": g(sharder.local_buffers["attention_mask"]),
+        "position_ids": g(local["position_ids"], seq_dim=2),
+        "teacher": g(local["teacher"], trim=True),
+        "teacher_in": teacher,
+        "local_ids": local["input_ids"],
+        "indices": sharder.layout.local_token_global_indices,
+    }
+
+
+def disagreeing_batches(rank: int, world_size: int) -> str:
+    """Ranks passing different batches must all raise, none may hang."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    sharder = ContextParallelSharder(torch.nn.Linear(2, 2), mesh)
+    seq = 8 if rank == 0 else 12
+    try:
+        sharder.shard({"input_ids": torch.ones(1, seq, dtype=torch.long)})
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def mesh_errors(rank: int, world_size: int) -> list[str]:
+    """A cp mesh whose group disagrees with it, and TE attention without TE installed."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    messages = []
+
+    class WrongSizeMesh:
+        ndim = 1
+        mesh_dim_names = ("cp",)
+
+        def get_group(self) -> Any:
+            return mesh.get_group()
+
+        def size(self) -> int:
+            return world_size + 1
+
+        def get_local_rank(self) -> int:
+            return rank
+
+    class WrongRankMesh(WrongSizeMesh):
+        def size(self) -> int:
+            return world_size
+
+        def get_local_rank(self) -> int:
+            return (rank + 1) % world_size
+
+    for bad in (WrongSizeMesh(), WrongRankMesh()):
+        try:
+            ContextParallelSharder(torch.nn.Linear(2, 2), bad)
+            messages.append("no error")
+        except ValueError as err:
+            messages.append(str(err))
+
+    class TEAttention(torch.nn.Module):
+        def set_context_parallel_group(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    TEAttention.__module__ = "transformer_engine.pytorch.attention"
+    model = torch.nn.Sequential(TEAttention())
+    try:
+        ContextParallelSharder(model, mesh).shard({"input_ids": torch.ones(1, 8, dtype=torch.long)})
+        messages.append("no error")
+    except ImportError as err:
+        messages.append(str(err))
+    return messages

@@ -260,6 +260,12 @@ class ContextParallelSharder:
             if name not in batch:
                 raise KeyError(f"extra_seq_buffers names {name!r} but the batch has no such key")
             seq_dims[name] = dim
+        mask = batch.get("attention_mask")
+        if mask is not None and mask.dim() != 2:
+            raise ValueError(
+                f"attention_mask must be a [B, S] padding mask, got shape {tuple(mask.shape)}; "
+                "the sharder builds the attention pattern itself"
+            )
         pos = batch.get("position_ids")
         if pos is not None and pos.dim() == 3:
             seq_dims["position_ids"] = 2  # multi-axis rotary [3, B, S]
@@ -334,13 +340,7 @@ class ContextParallelSharder:
             doc_ids = _docs_from_positions(tensors["position_ids"])
         key_valid = None
         if "attention_mask" in tensors:
-            mask = tensors["attention_mask"]
-            if mask.dim() != 2:
-                raise ValueError(
-                    f"attention_mask must be a [B, S] padding mask, got shape {tuple(mask.shape)}; "
-                    "the sharder builds the attention pattern itself"
-                )
-            key_valid = mask.bool()
+            key_valid = tensors["attention_mask"].bool()
         return _Prepared(
             tensors=tensors,
             seq_dims=seq_dims,
