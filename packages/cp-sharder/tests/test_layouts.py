@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -58,7 +60,7 @@ def _te_kernel_reference(cu: list[int], total: int, world: int, rank: int) -> li
 def _per_sequence_chunks(cu: list[int], world: int, rank: int) -> list[int]:
     """The documented meaning: per sequence, chunk r then chunk 2W-1-r."""
     out: list[int] = []
-    for start, end in zip(cu[:-1], cu[1:], strict=True):
+    for start, end in itertools.pairwise(cu):
         chunk = (end - start) // (2 * world)
         out += range(start + rank * chunk, start + (rank + 1) * chunk)
         tail = start + (2 * world - 1 - rank) * chunk
