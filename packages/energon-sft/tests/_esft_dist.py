@@ -1,0 +1,80 @@
+"""Rank functions for energon-sft's distributed tests (spawned ranks import this module)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def check_zero_token_global_batch(rank: int, world_size: int) -> dict[str, Any]:
+    """Token-mean loss vs a float64 single-process reference; then an all-zero global batch."""
+    from energon_sft.loss import global_trainable_tokens, token_mean_loss
+
+    gen = torch.Generator().manual_seed(100)
+    losses = torch.rand(world_size, 3, 5, generator=gen, dtype=torch.float64)
+    masks = (torch.rand(world_size, 3, 5, generator=gen) > 0.5).to(torch.float64)
+    masks[0] = 0  # rank 0 alone has no target: fine, the global count is not zero
+    ref = (losses * masks).sum() / masks.sum()
+    mine = losses[rank].clone().requires_grad_(True)
+    total = global_trainable_tokens(masks[rank], group=dist.group.WORLD)
+    loss = token_mean_loss(mine, masks[rank], total)
+    summed = loss.detach().clone()
+    dist.all_reduce(summed)
+    zero_in = losses[rank].clone().requires_grad_(True)
+    zero_total = global_trainable_tokens(torch.zeros(3, 5), group=dist.group.WORLD)
+    zero = token_mean_loss(zero_in, torch.zeros(3, 5), zero_total)
+    zero.backward()
+    loss.backward()
+    return {
+        "total": total,
+        "ref_total": int(masks.sum().item()),
+        "err": abs(summed.item() - ref.item()),
+        "zero_total": zero_total,
+        "zero_loss": zero.item(),
+        "zero_grad_finite_zero": bool((zero_in.grad == 0).all()),
+        "grad_ok": bool(torch.allclose(mine.grad, masks[rank] / masks.sum())),
+    }
+
+
+def check_owner_broadcast(rank: int, world_size: int, ds: str) -> dict[str, Any]:
+    """dp = world/2, tp=2: each replica's owner runs the loader and broadcasts to its tp peer."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _esft_data import batch_digest, build_tokenizer
+    from energon_sft import SFTTaskEncoder, TopologyMapper, broadcast_batch, build_sft_loader
+
+    mapper = TopologyMapper(dp=world_size // 2, tp=2)
+    group = mapper.new_replica_group()
+    dp_rank = mapper.dp_rank(rank)
+    digests = []
+    batch = None
+    it = None
+    if mapper.is_loader_owner(rank):
+        enc = SFTTaskEncoder(build_tokenizer(), model_family="text", max_length=128)
+        loader = build_sft_loader(
+            ds,
+            encoder=enc,
+            batch_size=2,
+            dp_rank=dp_rank,
+            dp_world_size=world_size // 2,
+            num_workers=0,
+            seed=5,
+        )
+        it = iter(loader)
+    for _ in range(3):
+        batch = next(it) if it is not None else None
+        got = broadcast_batch(batch, mapper=mapper, group=group)
+        digests.append(batch_digest(got))
+    dist.destroy_process_group(group)
+    return {
+        "dp_rank": dp_rank,
+        "owner": mapper.is_loader_owner(rank),
+        "digests": digests,
+        "hash": hashlib.sha256("".join(digests).encode()).hexdigest(),
+        "placement": mapper.placement_hash(),
+    }
