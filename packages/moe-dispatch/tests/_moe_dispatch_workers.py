@@ -155,3 +155,42 @@ def check_hybrid_ep(rank: int, world_size: int, case: Case) -> dict[str, dict[st
     a2a = _run_moe(case, rank, AllToAllDispatcher(None, case.experts), "cuda", torch.bfloat16)
     hybrid = _run_moe(case, rank, HybridEPDispatcher(None, case.experts), "cuda", torch.bfloat16)
     return {"a2a": a2a, "hybrid": hybrid}
+
+
+def check_failures_are_agreed(rank: int, world_size: int) -> list[Any]:
+    """Bad input on one rank makes every rank raise (no hang); the group stays usable."""
+    from moe_dispatch import RouterReplay
+
+    torch.manual_seed(rank)
+    experts, hidden = 4, 6
+    messages: list[Any] = []
+    dispatcher = AllToAllDispatcher(None, experts)
+    ids = torch.zeros(3, 2, dtype=torch.long)
+    if rank == 1:
+        ids[0, 0] = experts  # out of range on rank 1 only
+    try:
+        dispatcher.dispatch(torch.randn(3, hidden), ids, torch.rand(3, 2))
+        messages.append(None)
+    except ValueError as err:
+        messages.append(str(err))
+    moe = ExpertParallelMoE(
+        MoEConfig(
+            hidden_size=hidden, intermediate_size=5, num_experts=experts, top_k=2, layer_id=0
+        ),
+        dispatcher=EqualizingDispatcher(AllToAllDispatcher(None, experts)),
+    )
+    replay = RouterReplay()
+    replay.bind(moe)
+    routes = torch.tensor([[0, 1]] * 5)
+    if rank == 0:
+        routes = torch.full((5, 2), 99)  # an invalid recording on rank 0 only
+    try:
+        with replay.replay({0: routes}):
+            moe(torch.randn(5, hidden))
+        messages.append(None)
+    except ValueError as err:
+        messages.append(str(err))
+    check = torch.ones(1)
+    dist.all_reduce(check)
+    messages.append(int(check.item()))
+    return messages

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from _moe_dispatch_ref import Case, assert_close, make_weights, reference_grads
-from _moe_dispatch_workers import check_hf_conversion, check_moe_cases
+from _moe_dispatch_workers import check_failures_are_agreed, check_hf_conversion, check_moe_cases
 
 # fp32 distributed result vs float64 reference.
 ATOL = 2e-5
@@ -53,14 +53,12 @@ def test_expert_parallel_moe_matches_reference(rank_pool, world_size: int) -> No
                 assert torch.equal(plain[key], padded[key]), (
                     f"W={world_size} case {i} rank {r}: {key} differs with padding"
                 )
+        _check_equalization_stats(case, [per_rank[r][i]["stats"] for r in range(world_size)])
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_equalization_statistics(rank_pool, world_size: int) -> None:
-    case = CASES[world_size][0]
-    per_rank = rank_pool.run(world_size, check_moe_cases, [case], timeout_s=100)
-    stats = [per_rank[r][0]["stats"] for r in range(world_size)]
+def _check_equalization_stats(case: Case, stats: list[dict]) -> None:
+    """Uniform aligned sizes, no padding row at any expert, load counts only real tokens."""
+    world_size = len(stats)
     longest = max(case.counts)
     want = max(-(-longest // 4) * 4, 4)
     total_real = sum(case.counts) * case.top_k
@@ -81,3 +79,18 @@ def test_hf_blocks_convert_to_expert_parallel(rank_pool) -> None:
     for r, errors in enumerate(per_rank):
         for kind, err in errors.items():
             assert float(err) < 1e-5, f"rank {r} {kind}: converted EP block differs by {float(err)}"
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_failing_makes_every_rank_raise(rank_pool) -> None:
+    per_rank = rank_pool.run(4, check_failures_are_agreed, timeout_s=60)
+    for r, (bad_ids, bad_routes, total) in enumerate(per_rank):
+        assert total == 4, f"rank {r}: the process group is unusable afterwards"
+        if r == 1:
+            assert bad_ids is not None and "expert id 4, outside [-1, 4)" in bad_ids
+        else:
+            assert bad_ids is not None and "ranks [1]" in bad_ids, f"rank {r}: {bad_ids}"
+        if r == 0:
+            assert bad_routes is not None and "row 0 is [99, 99]" in bad_routes
+        else:
+            assert bad_routes is not None and "ranks [0]" in bad_routes, f"rank {r}: {bad_routes}"

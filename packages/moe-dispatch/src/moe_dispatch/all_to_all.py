@@ -19,6 +19,7 @@ from torch import Tensor
 
 from moe_dispatch.dispatcher import weighted_scatter_sum
 from moe_dispatch.routing import (
+    NO_EXPERT,
     check_routing_shapes,
     expert_range,
     group_major_to_expert_major,
@@ -123,12 +124,9 @@ class AllToAllDispatcher:
     Args:
         ep_group: the expert-parallel process group (None: the default group).
         num_experts: E, divisible by the group size.
-        validate: check every id is in ``[-1, E)`` (one extra host sync per dispatch).
     """
 
-    def __init__(
-        self, ep_group: dist.ProcessGroup | None, num_experts: int, *, validate: bool = True
-    ) -> None:
+    def __init__(self, ep_group: dist.ProcessGroup | None, num_experts: int) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
                 "AllToAllDispatcher needs torch.distributed; call "
@@ -141,22 +139,31 @@ class AllToAllDispatcher:
         self.num_experts = num_experts
         self.num_local_experts = end - start
         self.local_expert_start = start
-        self.validate = validate
 
     def dispatch(
         self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor
     ) -> tuple[Tensor, Tensor, AllToAllHandle]:
-        """See :meth:`moe_dispatch.Dispatcher.dispatch`."""
-        check_routing_shapes(hidden, topk_ids, topk_weights)
-        if self.validate:
-            validate_topk_ids(topk_ids, self.num_experts)
-        slots, counts = sort_by_expert(topk_ids, self.num_experts)
+        """See :meth:`moe_dispatch.Dispatcher.dispatch`.
+
+        Invalid input on any rank (bad shapes, ids outside ``[-1, E)``) raises on every rank of
+        the group: the check rides on the count exchange, so no rank is left waiting.
+        """
+        try:
+            check_routing_shapes(hidden, topk_ids, topk_weights)
+        except (ValueError, TypeError):
+            self.abort_dispatch(hidden.device)
+            raise
+        invalid = (topk_ids < NO_EXPERT) | (topk_ids >= self.num_experts)
+        slots, counts = sort_by_expert(topk_ids.masked_fill(invalid, NO_EXPERT), self.num_experts)
         tokens = torch.div(slots, topk_ids.shape[1], rounding_mode="floor")
-        # Counts first: each rank learns how many rows it gets for each of its local experts.
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.group)
-        recv_counts_2d = recv_counts.view(self.ep_size, self.num_local_experts)
-        send_splits = counts.view(self.ep_size, self.num_local_experts).sum(1).tolist()
+        recv_counts_2d, send_splits, failed = self._exchange_counts(counts, invalid.any())
+        if failed:
+            if self.ep_rank in failed:
+                validate_topk_ids(topk_ids, self.num_experts)  # raises with the bad value
+            raise ValueError(
+                f"expert-parallel ranks {failed} passed expert ids outside [-1, "
+                f"{self.num_experts}); every rank stops so that none waits in a collective"
+            )
         recv_splits = recv_counts_2d.sum(1).tolist()
         received = all_to_all_rows(
             hidden.index_select(0, tokens), recv_splits, send_splits, self.group
@@ -173,6 +180,33 @@ class AllToAllDispatcher:
             num_tokens=hidden.shape[0],
         )
         return expert_input, recv_counts_2d.sum(0), handle
+
+    def abort_dispatch(self, device: torch.device) -> None:
+        """Enter dispatch's first collective flagged as failed, so peers raise instead of waiting.
+
+        Call it when this rank cannot dispatch (e.g. its router raised), then raise locally.
+        """
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=device)
+        self._exchange_counts(counts, torch.ones((), dtype=torch.bool, device=device))
+
+    def _exchange_counts(
+        self, counts: Tensor, local_failure: Tensor
+    ) -> tuple[Tensor, list[int], list[int]]:
+        """All-to-all of per-expert counts plus a failure flag; one host sync.
+
+        Returns:
+            [W, E_local] rows this rank receives (by source, by local expert), the rows this rank
+            sends to each rank, and the ranks that flagged a failure.
+        """
+        per_dest = counts.view(self.ep_size, self.num_local_experts)
+        flag = local_failure.to(counts.dtype).reshape(1, 1).expand(self.ep_size, 1)
+        send = torch.cat([per_dest, flag], dim=1).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        host = torch.cat([per_dest.sum(1), recv[:, -1]]).tolist()
+        send_splits = host[: self.ep_size]
+        failed = [rank for rank, bad in enumerate(host[self.ep_size :]) if bad]
+        return recv[:, :-1], send_splits, failed
 
     def combine(self, expert_output: Tensor, handle: AllToAllHandle) -> Tensor:
         """See :meth:`moe_dispatch.Dispatcher.combine`."""

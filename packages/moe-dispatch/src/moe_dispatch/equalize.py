@@ -201,6 +201,14 @@ class EqualizingDispatcher:
         )
         return expert_input, counts, EqualizedHandle(inner=inner, num_tokens=padded.num_tokens)
 
+    def abort_dispatch(self, device: torch.device) -> None:
+        """Run dispatch's collectives flagged as failed (see AllToAllDispatcher.abort_dispatch)."""
+        if self.padded_size is None:
+            padded_token_count(0, group=self.group, alignment=self.alignment, device=device)
+        abort = getattr(self.inner, "abort_dispatch", None)
+        if abort is not None:
+            abort(device)
+
     def combine(self, expert_output: Tensor, handle: EqualizedHandle) -> Tensor:
         """See :meth:`moe_dispatch.Dispatcher.combine`; returns only the real rows."""
         return self.inner.combine(expert_output, handle.inner)[: handle.num_tokens]

@@ -305,7 +305,15 @@ class ExpertParallelMoE(nn.Module):
         """
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
-        routing = self.router(x)
+        try:
+            routing = self.router(x)
+        except (ValueError, KeyError, RuntimeError):
+            # E.g. an invalid router-replay recording on this rank only: let the peers fail in
+            # dispatch's first collective instead of waiting there forever.
+            abort = getattr(self.dispatcher, "abort_dispatch", None)
+            if abort is not None:
+                abort(x.device)
+            raise
         expert_input, counts, handle = self.dispatcher.dispatch(
             x, routing.topk_ids, routing.topk_weights
         )
