@@ -81,7 +81,8 @@ def _vocab_stats(
         flat_labels = labels.reshape(-1)
     local = shard.local
     local_vocab = local.shape[-1]
-    flat = local.reshape(-1, local_vocab)
+    # Explicit N: a rank may hold zero vocabulary columns (V < number of shards).
+    flat = local.reshape(math.prod(batch_shape), local_vocab)
     plan = Plan(
         group=shard.group,
         vocab_start=shard.vocab_start,

@@ -1,0 +1,249 @@
+"""Functions run on spawned gloo ranks (imported by every rank: keep it light)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import vocab_parallel as vp
+from _vp_reference import (
+    make_labels,
+    make_logits,
+    ref_cross_entropy,
+    ref_entropy,
+    ref_log_probs,
+    upstream,
+)
+
+IGNORE = -100
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# (value atol, grad atol, grad rtol)
+TOL = {torch.float32: (3e-5, 3e-6, 1e-5), torch.bfloat16: (5e-5, 4e-3, 1e-2)}
+
+# One mesh per shape for the life of a rank process: building a mesh creates process groups,
+# a collective that every rank must join, so tests reuse them.
+_MESHES: dict[tuple[int, ...], DeviceMesh] = {}
+
+
+def _mesh(shape: tuple[int, ...]) -> DeviceMesh:
+    if shape not in _MESHES:
+        _MESHES[shape] = init_device_mesh("cpu", shape)
+    return _MESHES[shape]
+
+
+def _placements(ndim: int, vocab_mesh_dim: int | None, shard: Any) -> list[Any]:
+    placements: list[Any] = [Replicate()] * ndim
+    if vocab_mesh_dim is not None:
+        placements[vocab_mesh_dim] = shard
+    return placements
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float, what: str):
+    torch.testing.assert_close(
+        actual.double(),
+        expected,
+        atol=atol,
+        rtol=rtol,
+        equal_nan=True,
+        msg=lambda m: f"rank {dist.get_rank()}, {what}: {m}",
+    )
+
+
+def _same_on_all_ranks(t: torch.Tensor, what: str) -> None:
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t.contiguous())
+    for rank, other in enumerate(gathered):
+        assert torch.equal(other, t), f"{what} differs between rank {dist.get_rank()} and {rank}"
+
+
+def check_logits_parity(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[str]:
+    """All four logits functions on a vocab-sharded DTensor vs the float64 reference."""
+    done = []
+    for case in cases:
+        vocab, dtype = case["vocab"], DTYPES[case["dtype"]]
+        mesh = _mesh(tuple(case["mesh"]))
+        placements = _placements(mesh.ndim, case["vocab_mesh_dim"], Shard(-1))
+        shape, seed, temp = (2, 3), case.get("seed", 0), case.get("temperature", 0.8)
+        masked = case.get("masked", 0)
+        what = f"case {case}"
+        v_atol, g_atol, g_rtol = TOL[dtype]
+
+        full = make_logits(shape, vocab, seed=seed, masked_columns=masked).to(dtype)
+        labels = make_labels(shape, vocab, seed=seed, low=masked, ignore_index=IGNORE)
+        x = distribute_tensor(full, mesh, placements).requires_grad_()
+        ref = full.double().requires_grad_()
+        log_p, ent = vp.token_log_probs_and_entropy(x, labels, temperature=temp)
+        ce = vp.cross_entropy(x, labels)
+        for name, value in (("log-probs", log_p), ("entropy", ent), ("cross-entropy", ce)):
+            assert not isinstance(value, DTensor), f"{name} should be a plain tensor"
+            _same_on_all_ranks(value, f"{what} {name}")
+        ref_lp = ref_log_probs(ref, labels, temp, IGNORE)
+        ref_h = ref_entropy(ref, temp)
+        ref_ce = ref_cross_entropy(ref, labels, IGNORE, "mean", 0.0)
+        _close(log_p, ref_lp, atol=v_atol, rtol=1e-5, what=f"{what} log-probs")
+        _close(ent, ref_h, atol=v_atol, rtol=1e-5, what=f"{what} entropy")
+        _close(ce, ref_ce, atol=v_atol, rtol=1e-5, what=f"{what} cross-entropy")
+        w1, w2 = upstream(shape, seed=seed), upstream(shape, seed=seed + 7)
+        (log_p.double() * w1 + ent.double() * w2 + ce.double()).sum().backward()
+        (ref_lp * w1 + ref_h * w2 + ref_ce).sum().backward()
+        assert isinstance(x.grad, DTensor), f"{what}: the gradient should be a DTensor"
+        assert tuple(x.grad.placements) == tuple(x.placements), (x.grad.placements, placements)
+        _close(x.grad.full_tensor(), ref.grad, atol=g_atol, rtol=g_rtol, what=f"{what} gradient")
+
+        if not masked:  # label smoothing with a -inf logit is infinite in PyTorch too
+            y = distribute_tensor(full, mesh, placements).requires_grad_()
+            ref_y = full.double().requires_grad_()
+            smooth = vp.cross_entropy(y, labels, label_smoothing=0.15, reduction="sum")
+            ref_smooth = ref_cross_entropy(ref_y, labels, IGNORE, "sum", 0.15)
+            _close(smooth, ref_smooth, atol=10 * v_atol, rtol=1e-5, what=f"{what} smoothed CE")
+            smooth.backward()
+            ref_smooth.backward()
+            assert isinstance(y.grad, DTensor)
+            _close(y.grad.full_tensor(), ref_y.grad, atol=g_atol, rtol=g_rtol, what="smoothed")
+        done.append(f"V={vocab} mesh={case['mesh']} dim={case['vocab_mesh_dim']} {dtype}")
+    return done
+
+
+def check_colwise_lm_head(rank: int, world_size: int, vocab: int, dtype_name: str) -> list[str]:
+    """A ColwiseParallel lm_head: logits path and fused path, gradients to the sharded weight."""
+    dtype = DTYPES[dtype_name]
+    v_atol, _, g_rtol = TOL[dtype]
+    hidden_size, shape, temp = 8, (2, 3), 1.2
+    mesh = _mesh((world_size,))
+    gen = torch.Generator().manual_seed(11)
+    weight = (torch.randn(vocab, hidden_size, generator=gen) * 0.7).to(dtype)
+    hidden_full = torch.randn(*shape, hidden_size, generator=gen).to(dtype)
+    labels = make_labels(shape, vocab, seed=11, ignore_index=IGNORE)
+    w1, w2 = upstream(shape, seed=12), upstream(shape, seed=13)
+
+    wd = weight.double().requires_grad_()
+    hd = hidden_full.double().requires_grad_()
+    ref_logits = hd @ wd.T
+    ref_lp = ref_log_probs(ref_logits, labels, temp, IGNORE)
+    ref_h = ref_entropy(ref_logits, temp)
+    ref_w_grad, ref_h_grad = torch.autograd.grad(
+        (ref_lp * w1 + ref_h * w2).sum(), [wd, hd], retain_graph=True
+    )
+
+    head = nn.Linear(hidden_size, vocab, bias=False, dtype=dtype)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+    head = parallelize_module(head, mesh, ColwiseParallel(use_local_output=False))
+    hidden = hidden_full.clone().requires_grad_()
+    logits = head(hidden)
+    assert isinstance(logits, DTensor) and logits.placements[0].is_shard(logits.ndim - 1)
+    log_p, ent = vp.token_log_probs_and_entropy(logits, labels, temperature=temp)
+    # Our values come from bf16 logits, the reference from exact products: compare loosely.
+    loose = 0.05 if dtype == torch.bfloat16 else v_atol
+    _close(log_p, ref_lp, atol=loose, rtol=1e-4, what="colwise log-probs")
+    _close(ent, ref_h, atol=loose, rtol=1e-4, what="colwise entropy")
+    (log_p.double() * w1 + ent.double() * w2).sum().backward()
+    w_grad = head.weight.grad
+    assert isinstance(w_grad, DTensor) and w_grad.placements == (Shard(0),), w_grad
+    g_loose = 0.05 if dtype == torch.bfloat16 else 1e-5
+    _close(w_grad.full_tensor(), ref_w_grad, atol=g_loose, rtol=g_rtol, what="weight grad")
+    assert hidden.grad is not None
+    _close(hidden.grad, ref_h_grad, atol=g_loose, rtol=g_rtol, what="hidden grad")
+
+    # The fused form on the same sharded weight.
+    ref_w_grad, ref_h_grad = torch.autograd.grad((ref_lp * w1).sum(), [wd, hd])
+    head.weight.grad = None
+    hidden.grad = None
+    fused = vp.linear_token_log_probs(hidden, head.weight, labels, temperature=temp, chunk_size=3)
+    _same_on_all_ranks(fused, "fused log-probs")
+    _close(fused, ref_lp, atol=loose, rtol=1e-4, what="fused log-probs")
+    (fused.double() * w1).sum().backward()
+    w_grad = head.weight.grad
+    assert isinstance(w_grad, DTensor) and w_grad.placements == (Shard(0),), w_grad
+    _close(w_grad.full_tensor(), ref_w_grad, atol=g_loose, rtol=g_rtol, what="fused weight grad")
+    _close(hidden.grad, ref_h_grad, atol=g_loose, rtol=g_rtol, what="fused hidden grad")
+    _same_on_all_ranks(hidden.grad, "fused hidden grad")
+    local_rows = head.weight.to_local().shape[0]
+    return [f"rank {rank}: {local_rows} of {vocab} rows"]
+
+
+class _CollectiveRecorder(TorchDispatchMode):
+    """Records every c10d collective issued (eager or functional) with its tensor sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        namespace = func.namespace
+        if namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+            numel = 0
+            for arg in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if isinstance(arg, torch.Tensor):
+                    numel += arg.numel()
+            self.calls.append((str(func.overloadpacket.__name__), numel))
+        return func(*args, **(kwargs or {}))
+
+
+def record_collectives(rank: int, world_size: int, vocab: int, tokens: int, hidden_size: int):
+    """Collectives (name, elements) issued by each function, forward and backward, at this V."""
+    mesh = _mesh((world_size,))
+    gen = torch.Generator().manual_seed(21)
+    full = torch.randn(tokens, vocab, generator=gen)
+    labels = torch.randint(0, vocab, (tokens,), generator=gen)
+    weight = torch.randn(vocab, hidden_size, generator=gen)
+    hidden = torch.randn(tokens, hidden_size, generator=gen).requires_grad_()
+    x = distribute_tensor(full, mesh, [Shard(-1)]).requires_grad_()
+    w = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
+    out: dict[str, list[tuple[str, int]]] = {}
+    runs = {
+        "token_log_probs": lambda: vp.token_log_probs(x, labels, validate=True),
+        "token_entropy": lambda: vp.token_entropy(x),
+        "log_probs_and_entropy": lambda: sum(vp.token_log_probs_and_entropy(x, labels)),
+        "cross_entropy": lambda: vp.cross_entropy(x, labels, label_smoothing=0.1),
+        "linear_token_log_probs": lambda: vp.linear_token_log_probs(hidden, w, labels),
+    }
+    for name, run in runs.items():
+        recorder = _CollectiveRecorder()
+        with recorder:
+            run().sum().backward()
+        out[name] = recorder.calls
+    return out
+
+
+def check_placement_errors(rank: int, world_size: int) -> list[str]:
+    """Unsupported placements raise a clear error on every rank, and no rank hangs."""
+    mesh = _mesh((world_size,))
+    labels = torch.zeros(2, dtype=torch.long)
+    messages = []
+    partial = DTensor.from_local(torch.randn(2, 5), mesh, [Partial()])
+    wrong_dim = distribute_tensor(torch.randn(4, 6), mesh, [Shard(0)])
+    cases = [
+        (lambda: vp.token_log_probs(partial, labels), "Partial"),
+        (lambda: vp.token_entropy(wrong_dim), "Shard(dim=0)"),
+        (lambda: vp.linear_token_log_probs(torch.randn(2, 4), wrong_dim.T, labels), "Shard"),
+        (
+            lambda: vp.linear_token_log_probs(
+                distribute_tensor(torch.randn(2, 6), mesh, [Shard(0)]),
+                distribute_tensor(torch.randn(5, 6), mesh, [Shard(0)]),
+                labels,
+            ),
+            "Replicate() on every mesh dim",
+        ),
+    ]
+    for call, needle in cases:
+        with pytest.raises(ValueError, match=re.escape(needle)) as info:
+            call()
+        messages.append(str(info.value))
+    # Labels out of range on one shard: every rank raises (the count travels in the SUM).
+    x = distribute_tensor(torch.randn(2, 7), mesh, [Shard(-1)])
+    bad = torch.tensor([3, 7])
+    with pytest.raises(ValueError, match=re.escape("outside [0, 7)")) as info:
+        vp.token_log_probs(x, bad, validate=True)
+    messages.append(str(info.value))
+    _ = vp.token_log_probs(x, bad)  # unvalidated: no out-of-bounds read, no crash
+    return messages
