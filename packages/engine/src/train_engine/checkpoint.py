@@ -54,14 +54,18 @@ class LoadedCheckpoint:
     path: Path
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
 def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         dist.barrier()
 
 
@@ -130,7 +134,11 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / _DCP_DIR))
+    dcp.save(
+        {"model": model_state, "optim": optim_state},
+        checkpoint_id=str(tmp / _DCP_DIR),
+        no_dist=not _distributed(),
+    )
     rank_file = tmp / f"rank_{rank:05d}.pt"
     torch.save({"rng": _rng_state(), "extra": extra_state}, rank_file)
     _fsync_file(rank_file)
@@ -200,7 +208,11 @@ def load_checkpoint(
         )
     model_state, optim_state = get_state_dict(model, optimizer)
     # DCP loads in place into the tensors of these dicts.
-    dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=str(path / _DCP_DIR))
+    dcp.load(
+        {"model": model_state, "optim": optim_state},
+        checkpoint_id=str(path / _DCP_DIR),
+        no_dist=not _distributed(),
+    )
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     if lr_scheduler is not None:
         if meta["lr_scheduler"] is None:
