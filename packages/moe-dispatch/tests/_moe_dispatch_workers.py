@@ -194,3 +194,17 @@ def check_failures_are_agreed(rank: int, world_size: int) -> list[Any]:
     dist.all_reduce(check)
     messages.append(int(check.item()))
     return messages
+
+
+def check_emulated_hybrid_ep(rank: int, world_size: int, cases: list[Case]) -> list[Any]:
+    """HybridEPDispatcher's wrapper logic over the emulated buffer (fp32, CPU)."""
+    from _moe_dispatch_emulated_hybrid import EmulatedHybridEPBuffer
+    from moe_dispatch import HybridEPDispatcher
+
+    results: list[Any] = []
+    for case in cases:
+        dispatcher = HybridEPDispatcher(None, case.experts, buffer_factory=EmulatedHybridEPBuffer)
+        got = _run_moe(case, rank, dispatcher, "cpu")
+        sizes = dispatcher._buffer.dispatch_sizes
+        results.append({"grads": got, "sizes": sizes})
+    return results

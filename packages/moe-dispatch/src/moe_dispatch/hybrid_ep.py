@@ -19,6 +19,7 @@ float32 ``probs`` [T, E]).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +125,9 @@ class HybridEPDispatcher:
             the buffer when a later call is larger).
         num_sms_dispatch: SMs for the dispatch kernel (None: HybridEP's default).
         num_sms_combine: SMs for the combine kernel (None: HybridEP's default).
+        buffer_factory: builds the buffer from HybridEPBuffer's keyword arguments; None uses
+            ``deep_ep.HybridEPBuffer`` (and requires CUDA 16-bit tokens). Another factory must
+            honour the same dispatch_with_permute / combine_with_unpermute contract.
 
     Raises:
         ImportError: ``deep_ep`` with HybridEP is not installed (names the ``hybridep`` extra).
@@ -139,8 +143,12 @@ class HybridEPDispatcher:
         max_tokens_per_rank: int | None = None,
         num_sms_dispatch: int | None = None,
         num_sms_combine: int | None = None,
+        buffer_factory: Callable[..., Any] | None = None,
     ) -> None:
-        self._deep_ep = import_deep_ep()
+        self._kernel_checks = buffer_factory is None
+        if buffer_factory is None:
+            buffer_factory = import_deep_ep().HybridEPBuffer
+        self._buffer_factory = buffer_factory
         if alignment % HYBRID_EP_ALIGNMENT != 0:
             raise ValueError(
                 f"alignment={alignment} breaks HybridEP, whose per-rank token count must be a "
@@ -172,7 +180,7 @@ class HybridEPDispatcher:
                 kwargs["num_sms_dispatch_api"] = self.num_sms_dispatch
             if self.num_sms_combine is not None:
                 kwargs["num_sms_combine_api"] = self.num_sms_combine
-            self._buffer = self._deep_ep.HybridEPBuffer(
+            self._buffer = self._buffer_factory(
                 group=self.group,
                 hidden_dim=hidden_size,
                 max_num_of_tokens_per_rank=max(self.max_tokens_per_rank or 0, num_tokens),
@@ -187,9 +195,9 @@ class HybridEPDispatcher:
     ) -> tuple[Tensor, Tensor, HybridEPHandle]:
         """See :meth:`moe_dispatch.Dispatcher.dispatch`."""
         check_routing_shapes(hidden, topk_ids, topk_weights)
-        if not hidden.is_cuda:
+        if self._kernel_checks and not hidden.is_cuda:
             raise ValueError(f"HybridEP runs on CUDA tensors; hidden is on {hidden.device}")
-        if hidden.dtype not in (torch.bfloat16, torch.float16):
+        if self._kernel_checks and hidden.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(
                 f"HybridEP moves 16-bit tokens; hidden is {hidden.dtype}: cast it to bfloat16 "
                 "(or use AllToAllDispatcher for float32)"
