@@ -30,6 +30,7 @@ from energon_sft.errors import BadSampleError
 from energon_sft.schema import ChatSample, MediaItem, validate_conversation
 
 __all__ = [
+    "SubflavorCooker",
     "check_cookers",
     "cook_chat",
     "cook_sharegpt",
@@ -192,9 +193,21 @@ def check_cookers(cookers: Sequence[Cooker[Any]]) -> None:
             )
 
 
+class SubflavorCooker(Cooker[Any]):
+    """A `Cooker` whose subflavor filter also works on datasets without subflavors.
+
+    Energon's `Cooker.is_match` fails with a TypeError when a dataset has no subflavors at
+    all (JSONL datasets pass None); here None counts as "no subflavors", so the filter simply
+    does not match.
+    """
+
+    def is_match(self, subflavors: dict[str, Any] | None) -> bool:
+        return super().is_match(subflavors or {})
+
+
 def default_cookers() -> list[Cooker[Any]]:
     """ShareGPT rows for subflavor `sft_format: sharegpt`, canonical rows for everything else."""
     return [
-        Cooker(cook_sharegpt, has_subflavors={"sft_format": "sharegpt"}),
-        Cooker(cook_chat),
+        SubflavorCooker(cook_sharegpt, has_subflavors={"sft_format": "sharegpt"}),
+        SubflavorCooker(cook_chat),
     ]

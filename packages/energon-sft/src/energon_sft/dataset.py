@@ -101,14 +101,23 @@ def write_chat_shards(
 def prepare_dataset(
     path: str | Path, *, split_ratio: str = "1,0,0", force_overwrite: bool = True
 ) -> Path:
-    """Run `energon prepare` non-interactively on a folder of tar shards (crude dataset).
+    """Run `energon prepare` non-interactively on a folder of tar shards or a `.jsonl` file.
 
     Every shard goes to the split of `split_ratio` (splits are per shard; the default puts
-    all into train). Raises `RuntimeError` with energon's output when prepare fails.
+    all into train). A JSONL file is indexed as one crude dataset (rows arrive as dicts; it
+    has no media members, so media must be inline `{"b64": ...}`). Raises `RuntimeError`
+    with energon's output when prepare fails.
     """
     from click.testing import CliRunner
     from megatron.energon.cli.main import main as energon_main
 
+    if Path(path).suffix == ".jsonl":
+        result = CliRunner().invoke(energon_main, ["prepare", str(path)], catch_exceptions=True)
+        if result.exit_code != 0:
+            raise RuntimeError(
+                f"energon prepare {path} failed with exit code {result.exit_code}:\n{result.output}"
+            ) from result.exception
+        return Path(path)
     args = [
         "prepare",
         "--non-interactive",
