@@ -7,7 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_dispatch import LocalDispatcher, expert_load, expert_range, load_balancing_loss
+from moe_dispatch import (
+    Dispatcher,
+    EqualizingDispatcher,
+    LocalDispatcher,
+    expert_load,
+    expert_range,
+    load_balancing_loss,
+)
 from moe_dispatch.routing import (
     group_major_to_expert_major,
     inverse_permutation,
@@ -130,3 +137,11 @@ def test_load_balancing_loss_ignores_padding_rows() -> None:
     assert float(load_balancing_loss(uniform, torch.tensor([[0], [1], [2], [3]]))) == pytest.approx(
         1.0
     )
+
+
+def test_dispatchers_satisfy_the_protocol() -> None:
+    local = LocalDispatcher(4)
+    assert isinstance(local, Dispatcher)
+    wrapped = EqualizingDispatcher(local)
+    assert isinstance(wrapped, Dispatcher)
+    assert (wrapped.num_experts, wrapped.num_local_experts, wrapped.local_expert_start) == (4, 4, 0)

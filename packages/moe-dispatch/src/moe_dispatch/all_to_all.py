@@ -168,7 +168,7 @@ class AllToAllDispatcher:
         received = all_to_all_rows(
             hidden.index_select(0, tokens), recv_splits, send_splits, self.group
         )
-        regroup = group_major_to_expert_major(recv_counts_2d)
+        regroup = group_major_to_expert_major(recv_counts_2d, total=sum(recv_splits))
         expert_input = received.index_select(0, regroup)
         handle = AllToAllHandle(
             slots=slots,

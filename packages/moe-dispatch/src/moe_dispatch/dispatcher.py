@@ -21,6 +21,10 @@ class Dispatcher(Protocol):
     Experts are owned contiguously: rank r of W owns global experts ``[r*E/W, (r+1)*E/W)``.
     Both directions are autograd-correct, including the gradient of ``topk_weights``.
 
+    A distributed dispatcher may also offer ``abort_dispatch(device)``: enter its first
+    collective flagged as failed, so that peers raise instead of waiting when this rank cannot
+    dispatch (``ExpertParallelMoE`` calls it when its router raises).
+
     Attributes:
         num_experts: E, the global expert count.
         num_local_experts: E / W, experts owned by this rank.

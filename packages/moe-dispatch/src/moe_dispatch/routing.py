@@ -135,12 +135,13 @@ def load_balancing_loss(router_probs: Tensor, topk_ids: Tensor) -> Tensor:
     return num_experts * (fraction * mean_prob).sum()
 
 
-def group_major_to_expert_major(counts: Tensor) -> Tensor:
+def group_major_to_expert_major(counts: Tensor, total: int | None = None) -> Tensor:
     """Permutation that turns a [source, expert]-blocked layout into [expert, source] blocks.
 
     Args:
         counts: [W, E_local] int64; rows of the input arrive as W blocks (one per source rank),
             each holding E_local sub-blocks of ``counts[w, e]`` rows.
+        total: ``counts.sum()`` if the caller already has it on the host (saves a sync).
 
     Returns:
         [N] int64 ``index`` such that ``x.index_select(0, index)`` lists expert 0's rows (from
@@ -150,7 +151,8 @@ def group_major_to_expert_major(counts: Tensor) -> Tensor:
     starts = (torch.cumsum(flat, 0) - flat).reshape(counts.shape)
     lengths = counts.t().reshape(-1)
     block_starts = starts.t().reshape(-1)
-    total = int(lengths.sum())
+    if total is None:
+        total = int(lengths.sum())
     if total == 0:
         return torch.zeros(0, dtype=torch.long, device=counts.device)
     out_starts = torch.cumsum(lengths, 0) - lengths
