@@ -1,0 +1,213 @@
+"""Engine semantics on one process: accumulation contracts, boundaries, policies, misuse."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from _engine_models import (
+    IGNORE,
+    global_batch,
+    make_model,
+    reference_sgd_run,
+    token_loss_mean,
+    token_loss_sum,
+)
+from train_engine import Engine, NonFiniteGradientError, StepResult
+
+
+def _sgd_engine(**kwargs) -> Engine:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return Engine(model, opt, **kwargs)
+
+
+def _params(engine: Engine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().double().clone() for k, v in engine.module.named_parameters()}
+
+
+def test_contract_b_uneven_micro_batches_match_global_token_mean() -> None:
+    reference = reference_sgd_run(
+        steps=3, n_seq=8, lr=0.1, momentum=0.9, max_grad_norm=0.5, data_seed=40
+    )
+    engine = _sgd_engine(max_grad_norm=0.5, gradient_accumulation_steps=4)
+    for step in range(3):
+        ids, labels = global_batch(40 + step, 8)
+        n = engine.global_num_tokens(int((labels != IGNORE).sum()))
+        for mb in range(4):
+            part = slice(2 * mb, 2 * mb + 2)
+            engine.backward(token_loss_sum(engine(ids[part]), labels[part]), num_tokens=n)
+            engine.step()
+    got = _params(engine)
+    err = max(float((got[k] - reference[k]).abs().max()) for k in reference)
+    assert err < 2e-6, err
+
+
+def test_contract_a_is_mean_of_micro_batch_means() -> None:
+    """Float64 reference computed differently: average the per-micro-batch gradients by hand."""
+    torch.manual_seed(0)
+    engine = _sgd_engine(gradient_accumulation_steps=3)
+    engine.optimizer.param_groups[0]["momentum"] = 0.0
+    ref = make_model(dtype=torch.float64)
+    ids, labels = global_batch(5, 6)
+    grads: dict[str, torch.Tensor] = {}
+    for mb in range(3):
+        part = slice(2 * mb, 2 * mb + 2)
+        ref.zero_grad()
+        token_loss_mean(ref(ids[part]), labels[part]).backward()
+        for k, p in ref.named_parameters():
+            grads[k] = grads.get(k, 0) + p.grad / 3
+        engine.backward(token_loss_mean(engine(ids[part]), labels[part]))
+        result = engine.step()
+    expected = {k: p.detach() - 0.1 * grads[k] for k, p in ref.named_parameters()}
+    got = _params(engine)
+    assert result.updated
+    assert max(float((got[k] - expected[k]).abs().max()) for k in got) < 1e-6
+
+
+def test_step_off_boundary_only_counts_and_scheduler_steps_once_per_window() -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+    engine = Engine(model, opt, sched, gradient_accumulation_steps=2)
+    assert engine.get_global_grad_norm() is None
+    ids, labels = global_batch(1, 2)
+    results: list[StepResult] = []
+    for _ in range(4):
+        before = _params(engine)
+        boundary = engine.is_gradient_accumulation_boundary()
+        engine.backward(token_loss_mean(engine(ids), labels))
+        results.append(engine.step())
+        changed = any(not torch.equal(before[k], v) for k, v in _params(engine).items())
+        assert changed == boundary
+    assert [r.updated for r in results] == [False, True, False, True]
+    assert [r.grad_norm is None for r in results] == [True, False, True, False]
+    assert [r.lrs for r in results] == [(1.0,), (1.0,), (0.5,), (0.5,)]
+    assert opt.param_groups[0]["lr"] == 0.25
+    assert engine.optimizer_steps == 2 and results[-1].optimizer_steps == 2
+    assert engine.get_global_grad_norm() == pytest.approx(float(results[-1].grad_norm))
+    assert all(p.grad is None for p in model.parameters()), "gradients not cleared"
+    assert engine.state_dict() == {
+        "micro_step": 0,
+        "optimizer_steps": 2,
+        "skipped_steps": 0,
+        "windows": 2,
+        "gradient_accumulation_steps": 2,
+    }
+
+
+def test_shorter_last_window() -> None:
+    engine = _sgd_engine(gradient_accumulation_steps=3)
+    ids, labels = global_batch(2, 2)
+    for _ in range(3):
+        engine.backward(token_loss_mean(engine(ids), labels))
+        engine.step()
+    engine.set_gradient_accumulation_steps(2)
+    assert not engine.is_gradient_accumulation_boundary()
+    engine.backward(token_loss_mean(engine(ids), labels))
+    assert not engine.step().updated
+    assert engine.is_gradient_accumulation_boundary()
+    engine.backward(token_loss_mean(engine(ids), labels))
+    assert engine.step().updated and engine.optimizer_steps == 2
+
+
+def test_zero_token_window_gives_zero_gradient() -> None:
+    engine = _sgd_engine(nonfinite="raise")
+    ids, labels = global_batch(3, 2)
+    labels = torch.full_like(labels, IGNORE)
+    before = _params(engine)
+    engine.backward(token_loss_sum(engine(ids), labels), num_tokens=engine.global_num_tokens(0))
+    result = engine.step()
+    assert result.updated and float(result.grad_norm) == 0.0
+    assert all(torch.equal(before[k], v) for k, v in _params(engine).items())
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise", "step"])
+def test_nonfinite_policies_single_process(policy: str) -> None:
+    engine = _sgd_engine(nonfinite=policy, max_grad_norm=1.0)
+    ids, labels = global_batch(4, 2)
+    before = _params(engine)
+    engine.backward(token_loss_mean(engine(ids), labels) * math.inf)
+    if policy == "raise":
+        with pytest.raises(NonFiniteGradientError, match="non-finite global gradient norm"):
+            engine.step()
+    else:
+        result = engine.step()
+        assert result.skipped is (policy == "skip") and result.updated is (policy == "step")
+        assert not math.isfinite(float(result.grad_norm))
+    unchanged = all(torch.equal(before[k], v) for k, v in _params(engine).items())
+    assert unchanged is (policy != "step")
+    assert engine.skipped_steps == (0 if policy == "step" else 1)
+
+
+def test_misuse_errors() -> None:
+    engine = _sgd_engine(gradient_accumulation_steps=2)
+    ids, labels = global_batch(6, 2)
+    with pytest.raises(RuntimeError, match="step\\(\\) without a backward"):
+        engine.step()
+    out = engine(ids)
+    with pytest.raises(ValueError, match="scalar \\(0-dim\\)"):
+        engine.backward(out.sum(-1))
+    with pytest.raises(ValueError, match="does not require grad"):
+        engine.backward(token_loss_mean(out, labels).detach())
+    with pytest.raises(TypeError, match=r"torch\.Tensor"):
+        engine.backward(1.0)  # type: ignore[arg-type]
+    engine.backward(token_loss_mean(out, labels))
+    engine.step()
+    with pytest.raises(RuntimeError, match="middle of a window"):
+        engine.set_gradient_accumulation_steps(4)
+    with pytest.raises(ValueError, match="one contract per window"):
+        engine.backward(token_loss_sum(engine(ids), labels), num_tokens=10)
+    with pytest.raises(ValueError, match="int >= 1"):
+        Engine(engine.module, engine.optimizer, gradient_accumulation_steps=0)
+    with pytest.raises(ValueError, match="max_grad_norm must be > 0"):
+        Engine(engine.module, engine.optimizer, max_grad_norm=0.0)
+    with pytest.raises(ValueError, match="nonfinite must be one of"):
+        Engine(engine.module, engine.optimizer, nonfinite="ignore")  # type: ignore[arg-type]
+
+    counted = _sgd_engine(gradient_accumulation_steps=2)
+    counted.backward(token_loss_sum(counted(ids), labels), num_tokens=10)
+    counted.step()
+    with pytest.raises(ValueError, match="num_tokens changed within a window"):
+        counted.backward(token_loss_sum(counted(ids), labels), num_tokens=11)
+
+
+def test_engine_unusable_after_failed_backward() -> None:
+    engine = _sgd_engine()
+    ids, labels = global_batch(7, 2)
+    loss = token_loss_mean(engine(ids), labels)
+    loss.backward(retain_graph=False)  # the graph is freed: the Engine's backward will fail
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        engine.backward(loss)
+    for call in (lambda: engine(ids), engine.step, lambda: engine.backward(loss)):
+        with pytest.raises(RuntimeError, match="unusable after a failed backward"):
+            call()
+
+
+def test_state_dict_roundtrip_and_validation() -> None:
+    engine = _sgd_engine(gradient_accumulation_steps=2)
+    ids, labels = global_batch(8, 2)
+    for _ in range(4):
+        engine.backward(token_loss_mean(engine(ids), labels))
+        engine.step()
+    state = engine.state_dict()
+    other = _sgd_engine()
+    other.load_state_dict(state)
+    assert other.state_dict() == state and other.gradient_accumulation_steps == 2
+    with pytest.raises(ValueError, match="do not match"):
+        other.load_state_dict({"micro_step": 0})
+    with pytest.raises(ValueError, match="middle of a window"):
+        other.load_state_dict({**state, "micro_step": 1})
+
+
+def test_mid_window_zero_grad_starts_a_new_window(caplog: pytest.LogCaptureFixture) -> None:
+    engine = _sgd_engine(gradient_accumulation_steps=2)
+    ids, labels = global_batch(9, 2)
+    engine.backward(token_loss_mean(engine(ids), labels))
+    engine.step()
+    engine.zero_grad()
+    assert "window's gradients are discarded" in caplog.text
+    assert engine.micro_step == 0
+    assert all(p.grad is None for p in engine.module.parameters())
