@@ -21,7 +21,10 @@ def run_sft_on_rank(
     result = run_sft(config)
     if rank != 0:
         return {}
-    rows = [json.loads(x) for x in (Path(config.train.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(x)
+        for x in (Path(config.train.output_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
     losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
     with torch.no_grad():
         result.model.eval()
@@ -32,4 +35,20 @@ def run_sft_on_rank(
         "accuracy_before": result.accuracy_before,
         "accuracy_after": result.accuracy_after,
         "export_dir": str(result.export_dir),
+    }
+
+
+def run_retrieval_on_rank(rank: int, world_size: int, overrides: list[str]) -> dict[str, Any]:
+    """Run the retrieval recipe; every rank returns its recall numbers (they must agree)."""
+    from train_recipes.config import RetrievalConfig, load_config, validate_retrieval
+    from train_recipes.retrieval import run_retrieval
+
+    config = load_config(RetrievalConfig, None, overrides)
+    validate_retrieval(config, world_size=world_size)
+    result = run_retrieval(config)
+    return {
+        "before": result.recall_before,
+        "after": result.recall_after,
+        "first_loss": result.first_loss,
+        "last_loss": result.last_loss,
     }

@@ -10,7 +10,11 @@ from train_recipes.demo import DemoSplit, write_demo_dataset
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory: pytest.TempPathFactory) -> DemoSplit:
     return write_demo_dataset(
-        tmp_path_factory.mktemp("demo") / "data", task="addition", train_size=4000, eval_size=64, seed=0
+        tmp_path_factory.mktemp("demo") / "data",
+        task="addition",
+        train_size=4000,
+        eval_size=64,
+        seed=0,
     )
 
 

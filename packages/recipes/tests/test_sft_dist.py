@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from _recipes_workers import run_sft_on_rank
 from conftest import data_overrides
-
 from train_recipes.demo import DemoSplit
 
 PROBE = [[3, 23, 24, 17, 25, 35, 5, 4], [3, 30, 31, 17, 22, 22, 35, 5]]
@@ -60,7 +60,9 @@ def test_dp_and_cp_reach_the_same_losses_and_export_matches(
     steps = sorted(dp_losses)
     a = torch.tensor([dp_losses[s] for s in steps], dtype=torch.float64)
     b = torch.tensor([cp_losses[s] for s in steps], dtype=torch.float64)
-    torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-5, msg=lambda m: f"dp vs cp losses\n{a}\n{b}\n{m}")
+    torch.testing.assert_close(
+        a, b, rtol=2e-4, atol=2e-5, msg=lambda m: f"dp vs cp losses\n{a}\n{b}\n{m}"
+    )
     assert a[-1] < a[0], f"loss did not go down: {a.tolist()}"
 
     # The exported folder loads with from_pretrained and reproduces the trained model's logits.

