@@ -72,7 +72,8 @@ def check_logits_parity(rank: int, world_size: int, cases: list[dict[str, Any]])
         vocab, dtype = case["vocab"], DTYPES[case["dtype"]]
         mesh = _mesh(tuple(case["mesh"]))
         placements = _placements(mesh.ndim, case["vocab_mesh_dim"], Shard(-1))
-        shape, seed, temp = (2, 3), case.get("seed", 0), case.get("temperature", 0.8)
+        shape, seed = tuple(case.get("shape", (2, 3))), case.get("seed", 0)
+        temp = case.get("temperature", 0.8)
         masked = case.get("masked", 0)
         what = f"case {case}"
         v_atol, g_atol, g_rtol = TOL[dtype]
