@@ -40,7 +40,25 @@ TEMPLATE = (
     "{%- else -%}{{ p['text'] }}{%- endif -%}{%- endfor -%}{%- endif -%}{{ '<|im_end|>\\n' }}"
     "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
-WORDS = ["the", "a", "red", "blue", "green", "square", "circle", "picture", "shows", "there", "is", "one", "two", "three", "cat", "dog", "on"]
+WORDS = [
+    "the",
+    "a",
+    "red",
+    "blue",
+    "green",
+    "square",
+    "circle",
+    "picture",
+    "shows",
+    "there",
+    "is",
+    "one",
+    "two",
+    "three",
+    "cat",
+    "dog",
+    "on",
+]
 
 
 def build_processor(side: int) -> Any:

@@ -176,3 +176,16 @@ def test_virtual_epoch_length_counts_batches_per_shard(ds: Path, tok: Any) -> No
     assert first == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
     second = [(s, k) for s, k, _ in _take(loader, 100)]
     assert second == [(0, 3), (1, 3), (0, 4), (1, 4), (0, 5), (1, 5)]
+
+
+def test_packed_stream_resumes_exactly(ds: Path, tok: Any) -> None:
+    enc = _enc(tok, max_length=256, packing_buffer_size=6)
+    ref = _take(_loader(ds, enc, batch_size=1), 6)
+    run = _loader(ds, enc, batch_size=1)
+    it = iter(run)
+    for _ in range(2):
+        next(it)
+    state = run.state_dict()
+    fresh = _loader(ds, enc, batch_size=1)
+    fresh.load_state_dict(state)
+    assert _take(fresh, 4) == ref[2:]

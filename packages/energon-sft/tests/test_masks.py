@@ -258,3 +258,47 @@ def test_text_family_rejects_images(tok: Any) -> None:
     ]
     with pytest.raises(BadSampleError, match="unsupported_media"):
         enc.encode_chat(_sample(msgs, [png_bytes(28, 28, 0)]))
+
+
+_WORDS = ["Hello", "How", "are", "you", "the", "weather", "in", "Paris", "is", "sunny", "red", "square", "blue", "circle", "joke"]
+
+
+def _conversations() -> Any:
+    from hypothesis import strategies as st
+
+    text = st.lists(st.sampled_from(_WORDS), min_size=1, max_size=6).map(" ".join)
+    turn = st.tuples(text, text)
+    return st.tuples(
+        st.one_of(st.none(), text), st.lists(turn, min_size=1, max_size=4), st.booleans()
+    )
+
+
+def test_random_conversations_match_the_hand_built_reference(tok: Any) -> None:
+    from hypothesis import given, settings
+
+    encoders = {
+        final: SFTTaskEncoder(
+            tok,
+            model_family="text",
+            max_length=4096,
+            train_on="final_assistant" if final else "all_assistant",
+        )
+        for final in (False, True)
+    }
+
+    @settings(max_examples=30, deadline=None)
+    @given(_conversations())
+    def check(case: Any) -> None:
+        system, turns, final = case
+        messages = [{"role": "system", "content": system}] if system else []
+        for user, assistant in turns:
+            messages += [
+                {"role": "user", "content": user},
+                {"role": "assistant", "content": assistant},
+            ]
+        out = encoders[final].encode_chat(_sample(messages))
+        ids, trained, _ = _reference(tok, messages, None, final_only=final)
+        assert out.input_ids.tolist() == ids
+        assert out.labels.tolist() == _shift(ids, trained)
+
+    check()

@@ -4,6 +4,7 @@ from importlib.metadata import version as _version
 
 from energon_sft.batch import IGNORE_INDEX, EncodedSample, SFTBatch
 from energon_sft.cookers import (
+    SubflavorCooker,
     check_cookers,
     cook_chat,
     cook_sharegpt,
@@ -23,6 +24,7 @@ from energon_sft.families import (
     register_model_family,
 )
 from energon_sft.loader import LoaderOptions, SFTLoader, build_sft_loader
+from energon_sft.loss import global_trainable_tokens, token_mean_loss
 from energon_sft.render import render_conversation
 from energon_sft.schema import ChatSample, MediaItem
 from energon_sft.state import StateMismatchError
@@ -44,6 +46,7 @@ __all__ = [
     "SFTLoader",
     "SFTTaskEncoder",
     "StateMismatchError",
+    "SubflavorCooker",
     "TextAdapter",
     "TooManyBadSamplesError",
     "TopologyMapper",
@@ -56,11 +59,13 @@ __all__ = [
     "cook_sharegpt",
     "default_cookers",
     "get_model_family",
+    "global_trainable_tokens",
     "known_model_families",
     "logical_shards_for",
     "make_stateless_cooker",
     "prepare_dataset",
     "register_model_family",
     "render_conversation",
+    "token_mean_loss",
     "write_chat_shards",
 ]
