@@ -170,6 +170,11 @@ def test_record_mode_recompute_reuses_the_first_forward() -> None:
         after = replay.routes
     for i in range(2):
         assert torch.equal(first[i], after[i])
+    # A second forward inside one record context would silently reuse stale ids: it raises.
+    with replay.record():
+        model(x)
+        with pytest.raises(RuntimeError, match="already recorded"):
+            model(x)
 
 
 def test_minus_one_rows_route_live_and_sharded_routes_replay() -> None:

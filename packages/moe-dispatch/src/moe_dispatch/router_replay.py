@@ -73,8 +73,9 @@ class RouterReplay:
             loss = loss_fn(model(batch))
             loss.backward()
 
-    In record mode a layer seen again inside the same context (checkpoint recomputation)
-    reuses its first recording; open a new ``record()`` context per forward.
+    In record mode a layer recomputed during backward (activation checkpointing) reuses its
+    first recording; a layer seen twice in forward raises, so open one ``record()`` context
+    per forward (microbatch).
     """
 
     def __init__(self) -> None:
@@ -180,9 +181,15 @@ class RouterReplay:
         num_tokens, num_experts = scores.shape
         if self._mode == "record":
             previous = self._recorded.get(layer_id)
-            if previous is not None and previous.shape == (num_tokens, top_k):
-                # Checkpoint recomputation inside the same step: keep the first forward's ids.
-                return previous.to(scores.device)
+            if previous is not None:
+                if _in_backward() and previous.shape == (num_tokens, top_k):
+                    # Checkpoint recomputation during backward: keep the first forward's ids.
+                    return previous.to(scores.device)
+                raise RuntimeError(
+                    f"layer {layer_id} was already recorded in this record() context (a second "
+                    "forward, or a layer called twice); open one record() context per forward "
+                    "and keep each recording"
+                )
             ids = _live_topk(scores, top_k)
             self._recorded[layer_id] = ids.detach().clone()
             return ids
@@ -201,6 +208,11 @@ class RouterReplay:
         if not bool(live_rows.any()):
             return routes
         return torch.where(live_rows, _live_topk(scores, top_k), routes)
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward pass (where checkpoints recompute)."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def _live_topk(scores: Tensor, top_k: int) -> Tensor:
