@@ -302,3 +302,20 @@ def test_random_conversations_match_the_hand_built_reference(tok: Any) -> None:
         assert out.labels.tolist() == _shift(ids, trained)
 
     check()
+
+
+def test_register_model_family(tok: Any) -> None:
+    from energon_sft import TextAdapter, known_model_families, register_model_family
+
+    class Tagged(TextAdapter):
+        def identity(self, processor_or_tokenizer: Any) -> dict[str, Any]:
+            return {"adapter": "Tagged"}
+
+    register_model_family("tagged_text_test", Tagged(), replace=True)
+    assert "tagged_text_test" in known_model_families()
+    with pytest.raises(ValueError, match="already registered"):
+        register_model_family("tagged_text_test", Tagged())
+    with pytest.raises(TypeError, match="subclass energon_sft.ModelFamilyAdapter"):
+        register_model_family("bad", object(), replace=True)  # type: ignore[arg-type]
+    enc = SFTTaskEncoder(tok, model_family="tagged_text_test", max_length=64)
+    assert enc.identity()["adapter"] == {"adapter": "Tagged"}
