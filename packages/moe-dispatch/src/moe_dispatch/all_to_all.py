@@ -156,7 +156,9 @@ class AllToAllDispatcher:
         invalid = (topk_ids < NO_EXPERT) | (topk_ids >= self.num_experts)
         slots, counts = sort_by_expert(topk_ids.masked_fill(invalid, NO_EXPERT), self.num_experts)
         tokens = torch.div(slots, topk_ids.shape[1], rounding_mode="floor")
-        recv_counts_2d, send_splits, failed = self._exchange_counts(counts, invalid.any())
+        recv_counts_2d, send_splits, recv_splits, failed = self._exchange_counts(
+            counts, invalid.any()
+        )
         if failed:
             if self.ep_rank in failed:
                 validate_topk_ids(topk_ids, self.num_experts)  # raises with the bad value
@@ -164,7 +166,6 @@ class AllToAllDispatcher:
                 f"expert-parallel ranks {failed} passed expert ids outside [-1, "
                 f"{self.num_experts}); every rank stops so that none waits in a collective"
             )
-        recv_splits = recv_counts_2d.sum(1).tolist()
         received = all_to_all_rows(
             hidden.index_select(0, tokens), recv_splits, send_splits, self.group
         )
@@ -191,22 +192,23 @@ class AllToAllDispatcher:
 
     def _exchange_counts(
         self, counts: Tensor, local_failure: Tensor
-    ) -> tuple[Tensor, list[int], list[int]]:
+    ) -> tuple[Tensor, list[int], list[int], list[int]]:
         """All-to-all of per-expert counts plus a failure flag; one host sync.
 
         Returns:
-            [W, E_local] rows this rank receives (by source, by local expert), the rows this rank
-            sends to each rank, and the ranks that flagged a failure.
+            [W, E_local] rows this rank receives (by source, by local expert), the rows it sends
+            to and receives from each rank, and the ranks that flagged a failure.
         """
         per_dest = counts.view(self.ep_size, self.num_local_experts)
         flag = local_failure.to(counts.dtype).reshape(1, 1).expand(self.ep_size, 1)
         send = torch.cat([per_dest, flag], dim=1).contiguous()
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        host = torch.cat([per_dest.sum(1), recv[:, -1]]).tolist()
-        send_splits = host[: self.ep_size]
-        failed = [rank for rank, bad in enumerate(host[self.ep_size :]) if bad]
-        return recv[:, :-1], send_splits, failed
+        recv_counts = recv[:, :-1]
+        host = torch.cat([per_dest.sum(1), recv_counts.sum(1), recv[:, -1]]).tolist()
+        w = self.ep_size
+        failed = [rank for rank, bad in enumerate(host[2 * w :]) if bad]
+        return recv_counts, host[:w], host[w : 2 * w], failed
 
     def combine(self, expert_output: Tensor, handle: AllToAllHandle) -> Tensor:
         """See :meth:`moe_dispatch.Dispatcher.combine`."""
