@@ -80,12 +80,14 @@ def test_short_ddp_run_improves_recall_at_10(rank_pool: object, tmp_path: Path) 
         run_retrieval_on_rank,
         [
             f"train.output_dir={tmp_path / 'run'}",
-            "train.steps=20",
+            "train.steps=10",
             "train.log_every=2",
             "train.device=cpu",
             "train.tensorboard=false",
-            "data.micro_batch_size=16",
-            "data.max_length=64",
+            "data.micro_batch_size=12",
+            "data.max_length=48",
+            "optim.lr=1e-4",
+            "optim.warmup_steps=2",
         ],
         timeout_s=360,
     )

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import data_overrides
 from train_recipes.demo import DemoSplit
@@ -100,51 +101,27 @@ def test_two_ranks_loss_decreases_and_sigkill_resume_is_exact(
     for step in range(start + 1, 31):
         assert got[step] == ref_losses[step], (step, got[step], ref_losses[step])
 
-
-def test_export_subcommand_writes_a_loadable_model(demo_data: DemoSplit, tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
-    # Covered with real training by the test above's checkpoints would cost another run; here a
-    # 1-process 4-step run with a checkpoint at step 2 is enough to exercise `export`.
-    run = tmp_path / "run"
-    sets = [
-        *data_overrides(demo_data),
-        "train.steps=4",
-        "train.checkpoint_every=2",
-        "train.eval_samples=0",
-        "train.device=cpu",
-        "train.export=false",
-        "train.tensorboard=false",
-        "data.micro_batch_size=4",
-    ]
-    args = ["sft", "--nproc-per-node", "1", "--output-dir", str(run)]
-    for s in sets:
-        args += ["--set", s]
-    done = subprocess.run([*CLI, *args], env=_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    ckpt = run / "checkpoints" / "step_000002"
-    out = tmp_path / "exported"
-    exp = subprocess.run(
-        [*CLI, "export", str(ckpt), "--out", str(out)],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert exp.returncode == 0, exp.stderr[-4000:]
-    import torch
+    # 4. `train-recipes export` of step 20 of both runs: loadable with from_pretrained, and the
+    #    resumed run's weights equal the uninterrupted run's bit for bit.
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(out)
-    # The exported weights are the checkpoint's, not a fresh init: they differ from the
-    # seed's initial weights after two AdamW steps.
-    weights = load_file(out / "model.safetensors")
-    assert set(weights) <= set(model.state_dict())
-    from train_recipes.config import SFTConfig, load_config
-    from train_recipes.demo import build_char_tokenizer
-    from train_recipes.modeling import build_model
-
-    torch.manual_seed(0)
-    fresh = build_model(load_config(SFTConfig, None, []), build_char_tokenizer())
-    name = "model.layers.0.self_attn.q_proj.weight"
-    assert not torch.equal(fresh.state_dict()[name], model.state_dict()[name])
+    exported = []
+    for name, src in (("ref", ref), ("resumed", run)):
+        out = tmp_path / f"export-{name}"
+        exp = subprocess.run(
+            [*CLI, "export", str(src / "checkpoints" / "step_000020"), "--out", str(out)],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert exp.returncode == 0, exp.stderr[-4000:]
+        exported.append(load_file(out / "model.safetensors"))
+    assert exported[0].keys() == exported[1].keys()
+    for key in exported[0]:
+        assert torch.equal(exported[0][key], exported[1][key]), key
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export-ref")
+    state = model.state_dict()
+    for key, value in exported[0].items():
+        assert torch.equal(state[key], value), key
