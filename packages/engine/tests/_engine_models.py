@@ -77,7 +77,7 @@ def full_state(model: nn.Module) -> dict[str, Tensor]:
     out = {}
     for name, p in model.named_parameters():
         t = p.full_tensor() if isinstance(p, DTensor) else p
-        out[name.removeprefix("module.")] = t.detach().to(torch.float64).clone()
+        out[name.removeprefix("module.")] = t.detach().to("cpu", torch.float64).clone()
     return out
 
 

@@ -61,15 +61,17 @@ def _chunks(ids: torch.Tensor, labels: torch.Tensor, rank: int, world: int, micr
 # --------------------------------------------------------------------------- invariance
 
 
-def invariance(rank: int, world: int, kind: str, micro: int, steps: int, seed: int) -> dict:
-    mesh = init_device_mesh("cpu", (world,))
-    model = _wrap(make_model(), kind, mesh)
+def invariance(
+    rank: int, world: int, kind: str, micro: int, steps: int, seed: int, device: str = "cpu"
+) -> dict:
+    mesh = init_device_mesh(device, (world,))
+    model = _wrap(make_model().to(device), kind, mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine = Engine(model, opt, max_grad_norm=0.5, gradient_accumulation_steps=micro)
     norms = []
     for step in range(steps):
         ids, labels = global_batch(seed + step, N_SEQ)
-        batches = _chunks(ids, labels, rank, world, micro)
+        batches = _chunks(ids.to(device), labels.to(device), rank, world, micro)
         local = sum(int((lab != IGNORE).sum()) for _, lab in batches)
         n = engine.global_num_tokens(local)
         for x, lab in batches:
@@ -125,14 +127,14 @@ def deferral(rank: int, world: int, kind: str, defer: bool) -> dict:
 # ------------------------------------------------------------------------ clip parity
 
 
-def _tp_model(mesh: DeviceMesh) -> nn.Module:
+def _tp_model(mesh: DeviceMesh, device: str) -> nn.Module:
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
     )
 
-    model = make_model()
+    model = make_model().to(device)
     for block in model.layers:
         parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
     return apply_data_parallel(model, mesh=mesh["dp"], config=FSDP2Config())
@@ -156,18 +158,23 @@ def _count_all_reduce() -> Iterator[list[int]]:
 
 
 def clip_parity(
-    rank: int, world: int, kind: str, norm_type: float, bucket_view: bool = False
+    rank: int,
+    world: int,
+    kind: str,
+    norm_type: float,
+    bucket_view: bool = False,
+    device: str = "cpu",
 ) -> dict:
     """One clipped SGD(lr=1) window through the Engine vs clip_grad_norm_ on an unsharded copy."""
     if kind == "fsdp2_tp":
-        mesh2 = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
-        model = _tp_model(mesh2)
+        mesh2 = init_device_mesh(device, (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        model = _tp_model(mesh2, device)
         dp_rank, dp_size = mesh2["dp"].get_local_rank(), world // 2
     else:
-        mesh = init_device_mesh("cpu", (world,))
-        model = _wrap(make_model(), kind, mesh, gradient_as_bucket_view=bucket_view)
+        mesh = init_device_mesh(device, (world,))
+        model = _wrap(make_model().to(device), kind, mesh, gradient_as_bucket_view=bucket_view)
         dp_rank, dp_size = rank, world
-    reference = make_model()
+    reference = make_model().to(device)
     micro, max_norm = 2, 0.05
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     engine = Engine(
@@ -179,6 +186,7 @@ def clip_parity(
         nonfinite="step",
     )
     ids, labels = global_batch(7, 4 * dp_size)
+    ids, labels = ids.to(device), labels.to(device)
     batches = _chunks(ids, labels, dp_rank, dp_size, micro)
     n = engine.global_num_tokens(sum(int((lab != IGNORE).sum()) for _, lab in batches))
     aliases_buckets = None
@@ -389,3 +397,29 @@ def resume_run(
                 Path(root) / f"step_{step + 1}", extra_state=sampler.state_dict()
             )
     return {"losses": losses, "params": full_state(model), "start": start}
+
+
+# --------------------------------------------------------------------------------- CUDA
+
+
+def bf16_fsdp2_step(rank: int, world: int) -> float:
+    """One FSDP2 bf16/fp32-reduce step on CUDA vs an fp32 reference: max |param difference|."""
+    mesh = init_device_mesh("cuda", (1,))
+    model = apply_data_parallel(
+        make_model().cuda(),
+        mesh=mesh,
+        config=FSDP2Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    )
+    reference = make_model().cuda()
+    engine = Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ids, labels = global_batch(0, 4)
+    ids, labels = ids.cuda(), labels.cuda()
+    n = int((labels != IGNORE).sum())
+    engine.backward(token_loss_sum(engine(ids), labels), num_tokens=engine.global_num_tokens(n))
+    engine.step()
+    (token_loss_sum(reference(ids), labels) / n).backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+    ref_opt.step()
+    got, ref = full_state(model), full_state(reference)
+    return max(float((got[k] - ref[k]).abs().max()) for k in ref)
