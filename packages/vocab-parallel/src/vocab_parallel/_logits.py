@@ -43,6 +43,7 @@ class Plan:
         entropy: compute the entropy.
         uniform: compute mean_v log p_v (label smoothing).
         validate: count labels outside [0, V) and raise if any.
+        backend: "torch" (chunked PyTorch) or "triton" (fused kernels, logits path only).
     """
 
     group: dist.ProcessGroup | None
@@ -54,6 +55,7 @@ class Plan:
     entropy: bool
     uniform: bool
     validate: bool
+    backend: str = "torch"
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -116,12 +118,22 @@ class VocabStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: Tensor, labels: Tensor | None, plan: Plan) -> Any:
         n, local_vocab = logits.shape
-        parts: list[ShardStats] = []
-        for start in range(0, n, plan.chunk_size):
-            z = scaled_fp32(logits[start : start + plan.chunk_size], plan.inv_temperature)
-            parts.append(shard_stats(z, entropy=plan.entropy, sum_z=plan.uniform))
-            del z
-        stats = _concat(parts, n=n, like=logits, plan=plan)
+        if plan.backend == "triton":
+            from vocab_parallel import _triton
+
+            stats = _triton.shard_stats(
+                logits,
+                inv_temperature=plan.inv_temperature,
+                entropy=plan.entropy,
+                sum_z=plan.uniform,
+            )
+        else:
+            parts: list[ShardStats] = []
+            for start in range(0, n, plan.chunk_size):
+                z = scaled_fp32(logits[start : start + plan.chunk_size], plan.inv_temperature)
+                parts.append(shard_stats(z, entropy=plan.entropy, sum_z=plan.uniform))
+                del z
+            stats = _concat(parts, n=n, like=logits, plan=plan)
 
         targets = None
         target = logits.new_zeros(n, dtype=torch.float32)
@@ -183,6 +195,22 @@ class VocabStats(torch.autograd.Function):
         g_ent = grad_entropy.float() * inv_t if grad_entropy is not None else None
         g_uni = grad_uniform.float() * inv_t if grad_uniform is not None else None
 
+        if plan.backend == "triton":
+            from vocab_parallel import _triton
+
+            grad = _triton.logits_grad(
+                logits,
+                inv_temperature=inv_t,
+                inv_vocab=1.0 / plan.vocab_size,
+                log_normalizer=log_normalizer,
+                entropy=entropy if g_ent is not None else None,
+                grad_all=g_all,
+                grad_entropy=g_ent,
+                grad_uniform=g_uni,
+                target_index=index,
+                target_grad=g_target,
+            )
+            return grad, None, None
         grad = torch.empty_like(logits)
         n = logits.shape[0]
         if logits.shape[1] == 0:

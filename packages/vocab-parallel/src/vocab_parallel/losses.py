@@ -11,7 +11,9 @@ one SUM of the [N, H] hidden gradient in backward).
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from typing import Literal
 
 import torch
@@ -22,6 +24,29 @@ from vocab_parallel._logits import Plan, VocabStats, chunk_size_for
 from vocab_parallel._sharding import check_labels, replicated_local, vocab_shard
 
 Reduction = Literal["none", "mean", "sum"]
+Backend = Literal["auto", "torch", "triton"]
+
+
+def _resolve_backend(backend: str, logits: Tensor) -> str:
+    """ "auto": the Triton kernels for CUDA tensors when triton is installed, else PyTorch."""
+    if backend == "torch":
+        return "torch"
+    if backend not in ("auto", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    available = importlib.util.find_spec("triton") is not None
+    if backend == "auto":
+        return "triton" if available and logits.is_cuda else "torch"
+    if not available:
+        raise ImportError(
+            "backend='triton' needs the triton package; install the 'triton' extra "
+            "(pip install 'vocab-parallel[triton]') or use backend='torch'"
+        )
+    if not logits.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(
+            f"backend='triton' runs on CUDA tensors, but the logits are on {logits.device}; "
+            "use backend='auto' or 'torch' on this device"
+        )
+    return "triton"
 
 
 def _check_temperature(temperature: float) -> float:
@@ -60,6 +85,7 @@ def _vocab_stats(
     entropy: bool,
     uniform: bool,
     validate: bool,
+    backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Run :class:`VocabStats` on any logits; returns (log_p, entropy, uniform), each [...]."""
     inv_t = _check_temperature(temperature)
@@ -93,6 +119,7 @@ def _vocab_stats(
         entropy=entropy,
         uniform=uniform,
         validate=validate,
+        backend=_resolve_backend(backend, local),
     )
     log_p, ent, uni = VocabStats.apply(flat, flat_labels, plan)
     return log_p.view(batch_shape), ent.view(batch_shape), uni.view(batch_shape)
@@ -106,6 +133,7 @@ def token_log_probs(
     ignore_index: int = -100,
     chunk_size: int | None = None,
     validate: bool = False,
+    backend: Backend = "auto",
 ) -> Tensor:
     """Log-probability of each label under softmax(logits / temperature).
 
@@ -119,6 +147,8 @@ def token_log_probs(
         validate: check that every label is ``ignore_index`` or in [0, V) and raise
             otherwise. Costs one device-to-host sync. Without it an out-of-range label is
             never read out of bounds but yields a meaningless value.
+        backend: "auto" (Triton kernels for CUDA tensors when triton is installed, else
+            PyTorch), "torch" (chunked PyTorch, any device) or "triton".
 
     Returns:
         [...] float32, identical on every vocabulary rank (a plain tensor).
@@ -132,12 +162,17 @@ def token_log_probs(
         entropy=False,
         uniform=False,
         validate=validate,
+        backend=backend,
     )
     return log_p
 
 
 def token_entropy(
-    logits: Tensor, *, temperature: float = 1.0, chunk_size: int | None = None
+    logits: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    backend: Backend = "auto",
 ) -> Tensor:
     """Entropy H = -sum_v p_v log p_v (>= 0) of softmax(logits / temperature), differentiable.
 
@@ -145,6 +180,7 @@ def token_entropy(
         logits: [..., V] any float dtype; a DTensor may shard V (``Shard(-1)``).
         temperature: > 0.
         chunk_size: tokens per fp32 working chunk; None = automatic.
+        backend: "auto", "torch" or "triton" (see :func:`token_log_probs`).
 
     Returns:
         [...] float32, identical on every vocabulary rank.
@@ -158,6 +194,7 @@ def token_entropy(
         entropy=True,
         uniform=False,
         validate=False,
+        backend=backend,
     )
     return ent
 
@@ -170,6 +207,7 @@ def token_log_probs_and_entropy(
     ignore_index: int = -100,
     chunk_size: int | None = None,
     validate: bool = False,
+    backend: Backend = "auto",
 ) -> tuple[Tensor, Tensor]:
     """Both :func:`token_log_probs` and :func:`token_entropy` from one pass over the logits.
 
@@ -186,6 +224,7 @@ def token_log_probs_and_entropy(
         entropy=True,
         uniform=False,
         validate=validate,
+        backend=backend,
     )
     return log_p, ent
 
@@ -199,6 +238,7 @@ def cross_entropy(
     label_smoothing: float = 0.0,
     chunk_size: int | None = None,
     validate: bool = False,
+    backend: Backend = "auto",
 ) -> Tensor:
     """``torch.nn.functional.cross_entropy`` over the last dim, vocabulary-parallel.
 
@@ -214,6 +254,7 @@ def cross_entropy(
         label_smoothing: in [0, 1].
         chunk_size: tokens per fp32 working chunk; None = automatic.
         validate: check the label range (one device-to-host sync).
+        backend: "auto", "torch" or "triton" (see :func:`token_log_probs`).
 
     Returns:
         float32 loss (dtype differs from PyTorch, which returns the logits' dtype).
@@ -232,6 +273,7 @@ def cross_entropy(
         entropy=False,
         uniform=smooth,
         validate=validate,
+        backend=backend,
     )
     valid = replicated_local(labels, name="labels") != ignore_index
     loss = -log_p

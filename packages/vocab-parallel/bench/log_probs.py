@@ -1,0 +1,222 @@
+"""Forward+backward time and peak extra memory of token log-prob implementations, side by side.
+
+    python packages/vocab-parallel/bench/log_probs.py --device cuda --tokens 8192 --vocab 151936
+
+Variants (all compute log p(label) for T tokens over V entries and backpropagate):
+    naive            log_softmax(logits.float()).gather(...)          (the baseline)
+    naive_compiled   torch.compile of the same (CUDA only)
+    ours             vocab_parallel.token_log_probs (backend "auto": Triton on CUDA, else torch)
+    ours_torch       the pure-PyTorch chunked path (CUDA only; on CPU it is "ours")
+    naive_linear     hidden @ weight.T, then naive                    (baseline of the fused form)
+    fused_linear     vocab_parallel.linear_token_log_probs
+
+Peak extra memory (CUDA only) is the peak allocated during forward+backward above what was
+allocated before (the inputs); it includes the gradients the call returns. The floor is the time
+to move 3 x the bf16 logits (read forward, read backward, write gradient) at the copy bandwidth
+measured on the same device. Prints one table, writes JSON with device name and versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import vocab_parallel as vp
+
+GIB = 1024**3
+
+
+@dataclass(kw_only=True, slots=True)
+class Row:
+    variant: str
+    baseline: str
+    median_ms: float
+    peak_extra_gib: float | None
+    extra_over_logits: float | None
+    speedup: float | None = None
+    over_floor: float | None = None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_ms(fn: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _peak_extra(fn: Callable[[], None], device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    _sync(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / GIB
+
+
+def _copy_bandwidth(nbytes: int, device: torch.device, repeats: int) -> float:
+    """Bytes per second of a device-local copy (read + write) of ``nbytes``."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+
+    def copy() -> None:
+        dst.copy_(src)
+
+    ms = _time_ms(copy, device, warmup=2, repeats=repeats)
+    return 2 * src.numel() * 2 / (ms / 1e3)
+
+
+def naive_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--hidden", type=int, default=4096, help="H of the fused linear form")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (CI smoke run)")
+    parser.add_argument("--no-linear", action="store_true", help="skip the fused linear rows")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default: stdout only)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens, args.vocab, args.hidden = 64, 1000, 32
+        args.repeats, args.warmup = 2, 1
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    t, v, h = args.tokens, args.vocab, args.hidden
+    logits = torch.randn(t, v, device=device, dtype=dtype).requires_grad_()
+    labels = torch.randint(0, v, (t,), device=device)
+    logits_bytes = logits.numel() * logits.element_size()
+
+    variants: dict[str, tuple[str, Callable[[], None]]] = {}
+
+    def logits_step(fn: Callable[..., torch.Tensor]) -> Callable[[], None]:
+        def step() -> None:
+            logits.grad = None
+            fn(logits, labels).sum().backward()
+
+        return step
+
+    variants["naive"] = ("naive", logits_step(naive_log_probs))
+    if device.type == "cuda":
+        compiled = torch.compile(naive_log_probs, dynamic=False)
+        variants["naive_compiled"] = ("naive", logits_step(compiled))
+    variants["ours"] = ("naive", logits_step(lambda x, y: vp.token_log_probs(x, y)))
+    if device.type == "cuda":
+        variants["ours_torch"] = (
+            "naive",
+            logits_step(lambda x, y: vp.token_log_probs(x, y, backend="torch")),
+        )
+
+    if not args.no_linear:
+        hidden = torch.randn(t, h, device=device, dtype=dtype).requires_grad_()
+        weight = (torch.randn(v, h, device=device, dtype=dtype) / h**0.5).requires_grad_()
+
+        def linear_step(fused: bool) -> Callable[[], None]:
+            def step() -> None:
+                hidden.grad = weight.grad = None
+                if fused:
+                    out = vp.linear_token_log_probs(hidden, weight, labels)
+                else:
+                    out = naive_log_probs(hidden @ weight.T, labels)
+                out.sum().backward()
+
+            return step
+
+        variants["naive_linear"] = ("naive_linear", linear_step(False))
+        variants["fused_linear"] = ("naive_linear", linear_step(True))
+
+    rows: dict[str, Row] = {}
+    for name, (baseline, step) in variants.items():
+        ms = _time_ms(step, device, args.warmup, args.repeats)
+        peak = _peak_extra(step, device)
+        rows[name] = Row(
+            variant=name,
+            baseline=baseline,
+            median_ms=ms,
+            peak_extra_gib=peak,
+            extra_over_logits=None if peak is None else peak * GIB / logits_bytes,
+        )
+        logits.grad = None
+    bandwidth = _copy_bandwidth(logits_bytes, device, args.repeats)
+    floor_ms = 3 * logits_bytes / bandwidth * 1e3
+    for row in rows.values():
+        row.speedup = rows[row.baseline].median_ms / row.median_ms
+        row.over_floor = row.median_ms / floor_ms
+
+    header = (
+        f"{'variant':<16}{'median ms':>11}{'peak extra GiB':>16}{'x logits':>10}"
+        f"{'speedup':>9}{'x floor':>9}"
+    )
+    print(f"T={t} V={v} H={h} {args.dtype} on {device} ({_device_name(device)})")
+    print(
+        f"logits {logits_bytes / GIB:.3f} GiB; floor {floor_ms:.3f} ms at "
+        f"{bandwidth / 1e9:.0f} GB/s (3 passes over the logits)"
+    )
+    print(header)
+    for row in rows.values():
+        peak = "-" if row.peak_extra_gib is None else f"{row.peak_extra_gib:.3f}"
+        ratio = "-" if row.extra_over_logits is None else f"{row.extra_over_logits:.2f}"
+        print(
+            f"{row.variant:<16}{row.median_ms:>11.3f}{peak:>16}{ratio:>10}"
+            f"{row.speedup:>8.2f}x{row.over_floor:>8.1f}x"
+        )
+    print("speedup: vs the row's baseline (naive, or naive_linear for the fused form)")
+
+    report = {
+        "device": str(device),
+        "device_name": _device_name(device),
+        "torch": torch.__version__,
+        "vocab_parallel": vp.__version__,
+        "python": platform.python_version(),
+        "tokens": t,
+        "vocab": v,
+        "hidden": h,
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+        "logits_gib": logits_bytes / GIB,
+        "copy_bandwidth_gbps": bandwidth / 1e9,
+        "floor_ms": floor_ms,
+        "rows": [asdict(r) for r in rows.values()],
+    }
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.out}")
+    return list(rows.values())
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+if __name__ == "__main__":
+    main()

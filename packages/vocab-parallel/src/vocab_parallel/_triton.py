@@ -1,0 +1,230 @@
+# mypy: disable-error-code="no-untyped-def"
+"""Triton kernels for the logits path on CUDA: one read of the logits forward, one read and one
+write backward (the memory-bandwidth floor), with no fp32 [N, V] buffer at all.
+
+# N tokens (one program per token row), V local vocabulary columns, BLOCK columns per step
+
+Imported lazily: ``triton`` ships with CUDA builds of PyTorch. The same kernels run on CPU under
+``TRITON_INTERPRET=1`` (how the CPU test suite checks them).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from vocab_parallel._math import _LOG_FLOOR, ShardStats
+
+_MAX_BLOCK = 8192
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (tests only)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _stats_kernel(
+    x_ptr,
+    stride_row,
+    n_cols,
+    inv_t,
+    max_ptr,
+    sum_exp_ptr,
+    sum_exp_z_ptr,
+    sum_z_ptr,
+    WANT_ENTROPY: tl.constexpr,
+    WANT_SUM_Z: tl.constexpr,
+    LOG_FLOOR: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # Online softmax over the row. Invariant, with c = (m if m > -inf else 0):
+    #   s = sum exp(z - c),  t = sum exp(z - c) * (z - c)
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_row
+    offsets = tl.arange(0, BLOCK)
+    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
+    s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+    t = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+    sz = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offsets
+        mask = cols < n_cols
+        z = tl.load(x_row + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+        if WANT_SUM_Z:
+            sz += tl.sum(tl.where(mask, z, 0.0), 0)
+        m_new = tl.maximum(m, tl.max(z, 0))
+        c_old = tl.where(m == float("-inf"), 0.0, m)
+        c_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # exp(-inf - c_new) = 0: an empty running sum never turns into 0 * inf.
+        scale = tl.exp(m - c_new)
+        u = z - c_new
+        e = tl.exp(u)
+        if WANT_ENTROPY:
+            t = scale * (t + (c_old - c_new) * s) + tl.sum(e * tl.maximum(u, LOG_FLOOR), 0)
+        s = s * scale + tl.sum(e, 0)
+        m = m_new
+    tl.store(max_ptr + row, m)
+    tl.store(sum_exp_ptr + row, s)
+    if WANT_ENTROPY:
+        tl.store(sum_exp_z_ptr + row, t)
+    if WANT_SUM_Z:
+        tl.store(sum_z_ptr + row, sz)
+
+
+@triton.jit
+def _grad_kernel(
+    x_ptr,
+    stride_x,
+    g_ptr,
+    stride_g,
+    n_cols,
+    inv_t,
+    inv_vocab,
+    log_z_ptr,
+    entropy_ptr,
+    g_all_ptr,
+    g_entropy_ptr,
+    g_uniform_ptr,
+    target_col_ptr,
+    g_target_ptr,
+    HAS_TARGET: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
+    HAS_UNIFORM: tl.constexpr,
+    LOG_FLOOR: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # grad = -p * (g_all + g_uniform + g_entropy * (log p + H)) + g_uniform / V + onehot * g_target
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    g_row = g_ptr + row * stride_g
+    offsets = tl.arange(0, BLOCK)
+    log_z = tl.load(log_z_ptr + row)
+    coef = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+    g_target = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+    target_col = -1
+    if HAS_TARGET:
+        coef += tl.load(g_all_ptr + row)
+        g_target = tl.load(g_target_ptr + row)
+        target_col = tl.load(target_col_ptr + row)
+    if HAS_UNIFORM:
+        g_uniform = tl.load(g_uniform_ptr + row)
+        coef += g_uniform
+    if HAS_ENTROPY:
+        entropy = tl.load(entropy_ptr + row)
+        g_entropy = tl.load(g_entropy_ptr + row)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offsets
+        mask = cols < n_cols
+        z = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_t
+        log_p = z - log_z
+        p = tl.exp(log_p)
+        w = coef
+        if HAS_ENTROPY:
+            w = w + g_entropy * (tl.maximum(log_p, LOG_FLOOR) + entropy)
+        grad = -p * w
+        if HAS_UNIFORM:
+            grad += g_uniform * inv_vocab
+        if HAS_TARGET:
+            grad += tl.where(cols == target_col, g_target, 0.0)
+        tl.store(g_row + cols, grad.to(g_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_config(n_cols: int) -> tuple[int, int]:
+    block = min(_MAX_BLOCK, triton.next_power_of_2(max(n_cols, 16)))
+    return block, (8 if block >= 4096 else 4)
+
+
+def _rows(logits: Tensor) -> Tensor:
+    return logits if logits.stride(-1) == 1 else logits.contiguous()
+
+
+def shard_stats(
+    logits: Tensor, *, inv_temperature: float, entropy: bool, sum_z: bool
+) -> ShardStats:
+    """Same statistics as :func:`vocab_parallel._math.shard_stats` for all rows at once.
+
+    Args:
+        logits: [N, V] any float dtype (not modified, never copied to fp32).
+    """
+    x = _rows(logits)
+    n, v = x.shape
+    out = torch.empty((4, n), device=x.device, dtype=torch.float32)
+    if n and v:
+        block, warps = _launch_config(v)
+        _stats_kernel[(n,)](
+            x,
+            x.stride(0),
+            v,
+            inv_temperature,
+            out[0],
+            out[1],
+            out[2],
+            out[3],
+            WANT_ENTROPY=entropy,
+            WANT_SUM_Z=sum_z,
+            LOG_FLOOR=_LOG_FLOOR,
+            BLOCK=block,
+            num_warps=warps,
+        )
+    elif n:
+        out[0].fill_(float("-inf"))
+        out[1:].zero_()
+    return ShardStats(
+        max=out[0],
+        sum_exp=out[1],
+        sum_exp_z=out[2] if entropy else None,
+        sum_z=out[3] if sum_z else None,
+    )
+
+
+def logits_grad(
+    logits: Tensor,
+    *,
+    inv_temperature: float,
+    inv_vocab: float,
+    log_normalizer: Tensor,
+    entropy: Tensor | None,
+    grad_all: Tensor | None,
+    grad_entropy: Tensor | None,
+    grad_uniform: Tensor | None,
+    target_index: Tensor | None,
+    target_grad: Tensor | None,
+) -> Tensor:
+    """Gradient w.r.t. the logits [N, V] in their dtype (see :func:`_math.chunk_grad`); the
+    ``grad_*`` inputs are [N] fp32 already multiplied by ``inv_temperature``."""
+    x = _rows(logits)
+    n, v = x.shape
+    grad = torch.empty_like(x)
+    if n == 0 or v == 0:
+        return grad
+    dummy = log_normalizer
+    block, warps = _launch_config(v)
+    has_target = grad_all is not None and target_index is not None and target_grad is not None
+    _grad_kernel[(n,)](
+        x,
+        x.stride(0),
+        grad,
+        grad.stride(0),
+        v,
+        inv_temperature,
+        inv_vocab,
+        log_normalizer.contiguous(),
+        entropy.contiguous() if entropy is not None else dummy,
+        grad_all.contiguous() if grad_all is not None else dummy,
+        grad_entropy.contiguous() if grad_entropy is not None else dummy,
+        grad_uniform.contiguous() if grad_uniform is not None else dummy,
+        target_index.contiguous() if target_index is not None else dummy,
+        target_grad.contiguous() if target_grad is not None else dummy,
+        HAS_TARGET=has_target,
+        HAS_ENTROPY=grad_entropy is not None,
+        HAS_UNIFORM=grad_uniform is not None,
+        LOG_FLOOR=_LOG_FLOOR,
+        BLOCK=block,
+        num_warps=warps,
+    )
+    return grad

@@ -1,0 +1,99 @@
+"""Check the Triton backend against the float64 reference; run as a script.
+
+On CPU it needs TRITON_INTERPRET=1 in the environment (set by the calling test) so that the
+kernels run in Triton's interpreter; on CUDA (``--device cuda``) they run compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import vocab_parallel as vp
+from _vp_reference import (
+    make_labels,
+    make_logits,
+    ref_cross_entropy,
+    ref_entropy,
+    ref_log_probs,
+    upstream,
+)
+
+IGNORE = -100
+
+
+def check(device: str, vocab: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    masked = max(1, vocab // 10)
+    logits = make_logits(shape, vocab, seed=vocab, masked_columns=masked).to(dtype)
+    labels = make_labels(shape, vocab, seed=vocab, low=masked).to(device)
+    # Tolerances: values accumulate in fp32 either way; bf16 gradients are rounded to bf16
+    # (and the CPU interpreter may truncate instead of round).
+    v_atol = 5e-5
+    g_atol, g_rtol = (3e-6, 1e-5) if dtype == torch.float32 else (8e-3, 2e-2)
+    w1, w2 = upstream(shape, seed=1).to(device), upstream(shape, seed=2).to(device)
+    for temperature in (1.0, 0.7):
+        x = logits.to(device).detach().clone().requires_grad_()
+        ref = logits.to(device).detach().double().requires_grad_()
+        log_p, ent = vp.token_log_probs_and_entropy(
+            x, labels, temperature=temperature, backend="triton"
+        )
+        ref_lp = ref_log_probs(ref, labels, temperature, IGNORE)
+        ref_h = ref_entropy(ref, temperature)
+        what = f"{device} V={vocab} {dtype} T={temperature}"
+        torch.testing.assert_close(
+            log_p.double(), ref_lp, atol=v_atol, rtol=1e-5, msg=lambda m, what=what: f"{what}: {m}"
+        )
+        torch.testing.assert_close(
+            ent.double(), ref_h, atol=v_atol, rtol=1e-5, msg=lambda m, what=what: f"{what}: {m}"
+        )
+        (log_p.double() * w1 + ent.double() * w2).sum().backward()
+        (ref_lp * w1 + ref_h * w2).sum().backward()
+        assert x.grad is not None and x.grad.dtype == dtype
+        torch.testing.assert_close(
+            x.grad.double(),
+            ref.grad,
+            atol=g_atol,
+            rtol=g_rtol,
+            msg=lambda m, what=what: f"grad {what}: {m}",
+        )
+        assert torch.all(x.grad[labels == IGNORE][..., :masked] == 0)
+
+    # Cross-entropy with label smoothing (no masked columns: smoothing over -inf is infinite).
+    plain = make_logits(shape, vocab, seed=vocab + 1).to(dtype)
+    x = plain.to(device).detach().clone().requires_grad_()
+    ref = plain.to(device).detach().double().requires_grad_()
+    ce = vp.cross_entropy(x, labels, label_smoothing=0.1, backend="triton")
+    ref_ce = ref_cross_entropy(ref, labels, IGNORE, "mean", 0.1)
+    torch.testing.assert_close(ce.double(), ref_ce, atol=v_atol, rtol=1e-5)
+    ce.backward()
+    ref_ce.backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad.double(), ref.grad, atol=g_atol, rtol=g_rtol)
+
+    # Same numbers as the PyTorch backend.
+    x = logits.to(device)
+    torch.testing.assert_close(
+        vp.token_log_probs(x, labels, backend="triton"),
+        vp.token_log_probs(x, labels, backend="torch"),
+        atol=1e-5,
+        rtol=1e-6,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    if args.device == "cpu":  # interpreter: tiny sizes
+        cases = [(37, (3, 5)), (5, (4,)), (300, (2, 3))]
+    else:  # several BLOCK steps per row, uneven tail
+        cases = [(37, (3, 5)), (20011, (4, 9)), (151936, (16,))]
+    for vocab, shape in cases:
+        for dtype in (torch.float32, torch.bfloat16):
+            check(args.device, vocab, shape, dtype)
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
