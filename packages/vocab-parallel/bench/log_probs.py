@@ -41,6 +41,8 @@ class Row:
     median_ms: float
     peak_extra_gib: float | None
     extra_over_logits: float | None
+    grad_gib: float
+    transient_over_logits: float | None
     speedup: float | None = None
     over_floor: float | None = None
 
@@ -63,9 +65,12 @@ def _time_ms(fn: Callable[[], None], device: torch.device, warmup: int, repeats:
     return statistics.median(times)
 
 
-def _peak_extra(fn: Callable[[], None], device: torch.device) -> float | None:
+def _peak_extra(
+    fn: Callable[[], None], reset: Callable[[], None], device: torch.device
+) -> float | None:
     if device.type != "cuda":
         return None
+    reset()  # free the previous run's gradients, so that they count in this peak
     _sync(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
@@ -115,33 +120,41 @@ def main(argv: list[str] | None = None) -> list[Row]:
     labels = torch.randint(0, v, (t,), device=device)
     logits_bytes = logits.numel() * logits.element_size()
 
-    variants: dict[str, tuple[str, Callable[[], None]]] = {}
+    # name -> (baseline, step, reset, leaves whose gradients the step returns)
+    variants: dict[str, tuple[str, Callable[[], None], Callable[[], None], list]] = {}
+
+    def clear_logits() -> None:
+        logits.grad = None
 
     def logits_step(fn: Callable[..., torch.Tensor]) -> Callable[[], None]:
         def step() -> None:
-            logits.grad = None
+            clear_logits()
             fn(logits, labels).sum().backward()
 
         return step
 
-    variants["naive"] = ("naive", logits_step(naive_log_probs))
+    def logits_variant(fn: Callable[..., torch.Tensor]) -> tuple:
+        return ("naive", logits_step(fn), clear_logits, [logits])
+
+    variants["naive"] = logits_variant(naive_log_probs)
     if device.type == "cuda":
-        compiled = torch.compile(naive_log_probs, dynamic=False)
-        variants["naive_compiled"] = ("naive", logits_step(compiled))
-    variants["ours"] = ("naive", logits_step(lambda x, y: vp.token_log_probs(x, y)))
+        variants["naive_compiled"] = logits_variant(torch.compile(naive_log_probs, dynamic=False))
+    variants["ours"] = logits_variant(lambda x, y: vp.token_log_probs(x, y))
     if device.type == "cuda":
-        variants["ours_torch"] = (
-            "naive",
-            logits_step(lambda x, y: vp.token_log_probs(x, y, backend="torch")),
+        variants["ours_torch"] = logits_variant(
+            lambda x, y: vp.token_log_probs(x, y, backend="torch")
         )
 
     if not args.no_linear:
         hidden = torch.randn(t, h, device=device, dtype=dtype).requires_grad_()
         weight = (torch.randn(v, h, device=device, dtype=dtype) / h**0.5).requires_grad_()
 
+        def clear_linear() -> None:
+            hidden.grad = weight.grad = None
+
         def linear_step(fused: bool) -> Callable[[], None]:
             def step() -> None:
-                hidden.grad = weight.grad = None
+                clear_linear()
                 if fused:
                     out = vp.linear_token_log_probs(hidden, weight, labels)
                 else:
@@ -150,21 +163,27 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
             return step
 
-        variants["naive_linear"] = ("naive_linear", linear_step(False))
-        variants["fused_linear"] = ("naive_linear", linear_step(True))
+        leaves = [hidden, weight]
+        variants["naive_linear"] = ("naive_linear", linear_step(False), clear_linear, leaves)
+        variants["fused_linear"] = ("naive_linear", linear_step(True), clear_linear, leaves)
 
     rows: dict[str, Row] = {}
-    for name, (baseline, step) in variants.items():
+    for name, (baseline, step, reset, grad_leaves) in variants.items():
         ms = _time_ms(step, device, args.warmup, args.repeats)
-        peak = _peak_extra(step, device)
+        peak = _peak_extra(step, reset, device)
+        grad_bytes = sum(x.numel() * x.element_size() for x in grad_leaves)
         rows[name] = Row(
             variant=name,
             baseline=baseline,
             median_ms=ms,
             peak_extra_gib=peak,
             extra_over_logits=None if peak is None else peak * GIB / logits_bytes,
+            grad_gib=grad_bytes / GIB,
+            transient_over_logits=(
+                None if peak is None else (peak * GIB - grad_bytes) / logits_bytes
+            ),
         )
-        logits.grad = None
+        reset()
     bandwidth = _copy_bandwidth(logits_bytes, device, args.repeats)
     floor_ms = 3 * logits_bytes / bandwidth * 1e3
     for row in rows.values():
@@ -173,22 +192,27 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
     header = (
         f"{'variant':<16}{'median ms':>11}{'peak extra GiB':>16}{'x logits':>10}"
-        f"{'speedup':>9}{'x floor':>9}"
+        f"{'transient':>11}{'speedup':>9}{'x floor':>9}"
     )
     print(f"T={t} V={v} H={h} {args.dtype} on {device} ({_device_name(device)})")
     print(
-        f"logits {logits_bytes / GIB:.3f} GiB; floor {floor_ms:.3f} ms at "
-        f"{bandwidth / 1e9:.0f} GB/s (3 passes over the logits)"
+        f"logits {logits_bytes / GIB:.4g} GiB; floor {floor_ms:.4g} ms at "
+        f"{bandwidth / 1e9:.3g} GB/s measured copy bandwidth (3 passes over the logits)"
     )
     print(header)
     for row in rows.values():
         peak = "-" if row.peak_extra_gib is None else f"{row.peak_extra_gib:.3f}"
         ratio = "-" if row.extra_over_logits is None else f"{row.extra_over_logits:.2f}"
+        trans = "-" if row.transient_over_logits is None else f"{row.transient_over_logits:.2f}"
         print(
-            f"{row.variant:<16}{row.median_ms:>11.3f}{peak:>16}{ratio:>10}"
+            f"{row.variant:<16}{row.median_ms:>11.3f}{peak:>16}{ratio:>10}{trans:>11}"
             f"{row.speedup:>8.2f}x{row.over_floor:>8.1f}x"
         )
-    print("speedup: vs the row's baseline (naive, or naive_linear for the fused form)")
+    print(
+        "speedup: vs the row's baseline (naive, or naive_linear for the fused form); "
+        "x logits: peak extra / logits bytes; transient: the same without the returned "
+        "gradients (x logits)"
+    )
 
     report = {
         "device": str(device),

@@ -10,6 +10,7 @@ Imported lazily: ``triton`` ships with CUDA builds of PyTorch. The same kernels 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -143,6 +144,13 @@ def _rows(logits: Tensor) -> Tensor:
     return logits if logits.stride(-1) == 1 else logits.contiguous()
 
 
+def _on_device(t: Tensor) -> contextlib.AbstractContextManager[None]:
+    """Launch on the tensor's GPU, whatever the current device is."""
+    if t.is_cuda:
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
 def shard_stats(
     logits: Tensor, *, inv_temperature: float, entropy: bool, sum_z: bool
 ) -> ShardStats:
@@ -156,21 +164,22 @@ def shard_stats(
     out = torch.empty((4, n), device=x.device, dtype=torch.float32)
     if n and v:
         block, warps = _launch_config(v)
-        _stats_kernel[(n,)](
-            x,
-            x.stride(0),
-            v,
-            inv_temperature,
-            out[0],
-            out[1],
-            out[2],
-            out[3],
-            WANT_ENTROPY=entropy,
-            WANT_SUM_Z=sum_z,
-            LOG_FLOOR=_LOG_FLOOR,
-            BLOCK=block,
-            num_warps=warps,
-        )
+        with _on_device(x):
+            _stats_kernel[(n,)](
+                x,
+                x.stride(0),
+                v,
+                inv_temperature,
+                out[0],
+                out[1],
+                out[2],
+                out[3],
+                WANT_ENTROPY=entropy,
+                WANT_SUM_Z=sum_z,
+                LOG_FLOOR=_LOG_FLOOR,
+                BLOCK=block,
+                num_warps=warps,
+            )
     elif n:
         out[0].fill_(float("-inf"))
         out[1:].zero_()
@@ -205,26 +214,27 @@ def logits_grad(
     dummy = log_normalizer
     block, warps = _launch_config(v)
     has_target = grad_all is not None and target_index is not None and target_grad is not None
-    _grad_kernel[(n,)](
-        x,
-        x.stride(0),
-        grad,
-        grad.stride(0),
-        v,
-        inv_temperature,
-        inv_vocab,
-        log_normalizer.contiguous(),
-        entropy.contiguous() if entropy is not None else dummy,
-        grad_all.contiguous() if grad_all is not None else dummy,
-        grad_entropy.contiguous() if grad_entropy is not None else dummy,
-        grad_uniform.contiguous() if grad_uniform is not None else dummy,
-        target_index.contiguous() if target_index is not None else dummy,
-        target_grad.contiguous() if target_grad is not None else dummy,
-        HAS_TARGET=has_target,
-        HAS_ENTROPY=grad_entropy is not None,
-        HAS_UNIFORM=grad_uniform is not None,
-        LOG_FLOOR=_LOG_FLOOR,
-        BLOCK=block,
-        num_warps=warps,
-    )
+    with _on_device(x):
+        _grad_kernel[(n,)](
+            x,
+            x.stride(0),
+            grad,
+            grad.stride(0),
+            v,
+            inv_temperature,
+            inv_vocab,
+            log_normalizer.contiguous(),
+            entropy.contiguous() if entropy is not None else dummy,
+            grad_all.contiguous() if grad_all is not None else dummy,
+            grad_entropy.contiguous() if grad_entropy is not None else dummy,
+            grad_uniform.contiguous() if grad_uniform is not None else dummy,
+            target_index.contiguous() if target_index is not None else dummy,
+            target_grad.contiguous() if target_grad is not None else dummy,
+            HAS_TARGET=has_target,
+            HAS_ENTROPY=grad_entropy is not None,
+            HAS_UNIFORM=grad_uniform is not None,
+            LOG_FLOOR=_LOG_FLOOR,
+            BLOCK=block,
+            num_warps=warps,
+        )
     return grad
