@@ -78,3 +78,32 @@ def check_owner_broadcast(rank: int, world_size: int, ds: str) -> dict[str, Any]
         "hash": hashlib.sha256("".join(digests).encode()).hexdigest(),
         "placement": mapper.placement_hash(),
     }
+
+
+def check_owner_failure_reaches_peers(rank: int, world_size: int) -> dict[str, Any]:
+    """The owner's loader raises on the 2nd batch and ends after the 3rd: all ranks agree."""
+    from energon_sft import TopologyMapper, broadcast_next
+
+    mapper = TopologyMapper(dp=world_size // 2, tp=2)
+    group = mapper.new_replica_group()
+
+    def failing() -> Any:
+        yield {"step": 0}
+        raise ValueError("disk on fire")
+
+    it = failing() if mapper.is_loader_owner(rank) else None
+    first = broadcast_next(it, mapper=mapper, group=group)
+    error = ""
+    try:
+        broadcast_next(it, mapper=mapper, group=group)
+    except RuntimeError as exc:
+        error = str(exc)
+    ended = iter([{"step": 1}]) if mapper.is_loader_owner(rank) else None
+    broadcast_next(ended, mapper=mapper, group=group)
+    stopped = False
+    try:
+        broadcast_next(ended, mapper=mapper, group=group)
+    except StopIteration:
+        stopped = True
+    dist.destroy_process_group(group)
+    return {"first": first, "error": error, "stopped": stopped}

@@ -189,3 +189,14 @@ def test_packed_stream_resumes_exactly(ds: Path, tok: Any) -> None:
     fresh = _loader(ds, enc, batch_size=1)
     fresh.load_state_dict(state)
     assert _take(fresh, 4) == ref[2:]
+
+
+def test_state_saved_at_an_epoch_boundary_resumes_the_next_epoch(ds: Path, tok: Any) -> None:
+    enc = _enc(tok)
+    ref = _loader(ds, enc, virtual_epoch_length=3)
+    epochs = [_take(ref, 100), _take(ref, 100)]
+    run = _loader(ds, enc, virtual_epoch_length=3)
+    assert _take(run, 100) == epochs[0]
+    fresh = _loader(ds, enc, virtual_epoch_length=3)
+    fresh.load_state_dict(run.state_dict())
+    assert _take(fresh, 100) == epochs[1]

@@ -260,7 +260,23 @@ def test_text_family_rejects_images(tok: Any) -> None:
         enc.encode_chat(_sample(msgs, [png_bytes(28, 28, 0)]))
 
 
-_WORDS = ["Hello", "How", "are", "you", "the", "weather", "in", "Paris", "is", "sunny", "red", "square", "blue", "circle", "joke"]
+_WORDS = [
+    "Hello",
+    "How",
+    "are",
+    "you",
+    "the",
+    "weather",
+    "in",
+    "Paris",
+    "is",
+    "sunny",
+    "red",
+    "square",
+    "blue",
+    "circle",
+    "joke",
+]
 
 
 def _conversations() -> Any:
@@ -315,7 +331,7 @@ def test_register_model_family(tok: Any) -> None:
     assert "tagged_text_test" in known_model_families()
     with pytest.raises(ValueError, match="already registered"):
         register_model_family("tagged_text_test", Tagged())
-    with pytest.raises(TypeError, match="subclass energon_sft.ModelFamilyAdapter"):
+    with pytest.raises(TypeError, match=r"subclass energon_sft\.ModelFamilyAdapter"):
         register_model_family("bad", object(), replace=True)  # type: ignore[arg-type]
     enc = SFTTaskEncoder(tok, model_family="tagged_text_test", max_length=64)
     assert enc.identity()["adapter"] == {"adapter": "Tagged"}

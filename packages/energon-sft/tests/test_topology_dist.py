@@ -8,7 +8,11 @@ from typing import Any
 import pytest
 
 from _esft_data import build_dataset, chat_rows
-from _esft_dist import check_owner_broadcast, check_zero_token_global_batch
+from _esft_dist import (
+    check_owner_broadcast,
+    check_owner_failure_reaches_peers,
+    check_zero_token_global_batch,
+)
 from energon_sft import TopologyMapper, logical_shards_for
 
 
@@ -61,3 +65,11 @@ def test_owner_broadcasts_batches_to_its_peers(rank_pool: Any, tmp_path: Path) -
     assert len({r["placement"] for r in results}) == 1
     assert sum(r["owner"] for r in results) == 1
     assert len(set(results[0]["digests"])) == 3, "three distinct batches were broadcast"
+
+
+def test_owner_failure_and_end_reach_every_peer(rank_pool: Any) -> None:
+    results = rank_pool.run(2, check_owner_failure_reaches_peers, timeout_s=120)
+    for r in results:
+        assert r["first"] == {"step": 0}
+        assert r["error"] == "the loader on rank 0 failed: ValueError: disk on fire"
+        assert r["stopped"]

@@ -28,7 +28,12 @@ from energon_sft.loss import global_trainable_tokens, token_mean_loss
 from energon_sft.render import render_conversation
 from energon_sft.schema import ChatSample, MediaItem
 from energon_sft.state import StateMismatchError
-from energon_sft.topology import TopologyMapper, broadcast_batch, logical_shards_for
+from energon_sft.topology import (
+    TopologyMapper,
+    broadcast_batch,
+    broadcast_next,
+    logical_shards_for,
+)
 
 __version__ = _version("energon-sft")
 
@@ -52,6 +57,7 @@ __all__ = [
     "TopologyMapper",
     "__version__",
     "broadcast_batch",
+    "broadcast_next",
     "build_sft_loader",
     "check_cookers",
     "convert_jsonl",

@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["TopologyMapper", "broadcast_batch", "logical_shards_for"]
+__all__ = ["TopologyMapper", "broadcast_batch", "broadcast_next", "logical_shards_for"]
 
 _AXES = ("tp", "cp", "dp", "pp")
 
@@ -154,3 +154,38 @@ def broadcast_batch(batch: Any, *, mapper: TopologyMapper, group: Any) -> Any:
     box = [batch if rank == owner else None]
     dist.broadcast_object_list(box, src=owner, group=group)
     return box[0]
+
+
+def broadcast_next(iterator: Any, *, mapper: TopologyMapper, group: Any) -> Any:
+    """`next(iterator)` on the replica's loader owner, delivered to every rank of the replica.
+
+    The outcome is agreed before anyone acts: when the owner's loader ends, every rank raises
+    StopIteration; when it fails, every rank raises `RuntimeError` naming the owner's error,
+    so no peer is left waiting in a collective.
+
+    Args:
+        iterator: the owner's batch iterator; None on peers.
+        mapper: the job's layout.
+        group: this rank's replica group from `mapper.new_replica_group()`.
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    owner = mapper.loader_owner(mapper.dp_rank(rank))
+    box: list[Any] = [None]
+    error: BaseException | None = None
+    if rank == owner:
+        try:
+            box[0] = ("ok", next(iterator))
+        except StopIteration:
+            box[0] = ("stop", None)
+        except Exception as exc:
+            box[0] = ("error", f"{type(exc).__name__}: {exc}")
+            error = exc
+    dist.broadcast_object_list(box, src=owner, group=group)
+    status, payload = box[0]
+    if status == "stop":
+        raise StopIteration
+    if status == "error":
+        raise RuntimeError(f"the loader on rank {owner} failed: {payload}") from error
+    return payload
