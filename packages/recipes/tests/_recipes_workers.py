@@ -19,6 +19,10 @@ def run_sft_on_rank(
     config = load_config(SFTConfig, None, overrides)
     validate_sft(config, world_size=world_size)
     result = run_sft(config)
+    # Every rank runs the probe forward: an FSDP2 model's forward is collective.
+    with torch.no_grad():
+        result.model.eval()
+        logits = result.model(input_ids=torch.tensor(probe)).logits
     if rank != 0:
         return {}
     rows = [
@@ -26,9 +30,6 @@ def run_sft_on_rank(
         for x in (Path(config.train.output_dir) / "metrics.jsonl").read_text().splitlines()
     ]
     losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
-    with torch.no_grad():
-        result.model.eval()
-        logits = result.model(input_ids=torch.tensor(probe)).logits
     return {
         "losses": losses,
         "logits": logits,

@@ -31,11 +31,12 @@ def _common(split: DemoSplit, out: Path) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-def test_dp_and_cp_reach_the_same_losses_and_export_matches(
+def test_ddp_fsdp2_and_cp_reach_the_same_losses_and_export_matches(
     rank_pool: object, demo_data: DemoSplit, tmp_path: Path
 ) -> None:
     """dp=2,cp=1 (accumulation 1) and dp=1,cp=2 (accumulation 2) see the same global batches
-    (two logical loader shards), so with the token-sum loss they must follow the same losses."""
+    (two logical loader shards), so with the token-sum loss they must follow the same losses;
+    so must FSDP2 at dp=2. The HF exports reproduce the trained models' logits."""
     dp_run = rank_pool.run(  # type: ignore[attr-defined]
         2,
         run_sft_on_rank,
@@ -55,6 +56,18 @@ def test_dp_and_cp_reach_the_same_losses_and_export_matches(
         PROBE,
         timeout_s=240,
     )[0]
+    fsdp_run = rank_pool.run(  # type: ignore[attr-defined]
+        2,
+        run_sft_on_rank,
+        [
+            *_common(demo_data, tmp_path / "fsdp2"),
+            "parallel.cp=1",
+            "parallel.data_parallel=fsdp2",
+            "train.export=true",
+        ],
+        PROBE,
+        timeout_s=240,
+    )[0]
     dp_losses, cp_losses = dp_run["losses"], cp_run["losses"]
     assert sorted(dp_losses) == sorted(cp_losses) == list(range(1, 13))
     steps = sorted(dp_losses)
@@ -64,15 +77,20 @@ def test_dp_and_cp_reach_the_same_losses_and_export_matches(
         a, b, rtol=2e-4, atol=2e-5, msg=lambda m: f"dp vs cp losses\n{a}\n{b}\n{m}"
     )
     assert a[-1] < a[0], f"loss did not go down: {a.tolist()}"
+    c = torch.tensor([fsdp_run["losses"][s] for s in steps], dtype=torch.float64)
+    torch.testing.assert_close(
+        a, c, rtol=2e-4, atol=2e-5, msg=lambda m: f"DDP vs FSDP2\n{a}\n{c}\n{m}"
+    )
 
     # The exported folder loads with from_pretrained and reproduces the trained model's logits.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    export = Path(dp_run["export_dir"])
-    assert (export / "model.safetensors").is_file()
-    model = AutoModelForCausalLM.from_pretrained(export).eval()
-    tokenizer = AutoTokenizer.from_pretrained(export)
-    assert tokenizer.chat_template
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor(PROBE)).logits
-    torch.testing.assert_close(logits, dp_run["logits"], rtol=1e-5, atol=1e-5)
+    for run in (dp_run, fsdp_run):  # DDP, and FSDP2 (shards consolidated on export)
+        export = Path(run["export_dir"])
+        assert (export / "model.safetensors").is_file()
+        model = AutoModelForCausalLM.from_pretrained(export).eval()
+        tokenizer = AutoTokenizer.from_pretrained(export)
+        assert tokenizer.chat_template
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor(PROBE)).logits
+        torch.testing.assert_close(logits, run["logits"], rtol=1e-5, atol=1e-5)
