@@ -107,3 +107,28 @@ def check_owner_failure_reaches_peers(rank: int, world_size: int) -> dict[str, A
         stopped = True
     dist.destroy_process_group(group)
     return {"first": first, "error": error, "stopped": stopped}
+
+
+def check_restore_refusal_is_agreed(rank: int, world_size: int, ds: str) -> dict[str, Any]:
+    """Rank 1 gets a state of another batch size; with group=, both ranks raise."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _esft_data import build_tokenizer
+    from energon_sft import SFTTaskEncoder, StateMismatchError, build_sft_loader
+
+    enc = SFTTaskEncoder(build_tokenizer(), model_family="text", max_length=128)
+
+    def make(bs: int) -> Any:
+        return build_sft_loader(
+            ds, encoder=enc, batch_size=bs, dp_rank=rank, dp_world_size=world_size,
+            num_workers=0, seed=0,
+        )  # fmt: skip
+
+    state = make(2 if rank == 0 else 3).state_dict()
+    try:
+        make(2).load_state_dict(state, group=dist.group.WORLD)
+    except StateMismatchError as exc:
+        return {"raised": True, "msg": str(exc)}
+    return {"raised": False, "msg": ""}

@@ -170,6 +170,10 @@ def test_padding_to_multiple_and_packing_through_the_loader(tok: Any, tmp_path: 
         assert bool((b.input_ids[r, n:] == plain.pad_token_id).all())
         assert bool((b.labels[r, n - 1 :] == IGNORE_INDEX).all())
     assert b.cu_seqlens[-1].item() == b.input_ids.numel()
+    hf = b.hf_labels()  # unshifted: the trained token itself, at its own position
+    trained = hf != IGNORE_INDEX
+    assert torch.equal(hf[trained], b.input_ids[trained])
+    assert int(trained.sum()) == b.num_trainable_tokens == int(b.loss_mask.sum())
     singles = {sid: row for sid, row in zip(b.source_ids, b.input_ids, strict=True)}
 
     packer = SFTTaskEncoder(

@@ -11,6 +11,7 @@ from _esft_data import build_dataset, chat_rows
 from _esft_dist import (
     check_owner_broadcast,
     check_owner_failure_reaches_peers,
+    check_restore_refusal_is_agreed,
     check_zero_token_global_batch,
 )
 from energon_sft import TopologyMapper, logical_shards_for
@@ -52,9 +53,14 @@ def test_zero_token_global_batch_is_reported_not_divided(rank_pool: Any) -> None
         assert r["zero_total"] == 0 and r["zero_loss"] == 0.0 and r["zero_grad_finite_zero"]
 
 
+@pytest.fixture(scope="module")
+def text_ds(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_dataset(tmp_path_factory.mktemp("dist"), chat_rows(24, image_every=0))
+
+
 @pytest.mark.timeout(240)
-def test_owner_broadcasts_batches_to_its_peers(rank_pool: Any, tmp_path: Path) -> None:
-    ds = build_dataset(tmp_path, chat_rows(24, image_every=0))
+def test_owner_broadcasts_batches_to_its_peers(rank_pool: Any, text_ds: Path) -> None:
+    ds = text_ds
     # World 2 = one replica (dp=1, tp=2); that replicas read different data is covered by
     # the logical-shard tests of test_loader.py without spawning 4 ranks.
     results = rank_pool.run(2, check_owner_broadcast, str(ds), timeout_s=200)
@@ -73,3 +79,9 @@ def test_owner_failure_and_end_reach_every_peer(rank_pool: Any) -> None:
         assert r["first"] == {"step": 0}
         assert r["error"] == "the loader on rank 0 failed: ValueError: disk on fire"
         assert r["stopped"]
+
+
+def test_a_refused_restore_on_one_rank_raises_on_all(rank_pool: Any, text_ds: Path) -> None:
+    results = rank_pool.run(2, check_restore_refusal_is_agreed, str(text_ds), timeout_s=120)
+    assert results[0]["raised"] and "other rank(s) refused" in results[0]["msg"]
+    assert results[1]["raised"] and "batch_size: 3 -> 2" in results[1]["msg"]

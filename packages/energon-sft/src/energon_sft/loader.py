@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import pickle
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -73,7 +74,15 @@ def _dataset_identity(path: Path) -> dict[str, Any]:
             "split_sha256": _file_sha(meta / "split.yaml"),
             "dataset_yaml_sha256": _file_sha(meta / "dataset.yaml"),
         }
-    # A metadataset YAML or a JSONL file: its content defines the stream.
+    if path.suffix == ".jsonl":
+        # Hashing a large JSONL at every start is slow; its size and the row-offset index
+        # (written by `energon prepare`) identify it.
+        return {
+            "name": path.name,
+            "size": path.stat().st_size,
+            "idx_sha256": _file_sha(path.with_suffix(".jsonl.idx")),
+        }
+    # A metadataset YAML: its content defines the stream.
     return {"name": path.name, "file_sha256": _file_sha(path)}
 
 
@@ -154,14 +163,50 @@ class SFTLoader:
             "shards": shards,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+    def load_state_dict(
+        self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]], *, group: Any = None
+    ) -> None:
         """Restore from one envelope or from the envelopes of all old ranks (any dp size).
+
+        Args:
+            state: one envelope, or a list of envelopes (e.g. all ranks' of the saved job).
+            group: optional process group; when given, the ranks agree before restoring: if
+                any rank's state is refused, every rank raises (none is left waiting).
 
         Raises:
             RuntimeError: iteration has already started.
             StateMismatchError: a stream-defining field differs (with the per-field diff), the
                 payload is corrupt, or a logical shard this replica owns is missing.
         """
+        error: Exception | None = None
+        try:
+            restored = self._validated_states(state)
+        except (StateMismatchError, RuntimeError, pickle.UnpicklingError) as exc:
+            error = exc
+        if group is not None:
+            import torch
+            import torch.distributed as dist
+
+            flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=group)
+            if error is None and int(flag.item()) > 0:
+                raise StateMismatchError(
+                    f"{int(flag.item())} other rank(s) refused their loader state; see their error"
+                )
+        if error is not None:
+            raise error
+        for s in self.shards:
+            self._loaders[s].restore_state_rank(restored[s][0])
+            self._consumed[s] = restored[s][1]
+        logger.info(
+            "energon-sft: restored logical shards %s at steps %s",
+            self.shards,
+            [self._consumed[s] for s in self.shards],
+        )
+
+    def _validated_states(
+        self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]
+    ) -> dict[int, tuple[Any, int]]:
         if self._started:
             raise RuntimeError(
                 "load_state_dict() after iteration started; restore into a fresh loader "
@@ -187,17 +232,13 @@ class SFTLoader:
                 f"{sorted(merged)}); pass the envelopes of all ranks of the saved job"
             )
         # Only now, with everything validated, is any payload unpickled.
-        restored = {
-            s: unpack_state(merged[s]["state"], merged[s]["sha256"], shard=s) for s in self.shards
+        return {
+            s: (
+                unpack_state(merged[s]["state"], merged[s]["sha256"], shard=s),
+                int(merged[s]["consumed"]),
+            )
+            for s in self.shards
         }
-        for s in self.shards:
-            self._loaders[s].restore_state_rank(restored[s])
-            self._consumed[s] = int(merged[s]["consumed"])
-        logger.info(
-            "energon-sft: restored logical shards %s at steps %s",
-            self.shards,
-            [self._consumed[s] for s in self.shards],
-        )
 
 
 def build_sft_loader(
