@@ -31,13 +31,13 @@ TOL = {torch.float32: (3e-5, 3e-6, 1e-5), torch.bfloat16: (5e-5, 4e-3, 1e-2)}
 
 # One mesh per shape for the life of a rank process: building a mesh creates process groups,
 # a collective that every rank must join, so tests reuse them.
-_MESHES: dict[tuple[int, ...], DeviceMesh] = {}
+_MESHES: dict[tuple[str, tuple[int, ...]], DeviceMesh] = {}
 
 
-def _mesh(shape: tuple[int, ...]) -> DeviceMesh:
-    if shape not in _MESHES:
-        _MESHES[shape] = init_device_mesh("cpu", shape)
-    return _MESHES[shape]
+def _mesh(shape: tuple[int, ...], device: str = "cpu") -> DeviceMesh:
+    if (device, shape) not in _MESHES:
+        _MESHES[device, shape] = init_device_mesh(device, shape)
+    return _MESHES[device, shape]
 
 
 def _placements(ndim: int, vocab_mesh_dim: int | None, shard: Any) -> list[Any]:
@@ -49,7 +49,7 @@ def _placements(ndim: int, vocab_mesh_dim: int | None, shard: Any) -> list[Any]:
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float, what: str):
     torch.testing.assert_close(
-        actual.double(),
+        actual.detach().cpu().double(),
         expected,
         atol=atol,
         rtol=rtol,
@@ -70,7 +70,8 @@ def check_logits_parity(rank: int, world_size: int, cases: list[dict[str, Any]])
     done = []
     for case in cases:
         vocab, dtype = case["vocab"], DTYPES[case["dtype"]]
-        mesh = _mesh(tuple(case["mesh"]))
+        device = case.get("device", "cpu")
+        mesh = _mesh(tuple(case["mesh"]), device)
         placements = _placements(mesh.ndim, case["vocab_mesh_dim"], Shard(-1))
         shape, seed = tuple(case.get("shape", (2, 3))), case.get("seed", 0)
         temp = case.get("temperature", 0.8)
@@ -80,21 +81,24 @@ def check_logits_parity(rank: int, world_size: int, cases: list[dict[str, Any]])
 
         full = make_logits(shape, vocab, seed=seed, masked_columns=masked).to(dtype)
         labels = make_labels(shape, vocab, seed=seed, low=masked, ignore_index=IGNORE)
-        x = distribute_tensor(full, mesh, placements).requires_grad_()
         ref = full.double().requires_grad_()
+        full, labels_cpu, labels = full.to(device), labels, labels.to(device)
+        x = distribute_tensor(full, mesh, placements).requires_grad_()
         log_p, ent = vp.token_log_probs_and_entropy(x, labels, temperature=temp)
         ce = vp.cross_entropy(x, labels)
         for name, value in (("log-probs", log_p), ("entropy", ent), ("cross-entropy", ce)):
             assert not isinstance(value, DTensor), f"{name} should be a plain tensor"
             _same_on_all_ranks(value, f"{what} {name}")
-        ref_lp = ref_log_probs(ref, labels, temp, IGNORE)
+        ref_lp = ref_log_probs(ref, labels_cpu, temp, IGNORE)
         ref_h = ref_entropy(ref, temp)
-        ref_ce = ref_cross_entropy(ref, labels, IGNORE, "mean", 0.0)
+        ref_ce = ref_cross_entropy(ref, labels_cpu, IGNORE, "mean", 0.0)
         _close(log_p, ref_lp, atol=v_atol, rtol=1e-5, what=f"{what} log-probs")
         _close(ent, ref_h, atol=v_atol, rtol=1e-5, what=f"{what} entropy")
         _close(ce, ref_ce, atol=v_atol, rtol=1e-5, what=f"{what} cross-entropy")
         w1, w2 = upstream(shape, seed=seed), upstream(shape, seed=seed + 7)
-        (log_p.double() * w1 + ent.double() * w2 + ce.double()).sum().backward()
+        (
+            log_p.double() * w1.to(device) + ent.double() * w2.to(device) + ce.double()
+        ).sum().backward()
         (ref_lp * w1 + ref_h * w2 + ref_ce).sum().backward()
         assert isinstance(x.grad, DTensor), f"{what}: the gradient should be a DTensor"
         assert tuple(x.grad.placements) == tuple(x.placements), (x.grad.placements, placements)
@@ -102,15 +106,15 @@ def check_logits_parity(rank: int, world_size: int, cases: list[dict[str, Any]])
 
         if not masked:  # label smoothing with a -inf logit is infinite in PyTorch too
             y = distribute_tensor(full, mesh, placements).requires_grad_()
-            ref_y = full.double().requires_grad_()
+            ref_y = full.detach().cpu().double().requires_grad_()
             smooth = vp.cross_entropy(y, labels, label_smoothing=0.15, reduction="sum")
-            ref_smooth = ref_cross_entropy(ref_y, labels, IGNORE, "sum", 0.15)
+            ref_smooth = ref_cross_entropy(ref_y, labels_cpu, IGNORE, "sum", 0.15)
             _close(smooth, ref_smooth, atol=10 * v_atol, rtol=1e-5, what=f"{what} smoothed CE")
             smooth.backward()
             ref_smooth.backward()
             assert isinstance(y.grad, DTensor)
             _close(y.grad.full_tensor(), ref_y.grad, atol=g_atol, rtol=g_rtol, what="smoothed")
-        done.append(f"V={vocab} mesh={case['mesh']} dim={case['vocab_mesh_dim']} {dtype}")
+        done.append(f"V={vocab} mesh={case['mesh']} dim={case['vocab_mesh_dim']} {dtype} {device}")
     return done
 
 

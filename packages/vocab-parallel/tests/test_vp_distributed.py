@@ -10,6 +10,7 @@ from _vp_workers import (
     check_placement_errors,
     record_collectives,
 )
+from train_testing import requires_cuda, run_on_ranks
 
 
 def _cases(world_size: int) -> list[dict]:
@@ -77,3 +78,13 @@ def test_no_collective_moves_vocabulary_sized_data(rank_pool) -> None:
 def test_unsupported_placements_and_bad_labels_raise_on_every_rank(rank_pool) -> None:
     results = rank_pool.run(2, check_placement_errors, timeout_s=100)
     assert all(len(r) == 5 for r in results), results
+
+
+@requires_cuda(2)
+@pytest.mark.timeout(600)
+def test_nccl_dtensor_logits_match_reference() -> None:
+    """On GPUs: NCCL collectives and the Triton kernels (backend "auto" picks them on CUDA)."""
+    big = {"vocab": 151936, "mesh": (2,), "vocab_mesh_dim": 0, "dtype": "bfloat16", "masked": 9}
+    cases = [{**case, "device": "cuda"} for case in [*_cases(2), big]]
+    results = run_on_ranks(2, check_logits_parity, cases, backend="nccl", timeout_s=500)
+    assert all(len(r) == len(cases) for r in results), results
