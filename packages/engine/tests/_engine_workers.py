@@ -423,3 +423,58 @@ def bf16_fsdp2_step(rank: int, world: int) -> float:
     ref_opt.step()
     got, ref = full_state(model), full_state(reference)
     return max(float((got[k] - ref[k]).abs().max()) for k in ref)
+
+
+# ------------------------------------------------------------------- grad-norm edge cases
+
+
+def norm_edge_cases(rank: int, world: int) -> dict:
+    """DTensor gradients with uneven and empty shards, Partial and Replicate placements, and
+    different numbers of sharded tensors per mesh, vs the float64 norm of the full tensors."""
+    import math
+
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from train_engine import clip_grads_with_norm_, global_grad_norm
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(11)
+    fulls = [torch.randn(shape, generator=g) for shape in [(5, 3), (1,), (7,), (4, 4)]]
+    params, reference = [], []
+    # Shard(0) with uneven (5 rows) and empty (1 row on 2 ranks) local shards, then Replicate.
+    for full, placement in zip(fulls[:3], [Shard(0), Shard(0), Replicate()], strict=True):
+        p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(full), mesh, [placement]))
+        p.grad = distribute_tensor(full.clone(), mesh, [placement])
+        params.append(p)
+        reference.append(full)
+    # Partial: every rank holds a different addend; the gradient is their sum.
+    addend = torch.randn((4, 4), generator=torch.Generator().manual_seed(rank))
+    total = sum(
+        torch.randn((4, 4), generator=torch.Generator().manual_seed(r)) for r in range(world)
+    )
+    p = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 4), mesh, [Replicate()]))
+    p.grad = DTensor.from_local(addend, mesh, [Partial()])
+    params.append(p)
+    reference.append(total)
+    # A plain (already reduced) gradient next to the DTensors.
+    plain = torch.nn.Parameter(torch.zeros(3))
+    plain.grad = torch.tensor([1.0, -2.0, 2.0])
+    params.append(plain)
+    reference.append(plain.grad)
+    flat = torch.cat([t.double().reshape(-1) for t in reference])
+    out = {}
+    for p_norm in (2.0, 1.0, math.inf):
+        got = float(global_grad_norm(params, p_norm))
+        expected = float(
+            flat.abs().max() if math.isinf(p_norm) else flat.abs().pow(p_norm).sum() ** (1 / p_norm)
+        )
+        out[p_norm] = (got, expected)
+    # Clipping scales the local shards by the common coefficient.
+    norm = global_grad_norm(params[:3])
+    coef = float(clip_grads_with_norm_(params[:3], 0.5, norm))
+    clipped = [q.grad.full_tensor() for q in params[:3]]
+    out["clip_err"] = max(
+        float((c - f * coef).abs().max()) for c, f in zip(clipped, reference[:3], strict=True)
+    )
+    out["coef"] = coef
+    return out

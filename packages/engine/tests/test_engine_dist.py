@@ -147,3 +147,12 @@ def test_tiny_reference_is_not_trivially_matched() -> None:
     b = reference_sgd_run(steps=2, n_seq=8, lr=0.1, momentum=0.9, max_grad_norm=0.5, data_seed=2)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) > 1e-4
     assert all(torch.isfinite(v).all() for v in a.values())
+
+
+@pytest.mark.timeout(120)
+def test_grad_norm_uneven_empty_partial_and_mixed_shards(rank_pool) -> None:
+    for r in rank_pool.run(2, w.norm_edge_cases):
+        for p in (2.0, 1.0, math.inf):
+            got, expected = r[p]
+            assert got == pytest.approx(expected, rel=1e-6), (p, got, expected)
+        assert r["coef"] < 1 and r["clip_err"] < 1e-6, r

@@ -46,6 +46,9 @@ def _by_device_dtype(tensors: list[Tensor]) -> dict[tuple[torch.device, torch.dt
 def _local_norm_stat(tensors: list[Tensor], norm_type: float, device: torch.device) -> Tensor:
     """Float64 Σ|g|^p (or max |g| for p = inf) of plain tensors, as a 0-dim tensor on ``device``."""
     stat = torch.zeros((), dtype=torch.float64, device=device)
+    # Empty local shards (a rank past the end of an uneven Shard) contribute nothing, and the
+    # infinity norm of an empty tensor is undefined.
+    tensors = [t for t in tensors if t.numel() > 0]
     for (_, _), group in _by_device_dtype(tensors).items():
         # Per-tensor norms accumulate in float64 inside the kernel, so neither fp32 round-off
         # over millions of elements nor overflow of the squares can occur.
