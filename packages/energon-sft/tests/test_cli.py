@@ -54,3 +54,9 @@ def test_convert_then_inspect_highlights_exactly_the_targets(
         assert f"[[{answer}<|im_end|>\n]]" in body
     assert "<|image_pad|>x" in blocks[0] and "1 image(s)" in blocks[0]
     assert "0 image(s)" in blocks[1]
+    # bench: loader throughput on the same dataset (only that it runs and reports).
+    bench = ["bench", str(out), "--tokenizer", str(tok_dir), "--image-processor", str(ip_dir)]
+    opts = ["--model-family", "qwen2_5_vl", "--batch-size", "2", "--num-workers", "0"]
+    assert main([*bench, *opts, "--batches", "2", "--shuffle-buffer-size", "0"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["samples"] == 4 and report["samples_per_s"] > 0
