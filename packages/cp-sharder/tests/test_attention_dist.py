@@ -99,3 +99,14 @@ def test_mesh_and_missing_te_errors(rank_pool: Any) -> None:
         assert "the cp mesh has 3 ranks but its process group has 2" in wrong_size
         assert "does not match the process group" in wrong_rank
         assert "pip install 'cp-sharder[te]'" in te_missing
+
+
+@pytest.mark.timeout(200)
+def test_two_dimensional_mesh_binds_cp_and_counts_over_dp(rank_pool: Any) -> None:
+    results = rank_pool.run(4, workers.two_d_mesh)
+    for rank, r in enumerate(results):
+        assert r["cp_size"] == 2 and r["cp_rank"] == rank % 2, r
+        assert r["roundtrip_err"] == 0.0, r
+    # dp replica 0 ignores 1 label per row, replica 1 ignores 2: 16 + 14 tokens in all.
+    assert [r["local_count"] for r in results] == [16, 16, 14, 14]
+    assert all(r["dp_count"] == 30 for r in results), results

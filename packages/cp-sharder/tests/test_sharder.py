@@ -84,7 +84,7 @@ def test_cp1_is_identity_and_verbs_round_trip() -> None:
     assert layout.backend is Backend.NONE
     assert (layout.original_seq_len, layout.padded_seq_len) == (7, 7)
     assert torch.equal(local["input_ids"], batch["input_ids"])
-    assert torch.equal(local["position_ids"], torch.arange(7).expand(2, 7))
+    assert torch.equal(local["position_ids"], torch.arange(7)[None])
     # Keys the forward does not name stay with the sharder; labels always come back.
     assert set(local) == {"input_ids", "position_ids", "labels"}
     assert torch.equal(sharder.local_buffers["loss_mask"], batch["loss_mask"])

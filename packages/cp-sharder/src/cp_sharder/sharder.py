@@ -323,11 +323,10 @@ class ContextParallelSharder:
         primary = batch.get("input_ids", batch.get("inputs_embeds"))
         assert primary is not None
         if not user_pos:
-            batch["position_ids"] = torch.arange(seq, device=primary.device)[None].expand(bsz, seq)
+            # [1, S] broadcasts over the batch; a [B, S] copy would cost the model extra work.
+            batch["position_ids"] = torch.arange(seq, device=primary.device)[None]
             seq_dims["position_ids"] = 1
         pos = batch["position_ids"]
-        if pos.dim() == 2 and pos.shape[0] == 1 and bsz > 1:
-            pos = pos.expand(bsz, -1)
         tensors: dict[str, Tensor] = {}
         for name, dim in seq_dims.items():
             t = pos if name == "position_ids" else batch[name]
@@ -451,6 +450,9 @@ class ContextParallelSharder:
             seq_dims[name] = 1
         if "position_ids" in tensors and tensors["position_ids"].dim() == 3:
             seq_dims["position_ids"] = 2
+        key_valid = key_valid.to(device)
+        if "attention_mask" in tensors:
+            key_valid = key_valid & tensors["attention_mask"].bool()
         return _Prepared(
             tensors=tensors,
             seq_dims=seq_dims,
@@ -461,7 +463,7 @@ class ContextParallelSharder:
             input_row_shape=(bsz, seq),
             cu_seqlens_padded=cu,
             doc_ids=doc_ids.to(device),
-            key_valid=key_valid.to(device),
+            key_valid=key_valid,
             num_label_tokens=num_labels,
             thd=True,
             hook_context=None,
@@ -550,8 +552,10 @@ class ContextParallelSharder:
         )
         local: dict[str, Tensor] = {}
         for name, t in prep.tensors.items():
-            dim = prep.seq_dims[name]
-            local[name] = t.index_select(dim, local_idx.to(t.device))
+            if prep.kind is LayoutKind.IDENTITY:
+                local[name] = t  # cp=1: nothing moves, nothing is copied
+            else:
+                local[name] = t.index_select(prep.seq_dims[name], local_idx.to(t.device))
         out, self._local_buffers = self._assemble(local, prep, backend)
         return self._context(prep, backend, local_idx, all_idx), out
 
