@@ -401,16 +401,24 @@ def batch_prep(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
-def disagreeing_batches(rank: int, world_size: int) -> str:
-    """Ranks passing different batches must all raise, none may hang."""
+def disagreeing_batches(rank: int, world_size: int) -> list[str]:
+    """Ranks passing different batches, or one rank's batch failing validation, must raise on
+    every rank; none may hang."""
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     sharder = ContextParallelSharder(torch.nn.Linear(2, 2), mesh)
+    messages = []
     seq = 8 if rank == 0 else 12
-    try:
-        sharder.shard({"input_ids": torch.ones(1, seq, dtype=torch.long)})
-    except ValueError as err:
-        return str(err)
-    return "no error"
+    bad_ids = torch.ones(1, 8, dtype=torch.long)
+    for batch in (
+        {"input_ids": torch.ones(1, seq, dtype=torch.long)},
+        {"input_ids": bad_ids, "labels": bad_ids if rank == 0 else bad_ids[:, :5]},
+    ):
+        try:
+            sharder.shard(batch)
+            messages.append("no error")
+        except ValueError as err:
+            messages.append(str(err))
+    return messages
 
 
 def mesh_errors(rank: int, world_size: int) -> list[str]:

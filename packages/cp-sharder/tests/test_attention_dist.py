@@ -88,9 +88,11 @@ def test_padding_fills_rotary_and_extra_buffers(rank_pool: Any) -> None:
 
 @pytest.mark.timeout(200)
 def test_ranks_with_different_batches_all_raise(rank_pool: Any) -> None:
-    messages = rank_pool.run(2, workers.disagreeing_batches)
-    for msg in messages:
-        assert "ranks disagree" in msg, messages
+    (shape0, invalid0), (shape1, invalid1) = rank_pool.run(2, workers.disagreeing_batches)
+    assert "ranks disagree" in shape0 and "ranks disagree" in shape1
+    # Rank 1's labels are too short: it reports that, rank 0 learns the ranks disagree.
+    assert "ranks disagree" in invalid0, invalid0
+    assert "batch['labels'] has length 5" in invalid1, invalid1
 
 
 @pytest.mark.timeout(200)

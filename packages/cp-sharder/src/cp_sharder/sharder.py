@@ -506,29 +506,29 @@ class ContextParallelSharder:
             ``local_batch`` holds the keys the model's forward accepts plus ``labels``. Local
             token tensors are [B, P/W, ...] ([1, T_pad/W, ...] for packed batches).
         """
-        batch = dict(batch)
-        hook_context: TrainContext | None = None
-        hook_layout: LayoutKind | None = None
-        if self._family is Backend.MODEL_HOOK:
-            extra = dict(
-                model_hook(self._model)(
-                    batch, cp_size=self._cp.size, cp_rank=self._cp.rank, cp_group=self._cp.group
-                )
-                or {}
-            )
-            hook_context = extra.pop("cp_context", None)
-            wanted = extra.pop("cp_layout", None)
-            hook_layout = LayoutKind(wanted) if wanted is not None else None
-            batch.update(extra)
-        prep = self._prepare(batch, hook_context, hook_layout)
+        self._layout = None  # a failed shard() must not leave the previous step's layout behind
+        failure: Exception | None = None
+        try:
+            prep = self._prepare_with_hook(dict(batch))
+            cu = prep.cu_seqlens_padded
+            summary = [
+                prep.padded_seq_len,
+                prep.original_seq_len,
+                list(LayoutKind).index(prep.kind),
+                int(cu.sum()) if cu is not None else -1,
+            ]
+        except Exception as err:
+            failure, summary = err, [-1, -1, -1, -1]
+        what = "the padded length, original length, layout and packed boundaries"
+        if failure is not None:
+            # Still take part in the agreement, so ranks whose batch was fine raise instead of
+            # blocking in the model's first collective; this rank reports its own error.
+            with contextlib.suppress(ValueError):
+                agree(summary, self._cp, what)
+            raise failure
+        agree(summary, self._cp, what)
         backend = self._pick_backend(prep)
         cp = self._cp
-        cu_sig = int(prep.cu_seqlens_padded.sum()) if prep.cu_seqlens_padded is not None else -1
-        agree(
-            [prep.padded_seq_len, prep.original_seq_len, list(LayoutKind).index(prep.kind), cu_sig],
-            cp,
-            "the padded length, original length, layout and packed boundaries",
-        )
         all_idx = layouts.all_rank_indices(
             prep.kind,
             padded_len=prep.padded_seq_len,
@@ -558,6 +558,22 @@ class ContextParallelSharder:
                 local[name] = t.index_select(prep.seq_dims[name], local_idx.to(t.device))
         out, self._local_buffers = self._assemble(local, prep, backend)
         return self._context(prep, backend, local_idx, all_idx), out
+
+    def _prepare_with_hook(self, batch: dict[str, Any]) -> _Prepared:
+        hook_context: TrainContext | None = None
+        hook_layout: LayoutKind | None = None
+        if self._family is Backend.MODEL_HOOK:
+            extra = dict(
+                model_hook(self._model)(
+                    batch, cp_size=self._cp.size, cp_rank=self._cp.rank, cp_group=self._cp.group
+                )
+                or {}
+            )
+            hook_context = extra.pop("cp_context", None)
+            wanted = extra.pop("cp_layout", None)
+            hook_layout = LayoutKind(wanted) if wanted is not None else None
+            batch.update(extra)
+        return self._prepare(batch, hook_context, hook_layout)
 
     def _accepts(self, name: str, *, explicit: bool = False) -> bool:
         return name in self._params or (self._var_kw and not explicit)
