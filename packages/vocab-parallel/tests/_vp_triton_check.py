@@ -81,6 +81,29 @@ def check(device: str, vocab: int, shape: tuple[int, ...], dtype: torch.dtype) -
     )
 
 
+def check_linear(device: str, vocab: int, tokens: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    hidden = torch.randn(tokens, 16, generator=gen).to(dtype)
+    weight = (torch.randn(vocab, 16, generator=gen) * 0.5).to(dtype)
+    labels = make_labels((tokens,), vocab, seed=vocab).to(device)
+    h = hidden.to(device).requires_grad_()
+    w = weight.to(device).requires_grad_()
+    out = vp.linear_token_log_probs(h, w, labels, temperature=1.2, chunk_size=7, backend="triton")
+    # The reference for the fused form: the torch backend on the same inputs (itself checked
+    # against float64 by the CPU suite), so both see the same low-precision matmul outputs.
+    h2 = hidden.to(device).requires_grad_()
+    w2 = weight.to(device).requires_grad_()
+    ref = vp.linear_token_log_probs(h2, w2, labels, temperature=1.2, chunk_size=7, backend="torch")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    weights = upstream((tokens,), seed=3).float().to(device)
+    (out * weights).sum().backward()
+    (ref * weights).sum().backward()
+    assert h.grad is not None and w.grad is not None
+    g_tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(h.grad, h2.grad, **g_tol)
+    torch.testing.assert_close(w.grad, w2.grad, **g_tol)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
@@ -92,6 +115,7 @@ def main() -> None:
     for vocab, shape in cases:
         for dtype in (torch.float32, torch.bfloat16):
             check(args.device, vocab, shape, dtype)
+            check_linear(args.device, vocab, 6, dtype)
     print("ok")
 
 

@@ -60,7 +60,14 @@ class LinearLogProbs(torch.autograd.Function):
             in_block, column = _block_targets(targets.index, targets.in_shard, start, stop)
             picked = scaled_target(logits.gather(1, column.unsqueeze(-1)).squeeze(-1), inv_t)
             target = torch.where(in_block, picked, target)
-            block = shard_stats(_block_fp32(logits, inv_t), entropy=False, sum_z=False)
+            if plan.backend == "triton":
+                from vocab_parallel import _triton
+
+                block = _triton.shard_stats(
+                    logits, inv_temperature=inv_t, entropy=False, sum_z=False
+                )
+            else:
+                block = shard_stats(_block_fp32(logits, inv_t), entropy=False, sum_z=False)
             del logits
             running = block if running is None else merge(running, block)
         if running is None:  # this rank holds no vocabulary rows
@@ -95,21 +102,37 @@ class LinearLogProbs(torch.autograd.Function):
             rows = weight[start:stop]
             logits = hidden @ rows.T
             in_block, column = _block_targets(index, in_shard, start, stop)
-            z = _block_fp32(logits, inv_t)
+            target_grad = torch.where(in_block, g_all, 0.0)
+            if plan.backend == "triton":
+                from vocab_parallel import _triton
+
+                grad_logits = _triton.logits_grad(
+                    logits,
+                    inv_temperature=inv_t,
+                    inv_vocab=1.0 / plan.vocab_size,
+                    log_normalizer=log_normalizer,
+                    entropy=None,
+                    grad_all=g_all,
+                    grad_entropy=None,
+                    grad_uniform=None,
+                    target_index=column,
+                    target_grad=target_grad,
+                )
+            else:
+                grad_z = chunk_grad(
+                    _block_fp32(logits, inv_t),
+                    log_normalizer=log_normalizer,
+                    entropy=None,
+                    grad_target=g_all,
+                    grad_entropy=None,
+                    grad_uniform=None,
+                    inv_vocab=1.0 / plan.vocab_size,
+                    target_index=column,
+                    target_grad=target_grad,
+                )
+                grad_logits = grad_z.to(hidden.dtype)
+                del grad_z
             del logits
-            grad_z = chunk_grad(
-                z,
-                log_normalizer=log_normalizer,
-                entropy=None,
-                grad_target=g_all,
-                grad_entropy=None,
-                grad_uniform=None,
-                inv_vocab=1.0 / plan.vocab_size,
-                target_index=column,
-                target_grad=torch.where(in_block, g_all, 0.0),
-            )
-            grad_logits = grad_z.to(hidden.dtype)
-            del z, grad_z
             if grad_hidden is not None:
                 grad_hidden.add_(grad_logits @ rows)
             if grad_weight is not None:

@@ -27,7 +27,7 @@ Reduction = Literal["none", "mean", "sum"]
 Backend = Literal["auto", "torch", "triton"]
 
 
-def _resolve_backend(backend: str, logits: Tensor) -> str:
+def _resolve_backend(backend: str, logits: Tensor) -> str:  # logits, or hidden states
     """ "auto": the Triton kernels for CUDA tensors when triton is installed, else PyTorch."""
     if backend == "torch":
         return "torch"
@@ -296,6 +296,7 @@ def linear_token_log_probs(
     ignore_index: int = -100,
     chunk_size: int | None = None,
     validate: bool = False,
+    backend: Backend = "auto",
 ) -> Tensor:
     """log p(label) under softmax(hidden @ weight.T / temperature), never building [N, V].
 
@@ -312,6 +313,8 @@ def linear_token_log_probs(
         ignore_index: label value without a target.
         chunk_size: vocabulary rows per block; None picks about 16M logits per block.
         validate: check the label range (one device-to-host sync).
+        backend: "auto", "torch" or "triton" for the per-block softmax work around the
+            matmuls (see :func:`token_log_probs`).
 
     Returns:
         [...] float32, identical on every vocabulary rank. The hidden gradient is summed over
@@ -349,6 +352,7 @@ def linear_token_log_probs(
         entropy=False,
         uniform=False,
         validate=validate,
+        backend=_resolve_backend(backend, flat_hidden),
     )
     log_p = LinearLogProbs.apply(flat_hidden, shard.local, labels.reshape(-1), plan)
     return log_p.view(batch_shape)
