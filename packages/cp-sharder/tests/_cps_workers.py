@@ -229,6 +229,18 @@ def hf_parity(rank: int, world_size: int, arch: str) -> dict[str, dict[str, floa
     ref_loss, ref = _reference_bshd(model, batch, embeds=True)
     results["embeds"] = _compare(loss, grads, ref_loss, ref)
 
+    # Packed rows in [B, S] form marked only by restarting position_ids (transformers' rule).
+    g = torch.Generator().manual_seed(17)
+    docs = [torch.randint(1, VOCAB, (n,), generator=g) for n in (5, 8)]
+    ids = torch.cat(docs)[None]
+    labels = torch.full_like(ids, -100)
+    labels[0, :4], labels[0, 5:12] = docs[0][1:], docs[1][1:]
+    positions = torch.cat([torch.arange(5), torch.arange(8)])[None]
+    ref_loss, ref = _reference_docs(model, docs)
+    packed = {"input_ids": ids, "labels": labels, "position_ids": positions}
+    loss, grads, sharder = _cp_step(model, mesh, packed)
+    results["bshd_position_packed"] = _compare(loss, grads, ref_loss, ref)
+
     # (b) packed documents: each padded to a multiple of 8 (TE's THD partition) ...
     thd, docs = _packed_batch([[5, 7], [6, 3]], [[8, 8], [8, 8]], seq=16, seed=11)
     ref_loss, ref = _reference_docs(model, docs)

@@ -282,3 +282,30 @@ def test_sdpa_override_is_confined_to_context() -> None:
             F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
     assert F.scaled_dot_product_attention is original
     torch.testing.assert_close(out, original(q, q, q, is_causal=True))
+
+
+def test_attention_override_leaves_vision_configs_alone_and_restores() -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    class Cfg:
+        def __init__(self, impl: str, **subs: Any) -> None:
+            self._attn_implementation_internal = impl
+            self.sub_configs = dict.fromkeys(subs, Cfg)
+            for key, value in subs.items():
+                setattr(self, key, value)
+
+    text, vision = Cfg("sdpa"), Cfg("eager")
+    model = torch.nn.Module()
+    model.config = Cfg("sdpa", text_config=text, vision_config=vision)
+    fn = portable.make_hf_attention(
+        portable.MaskSpec(q_index=torch.arange(2), k_index=torch.arange(2)),
+        ContextParallelSharder(_IdsOnly())._cp,
+    )
+    with portable.hf_attention_override(model, "cp_test_key", fn):
+        assert ALL_ATTENTION_FUNCTIONS["cp_test_key"] is fn
+        assert model.config._attn_implementation_internal == "cp_test_key"
+        assert text._attn_implementation_internal == "cp_test_key"
+        assert vision._attn_implementation_internal == "eager"
+    assert "cp_test_key" not in ALL_ATTENTION_FUNCTIONS
+    assert model.config._attn_implementation_internal == "sdpa"
+    assert text._attn_implementation_internal == "sdpa"

@@ -134,7 +134,7 @@ def _docs_from_positions(pos: Tensor) -> Tensor | None:
     first = pos[:, :1] - 1
     starts = torch.diff(pos, prepend=first, dim=-1) != 1
     docs = starts.cumsum(-1)
-    if bool((docs[:, -1] == docs[:, 0]).all()) and bool((docs == docs[:, :1]).all()):
+    if bool((docs == docs[:, :1]).all()):
         return None
     return docs
 
@@ -638,7 +638,7 @@ class ContextParallelSharder:
         if backend is Backend.TORCH_RING:
             from cp_sharder.attention import torch_ring
 
-            return torch_ring.make_context(model, cp, self._hf)
+            return torch_ring.make_context(model, cp, self._hf, prep.padded_seq_len)
         from cp_sharder.attention import portable
 
         spec = portable.MaskSpec(

@@ -174,25 +174,28 @@ def make_hf_attention(spec: MaskSpec, cp: CPGroup) -> Callable[..., tuple[Tensor
 
 
 def _text_configs(model: torch.nn.Module) -> list[Any]:
-    """Configs whose attention runs on the sharded sequence (vision/audio towers excluded)."""
+    """The model's config and its sub-configs whose attention runs on the sharded sequence.
+
+    Vision/audio sub-configs are left alone: those towers see whole images or clips, never a
+    sequence shard, so their attention must stay local.
+    """
+    inner = getattr(model, "module", None)
+    root = getattr(inner if isinstance(inner, torch.nn.Module) else model, "config", None)
+    if root is None or not hasattr(root, "_attn_implementation_internal"):
+        return []
     configs: dict[int, Any] = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is None or not hasattr(config, "_attn_implementation_internal"):
+    stack = [root]
+    while stack:
+        cfg = stack.pop()
+        if id(cfg) in configs:
             continue
-        stack = [config]
-        while stack:
-            cfg = stack.pop()
-            if id(cfg) in configs:
+        configs[id(cfg)] = cfg
+        for sub_key in getattr(cfg, "sub_configs", {}) or {}:
+            if any(word in sub_key for word in ("vision", "audio", "image", "video", "speech")):
                 continue
-            configs[id(cfg)] = cfg
-            for sub_key in getattr(cfg, "sub_configs", {}) or {}:
-                # Vision and audio towers see whole images/clips, never a sequence shard.
-                if any(word in sub_key for word in ("vision", "audio", "image", "video")):
-                    continue
-                sub = getattr(cfg, sub_key, None)
-                if sub is not None and hasattr(sub, "_attn_implementation_internal"):
-                    stack.append(sub)
+            sub = getattr(cfg, sub_key, None)
+            if sub is not None and hasattr(sub, "_attn_implementation_internal"):
+                stack.append(sub)
     return list(configs.values())
 
 

@@ -65,11 +65,16 @@ def hf_ring_attention(
 
 
 @contextlib.contextmanager
-def torch_ring_context(cp: CPGroup) -> Iterator[None]:
-    """Enable torch's CP SDPA dispatch on the CP mesh (buffers are already sharded).
+def torch_ring_context(cp: CPGroup, padded_len: int) -> Iterator[None]:
+    """Enable torch's CP SDPA dispatch on the CP mesh (the batch is already sharded).
+
+    Args:
+        cp: the CP group (its mesh must be a CUDA mesh).
+        padded_len: P, the global padded length; torch derives its load balancer from it.
 
     Raises:
-        RuntimeError: no CUDA CP mesh (torch's ring runs on CUDA only).
+        RuntimeError: no CUDA CP mesh (torch's ring runs on CUDA only), or torch's load
+            balancing switched off (its ring would then assume contiguous shards).
     """
     if cp.mesh is None or cp.mesh.device_type != "cuda":
         raise RuntimeError(
@@ -77,19 +82,28 @@ def torch_ring_context(cp: CPGroup) -> Iterator[None]:
             f"{getattr(cp.mesh, 'device_type', None)!r}. The portable backend runs on CPU"
         )
     from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._context_parallel import _attention
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if not getattr(_attention._cp_options, "enable_load_balance", True):
+        raise RuntimeError(
+            "torch's context-parallel load balancing is disabled, but the sharder lays tokens out "
+            "head/tail; re-enable _cp_options.enable_load_balance"
+        )
     backends = [
         SDPBackend.FLASH_ATTENTION,
         SDPBackend.EFFICIENT_ATTENTION,
         SDPBackend.CUDNN_ATTENTION,
     ]
-    with sdpa_kernel(backends), context_parallel(cp.mesh, buffers=[], buffer_seq_dims=[]):
+    # The legacy API reshards at least one buffer and reads the global length (which picks the
+    # head/tail balancer) from it; our tensors are already sharded, so it gets a throwaway one.
+    probe = torch.empty(1, padded_len, device=f"cuda:{torch.cuda.current_device()}")
+    with sdpa_kernel(backends), context_parallel(cp.mesh, buffers=[probe], buffer_seq_dims=[1]):
         yield
 
 
 def make_context(
-    model: torch.nn.Module, cp: CPGroup, hf: bool
+    model: torch.nn.Module, cp: CPGroup, hf: bool, padded_len: int
 ) -> Callable[[], contextlib.AbstractContextManager[None]]:
     """The train_ctx factory for this backend."""
     from cp_sharder.attention.portable import hf_attention_override
@@ -101,7 +115,7 @@ def make_context(
                 stack.enter_context(
                     hf_attention_override(model, HF_ATTENTION_KEY, hf_ring_attention)
                 )
-            stack.enter_context(torch_ring_context(cp))
+            stack.enter_context(torch_ring_context(cp, padded_len))
             yield
 
     return ctx
