@@ -172,6 +172,15 @@ def check_colwise_lm_head(rank: int, world_size: int, vocab: int, dtype_name: st
     _close(w_grad.full_tensor(), ref_w_grad, atol=g_loose, rtol=g_rtol, what="fused weight grad")
     _close(hidden.grad, ref_h_grad, atol=g_loose, rtol=g_rtol, what="fused hidden grad")
     _same_on_all_ranks(hidden.grad, "fused hidden grad")
+
+    # Hidden states as a Replicate DTensor: the gradient comes back as a Replicate DTensor.
+    head.weight.grad = None
+    hidden_dt = distribute_tensor(hidden_full, mesh, [Replicate()]).requires_grad_()
+    fused = vp.linear_token_log_probs(hidden_dt, head.weight, labels, temperature=temp)
+    (fused.double() * w1).sum().backward()
+    h_grad = hidden_dt.grad
+    assert isinstance(h_grad, DTensor) and h_grad.placements == (Replicate(),), h_grad
+    _close(h_grad.to_local(), ref_h_grad, atol=g_loose, rtol=g_rtol, what="DTensor hidden grad")
     local_rows = head.weight.to_local().shape[0]
     return [f"rank {rank}: {local_rows} of {vocab} rows"]
 
