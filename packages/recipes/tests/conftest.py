@@ -18,5 +18,16 @@ def demo_data(tmp_path_factory: pytest.TempPathFactory) -> DemoSplit:
     )
 
 
+@pytest.fixture(scope="session")
+def shapes_data(tmp_path_factory: pytest.TempPathFactory) -> DemoSplit:
+    return write_demo_dataset(
+        tmp_path_factory.mktemp("shapes") / "data",
+        task="shapes",
+        train_size=400,
+        eval_size=16,
+        seed=0,
+    )
+
+
 def data_overrides(split: DemoSplit) -> list[str]:
     return [f"data.path={split.energon_dir}", f"data.eval_path={split.eval_jsonl}"]

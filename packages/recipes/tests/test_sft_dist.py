@@ -94,3 +94,37 @@ def test_ddp_fsdp2_and_cp_reach_the_same_losses_and_export_matches(
         with torch.no_grad():
             logits = model(input_ids=torch.tensor(PROBE)).logits
         torch.testing.assert_close(logits, run["logits"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_vlm_demo_trains_on_two_ranks(
+    rank_pool: object, shapes_data: DemoSplit, tmp_path: Path
+) -> None:
+    """The tiny Qwen2.5-VL-style model learns from generated pictures through the same
+    loader, Engine and loss; the export holds the image-text model."""
+    run = rank_pool.run(  # type: ignore[attr-defined]
+        2,
+        run_sft_on_rank,
+        [
+            f"train.output_dir={tmp_path / 'vlm'}",
+            *data_overrides(shapes_data),
+            "data.model_family=qwen2_5_vl",
+            "data.micro_batch_size=8",
+            "train.steps=30",
+            "train.log_every=1",
+            "train.checkpoint_every=0",
+            "train.eval_samples=16",
+            "train.tensorboard=false",
+            "train.device=cpu",
+        ],
+        [[3, 101, 102, 102, 102, 102, 103, 30, 5, 4]],
+        timeout_s=280,
+    )[0]
+    losses = [run["losses"][s] for s in sorted(run["losses"])]
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
+    assert run["accuracy_before"] is not None and run["accuracy_after"] is not None
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(run["export_dir"])
+    assert config.model_type == "qwen2_5_vl"

@@ -93,4 +93,12 @@ def batch_tensors(batch: Any, device: torch.device) -> dict[str, Tensor]:
         value = batch[name] if isinstance(batch, dict) else getattr(batch, name)
         out[name] = value.to(device)
     out["attention_mask"] = out["attention_mask"].to(torch.long)
+    # Image batches: patches of all images concatenated [P, D] and one (t, h, w) grid per image.
+    pixels = (
+        batch["pixel_values"] if isinstance(batch, dict) else getattr(batch, "pixel_values", None)
+    )
+    if pixels is not None:
+        grids = batch["image_grid_thw"] if isinstance(batch, dict) else batch.image_grid_thw
+        out["pixel_values"] = pixels.to(device)
+        out["image_grid_thw"] = grids.to(device)
     return out

@@ -79,7 +79,8 @@ class DataConfig:
     Attributes:
         path: the prepared Energon dataset directory. None (with ``demo``) generates the
             embedded demo dataset under ``<train.output_dir>/data``.
-        demo: the embedded demo task used when ``path`` is None ("addition" or "reverse").
+        demo: the embedded demo task used when ``path`` is None: "addition", "reverse" or
+            "shapes" (pictures; needs ``model_family: qwen2_5_vl``).
         demo_train_size: demo training conversations.
         demo_eval_size: held-out demo conversations (exact-match accuracy is measured on them).
         eval_path: a JSONL of held-out chats (last message = reference answer); None skips
@@ -97,7 +98,7 @@ class DataConfig:
     """
 
     path: str | None = None
-    demo: Literal["addition", "reverse"] = "addition"
+    demo: Literal["addition", "reverse", "shapes"] = "addition"
     demo_train_size: int = 20000
     demo_eval_size: int = 200
     eval_path: str | None = None
@@ -660,6 +661,19 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
         )
     if config.lora.enabled and config.parallel.data_parallel == "fsdp2":
         raise ConfigError("lora.enabled", "LoRA is supported with data_parallel='ddp' only")
+    vlm = data.model_family == "qwen2_5_vl"
+    if data.path is None and (data.demo == "shapes") != vlm:
+        raise ConfigError(
+            "data.model_family",
+            f"the demo task {data.demo!r} needs model_family "
+            f"{'qwen2_5_vl' if data.demo == 'shapes' else 'text'}, got {data.model_family!r}",
+        )
+    if vlm and config.parallel.cp > 1:
+        raise ConfigError(
+            "parallel.cp",
+            "context parallelism for the VLM path (inputs_embeds sharding) is not wired into "
+            "this recipe yet; use cp=1",
+        )
     if train.checkpoint_every < 0:
         raise ConfigError("train.checkpoint_every", f"must be >= 0, got {train.checkpoint_every}")
 

@@ -18,11 +18,21 @@ logger = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 PAD, UNK, SYSTEM, USER, ASSISTANT, END = SPECIAL_TOKENS
-# A chat template in the usual Jinja form: every message is `<|role|>content<|end|>`; the
-# generation prompt is the assistant header, so greedy decoding starts right at the answer.
+# Qwen2.5-VL's image block markers (the VLM demo); placed after the characters in the vocabulary.
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+# A chat template in the usual Jinja form: every message is `<|role|>content<|end|>`; an image
+# part renders as one `<|vision_start|><|image_pad|><|vision_end|>` block (energon-sft expands the
+# pad to the image's token count). The generation prompt is the assistant header, so greedy
+# decoding starts right at the answer.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{{ '<|' + message['role'] + '|>' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|end|>' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
@@ -55,11 +65,11 @@ def build_char_tokenizer() -> Any:
     from transformers import PreTrainedTokenizerFast
 
     chars = [chr(c) for c in range(32, 127)]
-    vocab = {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS) + chars)}
+    vocab = {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS) + chars + list(VISION_TOKENS))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()  # characters join back without spaces
-    core.add_special_tokens(list(SPECIAL_TOKENS))
+    core.add_special_tokens(list(SPECIAL_TOKENS) + list(VISION_TOKENS))
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD,
@@ -67,7 +77,7 @@ def build_char_tokenizer() -> Any:
         eos_token=END,
         bos_token=None,
         clean_up_tokenization_spaces=False,
-        additional_special_tokens=[SYSTEM, USER, ASSISTANT],
+        additional_special_tokens=[SYSTEM, USER, ASSISTANT, *VISION_TOKENS],
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.padding_side = "right"
@@ -103,6 +113,71 @@ def demo_chats(
         if q not in held:
             train.append(_chat(q, a))
     return train, [_chat(q, a) for q, a in held.items()]
+
+
+COLOURS = {
+    "red": (220, 30, 30),
+    "green": (30, 160, 40),
+    "blue": (30, 60, 220),
+    "yellow": (230, 200, 20),
+}
+SHAPES = ("circle", "square", "triangle")
+IMAGE_SIZE = 56  # 2x2 merged 14-pixel patches per side: 4 image tokens per picture
+
+
+def draw_shape(shape: str, colour: str, rng: random.Random) -> Any:
+    """A white IMAGE_SIZE^2 RGB picture with one filled shape at a random place and size."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    size = rng.randint(18, 34)
+    x, y = rng.randint(2, IMAGE_SIZE - size - 2), rng.randint(2, IMAGE_SIZE - size - 2)
+    fill = COLOURS[colour]
+    if shape == "circle":
+        draw.ellipse((x, y, x + size, y + size), fill=fill)
+    elif shape == "square":
+        draw.rectangle((x, y, x + size, y + size), fill=fill)
+    else:
+        draw.polygon([(x + size // 2, y), (x, y + size), (x + size, y + size)], fill=fill)
+    return img
+
+
+def shape_chats(
+    out_dir: Path, *, train_size: int, eval_size: int, seed: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """CLEVR-like picture questions (colour or shape of the one object), images as PNG files.
+
+    Returns:
+        (train, held_out) rows; ``media`` lists PNG paths relative to ``out_dir``.
+    """
+    rng = random.Random(seed)
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(train_size + eval_size):
+        shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
+        name = f"images/{i:06d}.png"
+        draw_shape(shape, colour, rng).save(out_dir / name)
+        if rng.random() < 0.5:
+            question, answer = "colour?", colour
+        else:
+            question, answer = "shape?", shape
+        rows.append(
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image", "media_index": 0},
+                            {"type": "text", "text": question},
+                        ],
+                    },
+                    {"role": "assistant", "content": answer},
+                ],
+                "media": [name],
+            }
+        )
+    return rows[eval_size:], rows[:eval_size]
 
 
 def _chat(question: str, answer: str) -> dict[str, Any]:
@@ -144,7 +219,8 @@ def write_demo_dataset(
 
     Args:
         out_dir: the folder to write (``train.jsonl``, ``eval.jsonl``, ``energon/``).
-        task: "addition" (two-digit sums) or "reverse" (reverse a 3-6 letter word).
+        task: "addition" (two-digit sums), "reverse" (reverse a 3-6 letter word) or "shapes"
+            (a picture with one coloured shape; asks its colour or its shape).
         train_size: training chats.
         eval_size: held-out chats.
         seed: generation seed.
@@ -168,7 +244,10 @@ def write_demo_dataset(
     ):
         logger.info("reusing the demo dataset in %s", out)
         return split
-    train, held = demo_chats(task, train_size=train_size, eval_size=eval_size, seed=seed)
+    if task == "shapes":
+        train, held = shape_chats(out, train_size=train_size, eval_size=eval_size, seed=seed)
+    else:
+        train, held = demo_chats(task, train_size=train_size, eval_size=eval_size, seed=seed)
     _write_jsonl(split.train_jsonl, train)
     _write_jsonl(split.eval_jsonl, held)
     convert_chat_jsonl(split.train_jsonl, split.energon_dir)

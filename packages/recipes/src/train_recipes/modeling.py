@@ -18,6 +18,58 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+class LocalProcessor:
+    """A tokenizer plus an image processor: the two parts a Qwen2.5-VL processor carries.
+
+    Built locally for the demo VLM (no processor files to download); energon-sft's
+    Qwen2.5-VL adapter reads ``.tokenizer`` and ``.image_processor``.
+    """
+
+    def __init__(self, tokenizer: Any, image_processor: Any) -> None:
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write both parts into one folder (tokenizer files + preprocessor_config.json)."""
+        self.tokenizer.save_pretrained(directory)
+        self.image_processor.save_pretrained(directory)
+
+
+def is_vlm(config: SFTConfig) -> bool:
+    """The image-text path (a Qwen2.5-VL-style family)."""
+    return config.data.model_family == "qwen2_5_vl"
+
+
+def demo_image_processor() -> Any:
+    """Qwen2-VL image processing (PIL backend: no torchvision) at the demo's image size."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from train_recipes.demo import IMAGE_SIZE
+
+    pixels = IMAGE_SIZE * IMAGE_SIZE
+    return Qwen2VLImageProcessorPil(
+        min_pixels=pixels, max_pixels=pixels, patch_size=14, merge_size=2, temporal_patch_size=2
+    )
+
+
+def load_processor(config: SFTConfig) -> Any:
+    """What energon-sft's encoder takes: the tokenizer (text) or a processor (VLM)."""
+    if not is_vlm(config):
+        return load_tokenizer(config)
+    if config.model.path is None:
+        return LocalProcessor(load_tokenizer(config), demo_image_processor())
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(config.model.path)
+
+
+def tokenizer_of(processor_or_tokenizer: Any) -> Any:
+    """The tokenizer inside a processor (or the tokenizer itself)."""
+    return getattr(processor_or_tokenizer, "tokenizer", processor_or_tokenizer)
+
+
 def load_tokenizer(config: SFTConfig) -> Any:
     """The model's own tokenizer (``model.path``) or the demo character tokenizer."""
     if config.model.path is None:
@@ -40,6 +92,8 @@ def build_model(config: SFTConfig, tokenizer: Any) -> nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     dtype = _DTYPES[config.model.dtype]
+    if is_vlm(config):
+        return _build_vlm(config, tokenizer, dtype)
     if config.model.path is not None:
         return AutoModelForCausalLM.from_pretrained(
             config.model.path, dtype=dtype, attn_implementation=config.model.attn_implementation
@@ -63,6 +117,67 @@ def build_model(config: SFTConfig, tokenizer: Any) -> nn.Module:
     return model
 
 
+def _build_vlm(config: SFTConfig, tokenizer: Any, dtype: torch.dtype) -> nn.Module:
+    from transformers import (
+        AutoModelForImageTextToText,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+    )
+
+    if config.model.path is not None:
+        loaded: nn.Module = AutoModelForImageTextToText.from_pretrained(
+            config.model.path, dtype=dtype, attn_implementation=config.model.attn_implementation
+        )
+        return loaded
+    tiny = config.model.tiny
+    ids = {
+        name: tokenizer.convert_tokens_to_ids(tok)
+        for name, tok in (
+            ("image_token_id", "<|image_pad|>"),
+            ("video_token_id", "<|video_pad|>"),
+            ("vision_start_token_id", "<|vision_start|>"),
+            ("vision_end_token_id", "<|vision_end|>"),
+        )
+    }
+    # M-RoPE splits the rotary half-dimension over (time, height, width).
+    half = tiny.hidden_size // tiny.num_heads // 2
+    section = [half // 4, half // 4, half - 2 * (half // 4)]
+    hf_config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": tiny.hidden_size,
+            "intermediate_size": tiny.intermediate_size or 3 * tiny.hidden_size,
+            "num_hidden_layers": tiny.num_layers,
+            "num_attention_heads": tiny.num_heads,
+            "num_key_value_heads": tiny.num_kv_heads,
+            "max_position_embeddings": max(64, 2 * config.data.max_length),
+            "rope_scaling": {"type": "mrope", "mrope_section": section},
+            "tie_word_embeddings": True,
+            "pad_token_id": tokenizer.pad_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "bos_token_id": None,
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "out_hidden_size": tiny.hidden_size,
+            "fullatt_block_indexes": [0],
+            "window_size": 56,
+            "in_channels": 3,
+        },
+        tie_word_embeddings=True,
+        **ids,
+    )
+    hf_config._attn_implementation = config.model.attn_implementation
+    model: nn.Module = Qwen2_5_VLForConditionalGeneration(hf_config)
+    return model.to(dtype=dtype)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The module inside a DDP wrapper (FSDP2 works in place, so it is returned as is)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -74,12 +189,14 @@ def unwrap(model: nn.Module) -> nn.Module:
 def greedy_answers(
     model: nn.Module,
     tokenizer: Any,
-    prompts: Sequence[list[dict[str, str]]],
+    prompts: Sequence[list[dict[str, Any]]],
     *,
     max_new_tokens: int,
     device: torch.device,
     batch_size: int = 64,
     num_batches: int | None = None,
+    images: Sequence[list[Any]] | None = None,
+    image_processor: Any = None,
 ) -> list[str]:
     """Greedy-decode an answer for each chat prompt (messages without the final answer).
 
@@ -88,6 +205,10 @@ def greedy_answers(
     it exact for any batch composition. Every rank runs exactly ``num_batches`` batches of
     ``max_new_tokens`` forwards (padding the list with copies), so sharded models (FSDP2), whose
     forward is collective, stay in lock-step.
+
+    With ``images`` (one list of PIL images per prompt) and a Qwen2-VL ``image_processor``, each
+    ``<|image_pad|>`` placeholder is expanded to its image's token count and the pixels are
+    passed with every forward.
 
     Returns:
         The decoded answer text of each prompt (up to the end-of-turn token).
@@ -104,13 +225,32 @@ def greedy_answers(
         )
         for p in prompts
     ]
+    pixels: list[dict[str, torch.Tensor] | None] = [None] * len(encoded)
+    if images is not None:
+        image_pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        merge = int(image_processor.merge_size) ** 2
+        for i, imgs in enumerate(images):
+            if not imgs:
+                continue
+            feats = image_processor(images=list(imgs), return_tensors="pt")
+            counts = iter([int(g.prod()) // merge for g in feats["image_grid_thw"]])
+            expanded: list[int] = []
+            for tok in encoded[i]:
+                expanded.extend([image_pad] * next(counts) if tok == image_pad else [tok])
+            encoded[i] = expanded
+            pixels[i] = {
+                "pixel_values": torch.as_tensor(feats["pixel_values"]),
+                "image_grid_thw": torch.as_tensor(feats["image_grid_thw"]),
+            }
     needed = (len(encoded) + batch_size - 1) // batch_size
     total_batches = needed if num_batches is None else num_batches
     answers: list[str] = []
     for b in range(total_batches):
-        chunk = encoded[b * batch_size : (b + 1) * batch_size] or [
-            encoded[0] if encoded else [pad_id]
-        ]
+        real = b * batch_size < len(encoded)
+        lo = b * batch_size if real else 0
+        chunk = encoded[lo : lo + batch_size] or [[pad_id]]
+        parts = [p for p in pixels[lo : lo + batch_size] if p is not None]
+        extra = {k: torch.cat([p[k] for p in parts]).to(device) for k in parts[0]} if parts else {}
         lengths = torch.tensor([len(x) for x in chunk])
         width = int(lengths.max()) + max_new_tokens
         ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
@@ -121,13 +261,13 @@ def greedy_answers(
         done = torch.zeros(len(chunk), dtype=torch.bool, device=device)
         rows = torch.arange(len(chunk), device=device)
         for _ in range(max_new_tokens):
-            logits = model(input_ids=ids[:, : int(cur.max())]).logits  # [B, S, V]
+            logits = model(input_ids=ids[:, : int(cur.max())], **extra).logits  # [B, S, V]
             nxt = logits[rows, cur - 1].argmax(-1)
             nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
             ids[rows, cur] = nxt
             done |= nxt == end_id
             cur = cur + 1
-        if b * batch_size < len(encoded):
+        if real:
             for i in range(len(chunk)):
                 gen = ids[i, int(lengths[i]) :].tolist()
                 if end_id in gen:
@@ -139,17 +279,20 @@ def greedy_answers(
 
 def exact_match_accuracy(
     model: nn.Module,
-    tokenizer: Any,
+    processor: Any,
     rows: Sequence[dict[str, Any]],
     *,
     max_new_tokens: int,
     device: torch.device,
     batch_size: int = 64,
+    media_root: str | Path | None = None,
 ) -> float:
     """Held-out exact-match accuracy by greedy decoding, split over all ranks (collective).
 
     Args:
-        rows: chats whose last message is the reference assistant answer.
+        processor: the tokenizer, or a processor with ``.tokenizer`` and ``.image_processor``.
+        rows: chats whose last message is the reference assistant answer; ``media`` paths are
+            relative to ``media_root``.
 
     Returns:
         The fraction of rows whose decoded answer equals the reference (stripped), same on
@@ -160,14 +303,23 @@ def exact_match_accuracy(
     mine = list(rows)[rank::world]
     per_rank = (len(rows) + world - 1) // world
     num_batches = max(1, (per_rank + batch_size - 1) // batch_size)
+    images = None
+    image_processor = getattr(processor, "image_processor", None)
+    if image_processor is not None:
+        from PIL import Image
+
+        root = Path(media_root) if media_root is not None else Path(".")
+        images = [[Image.open(root / m).convert("RGB") for m in r.get("media", [])] for r in mine]
     answers = greedy_answers(
         model,
-        tokenizer,
+        tokenizer_of(processor),
         [r["messages"][:-1] for r in mine],
         max_new_tokens=max_new_tokens,
         device=device,
         batch_size=batch_size,
         num_batches=num_batches,
+        images=images,
+        image_processor=image_processor,
     )
     correct = sum(
         a.strip() == r["messages"][-1]["content"].strip()

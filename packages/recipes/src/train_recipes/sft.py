@@ -29,7 +29,9 @@ from train_recipes.modeling import (
     build_model,
     exact_match_accuracy,
     export_hf,
-    load_tokenizer,
+    is_vlm,
+    load_processor,
+    tokenizer_of,
     unwrap,
 )
 
@@ -166,9 +168,10 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
     torch.manual_seed(train.seed)
 
     dataset_path, eval_path = _prepare_data(config, ctx, out_dir)
-    tokenizer = load_tokenizer(config)
+    processor = load_processor(config)
+    tokenizer = tokenizer_of(processor)
     if ctx.is_main:
-        tokenizer.save_pretrained(out_dir / "tokenizer")
+        processor.save_pretrained(out_dir / "tokenizer")
     model = build_model(config, tokenizer).to(ctx.device)
     model.train()
     model = apply_data_parallel(
@@ -200,7 +203,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
             unwrap(model), ctx.mesh["cp"], padding_token_id=int(tokenizer.pad_token_id)
         )
     encoder = data_api.build_encoder(
-        tokenizer,
+        processor,
         model_family=config.data.model_family,
         max_length=config.data.max_length,
         train_on=config.data.train_on,
@@ -246,16 +249,18 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
     if eval_rows and start_step == 0:
         accuracy_before = exact_match_accuracy(
             unwrap(model),
-            tokenizer,
+            processor,
             eval_rows,
             max_new_tokens=train.eval_max_new_tokens,
             device=ctx.device,
+            media_root=eval_path.parent if eval_path is not None else None,
         )
         run_log.write(
             f"held-out exact match before training: {accuracy_before:.1%} ({len(eval_rows)} questions)"
         )
         run_log.log(0, {"eval/exact_match": accuracy_before})
 
+    vlm = is_vlm(config)
     window = LossWindow(train.loss_window)
     batches = _forever(loader)
     accum = train.gradient_accumulation_steps
@@ -272,11 +277,14 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         step_loss = torch.zeros((), dtype=torch.float64, device=ctx.device)
         for batch in micro:
             seen[1] += float(batch["attention_mask"].sum()) / ctx.cp_size
-            inputs = {
-                "input_ids": batch["input_ids"],
-                "position_ids": batch["position_ids"],
-                "labels": batch["labels"],
-            }
+            inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+            if vlm:
+                # M-RoPE positions come from the model (image grids + the padding mask).
+                inputs["attention_mask"] = batch["attention_mask"]
+                inputs["pixel_values"] = batch["pixel_values"]
+                inputs["image_grid_thw"] = batch["image_grid_thw"]
+            else:
+                inputs["position_ids"] = batch["position_ids"]
             train_ctx: Any = None
             if sharder is not None:
                 train_ctx, inputs = sharder.shard(inputs)
@@ -343,15 +351,16 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
     if eval_rows:
         accuracy_after = exact_match_accuracy(
             unwrap(model),
-            tokenizer,
+            processor,
             eval_rows,
             max_new_tokens=train.eval_max_new_tokens,
             device=ctx.device,
+            media_root=eval_path.parent if eval_path is not None else None,
         )
         run_log.log(train.steps, {"eval/exact_match": accuracy_after})
     export_dir = None
     if train.export:
-        export_dir = export_hf(model, tokenizer, out_dir / EXPORT_DIR, is_main=ctx.is_main)
+        export_dir = export_hf(model, processor, out_dir / EXPORT_DIR, is_main=ctx.is_main)
     run_log.close()
     result = SFTResult(
         output_dir=out_dir,
