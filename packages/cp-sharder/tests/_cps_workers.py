@@ -296,6 +296,18 @@ def token_verbs(rank: int, world_size: int) -> dict[str, float]:
         expected = sum(weights).index_select(1, layout.local_token_global_indices)
         out[f"{case}_grad_err"] = float((x_local.grad - expected).abs().max())
         out[f"{case}_local_len"] = layout.local_seq_len
+
+    class Hooked(torch.nn.Module):
+        def prepare_model_inputs_for_cp(self, batch: dict[str, Any], **kw: Any) -> dict[str, Any]:
+            return {"cp_layout": "contiguous"}
+
+    sharder = ContextParallelSharder(Hooked(), mesh)
+    _, local = sharder.shard({"input_ids": torch.arange(10)[None]})
+    out["hook_indices"] = sharder.layout.local_token_global_indices.tolist()  # type: ignore[assignment]
+    out["hook_ids"] = local["input_ids"][0].tolist()  # type: ignore[assignment]
+    x = torch.randn(1, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    back = sharder.gather_token_tensor(sharder.shard_token_tensor(x, fill=0.0), trim=True)
+    out["hook_roundtrip_err"] = float((back - x).abs().max())
     return out
 
 

@@ -46,13 +46,22 @@ def test_running_without_train_ctx_is_detected(rank_pool: Any) -> None:
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_token_verbs_round_trip_and_route_gradients(rank_pool: Any, world_size: int) -> None:
-    for r in rank_pool.run(world_size, workers.token_verbs):
+    results = rank_pool.run(world_size, workers.token_verbs)
+    for r in results:
         for case in ("bshd", "thd"):
             assert r[f"{case}_roundtrip_err"] == 0.0, r
             assert r[f"{case}_grad_err"] < 1e-12, r
         padded = 12 if world_size == 2 else 16  # 11 rounded up to a multiple of 2*cp
         assert r["bshd_local_len"] == padded // world_size
         assert r["thd_local_len"] == 32 // world_size
+    # A model hook asking for the contiguous layout: 10 tokens padded to a multiple of cp.
+    for rank, r in enumerate(results):
+        local = 10 // world_size + (1 if world_size == 4 else 0)  # P = 10 (cp=2) or 12 (cp=4)
+        assert r["hook_indices"] == list(range(rank * local, (rank + 1) * local)), r
+        pad = [0] * local
+        want = [*range(10), *pad][rank * local : (rank + 1) * local]
+        assert r["hook_ids"] == want, r
+        assert r["hook_roundtrip_err"] == 0.0, r
 
 
 @pytest.mark.timeout(200)
