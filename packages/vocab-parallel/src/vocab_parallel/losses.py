@@ -27,8 +27,11 @@ Reduction = Literal["none", "mean", "sum"]
 Backend = Literal["auto", "torch", "triton"]
 
 
-def _resolve_backend(backend: str, logits: Tensor) -> str:  # logits, or hidden states
-    """ "auto": the Triton kernels for CUDA tensors when triton is installed, else PyTorch."""
+def _resolve_backend(backend: str, logits: Tensor) -> str:
+    """Pick the implementation for ``logits`` (or hidden states, for the fused form).
+
+    "auto" means the Triton kernels for CUDA tensors when triton is installed, else PyTorch.
+    """
     if backend == "torch":
         return "torch"
     if backend not in ("auto", "triton"):
