@@ -42,8 +42,17 @@ def _wrap(model: nn.Module, kind: str, mesh: DeviceMesh, **ddp: Any) -> nn.Modul
         return apply_data_parallel(
             model, mesh=mesh, config=DDPConfig(**ddp), gradient_accumulation_steps=2
         )
-    if kind == "fsdp2":
-        return apply_data_parallel(model, mesh=mesh, config=FSDP2Config())
+    if kind in ("fsdp2", "fsdp2_sum"):
+        model = apply_data_parallel(model, mesh=mesh, config=FSDP2Config())
+        if kind == "fsdp2_sum":  # summed, not averaged, gradients: the Engine must adapt
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_gradient_divide_factor(1.0)
+                    # Gloo has no PREMUL_SUM: reduce with SUM and scale separately.
+                    module.set_force_sum_reduction_for_comms(True)
+        return model
     assert kind == "local"
     return model
 
@@ -304,7 +313,18 @@ def setup_checks(rank: int, world: int) -> dict:
     opt = torch.optim.AdamW(groups, lr=1e-3)
     decay_of = {name: g["weight_decay"] for g in opt.param_groups for name in g["param_names"]}
     engine = Engine(fsdp, opt)
+    summed = apply_data_parallel(make_model(), mesh=mesh, config=FSDP2Config())
+    for module in summed.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    summed_size = Engine(summed, torch.optim.SGD(summed.parameters(), lr=0.1)).grad_average_size
+    summed.layers[0].set_gradient_divide_factor(2.0)  # type: ignore[operator]
+    try:
+        Engine(summed, torch.optim.SGD(summed.parameters(), lr=0.1))
+    except ValueError as err:
+        errors["mixed_divide_factors"] = str(err)
     return {
+        "summed_size": summed_size,
         "errors": errors,
         "blocks_sharded": blocks_sharded,
         "decay_of": decay_of,

@@ -20,7 +20,7 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2", "fsdp2_sum"])
 def test_split_invariance_matches_single_process_reference(rank_pool, kind: str) -> None:
     """Same global batch as (1 rank x 4 micro), (2 x 2), (4 x 1), uneven tokens, contract (b)."""
     reference = reference_sgd_run(
@@ -123,6 +123,8 @@ def test_setup_validation_blocks_and_param_groups(rank_pool) -> None:
     assert "static_graph=False" in errors["engine_static_graph"]
     assert r["blocks_sharded"]
     assert r["grad_average_size"] == 2
+    assert r["summed_size"] == 1.0, "a custom FSDP2 divide factor must replace the dp size"
+    assert "different gradient divide factors" in errors["mixed_divide_factors"]
     decay = r["decay_of"]
     assert decay["layers.0.w1.weight"] == 0.1 and decay["head.weight"] == 0.1
     assert decay["layers.0.w1.bias"] == 0.0 and decay["layers.1.norm.weight"] == 0.0

@@ -61,7 +61,8 @@ def detect_topology(model: nn.Module) -> Topology:
     for module in fsdp_modules:
         for param_group in _fsdp_param_groups(module):
             meshes.add(param_group.mesh_info.mesh)  # type: ignore[attr-defined]
-            factors.add(param_group.gradient_divide_factor)  # type: ignore[attr-defined]
+            # None = FSDP2's default (divide by the data-parallel size).
+            factors.add(getattr(param_group, "gradient_divide_factor", None))
     if len(meshes) > 1:
         raise ValueError(
             f"FSDP2 modules use {len(meshes)} different data-parallel meshes; the Engine needs "
