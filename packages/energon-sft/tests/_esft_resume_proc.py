@@ -79,20 +79,18 @@ def resume(ds: str, out: Path, proc: Any) -> None:
 
     result = {}
     for name, workers, buffer, n in CASES:
-        reference = _take(iter(_loader(ds, proc, workers, buffer)), n + M)
+        with _loader(ds, proc, workers, buffer) as ref_loader:
+            reference = _take(iter(ref_loader), n + M)
         state = torch.load(out / f"{name}.pt", weights_only=True)
         restored = _loader(ds, proc, workers, buffer)
         restored.load_state_dict(state)
         resaved_state = restored.state_dict()  # right after a restore, before iterating
         resumed = _take(iter(restored), M)
-        resaved = _loader(ds, proc, workers, buffer)
-        resaved.load_state_dict(resaved_state)
-        result[name] = {
-            "n": n,
-            "reference": reference,
-            "resumed": resumed,
-            "resaved": _take(iter(resaved), M),
-        }
+        restored.close()
+        with _loader(ds, proc, workers, buffer) as resaved:
+            resaved.load_state_dict(resaved_state)
+            again = _take(iter(resaved), M)
+        result[name] = {"n": n, "reference": reference, "resumed": resumed, "resaved": again}
     (out / "result.json").write_text(json.dumps(result))
 
 

@@ -51,6 +51,14 @@ def test_shuffle_false_repeats_and_shuffle_true_depends_on_seed(ds: Path, tok: A
     a = _take(_loader(ds, enc, shuffle=False), 6)
     b = _take(_loader(ds, enc, shuffle=False), 6)
     assert a == b
+    # With worker processes too (the order depends on the worker count, not on timing).
+    runs = []
+    for _ in range(2):
+        with _loader(ds, enc, shuffle=False, num_workers=2) as loader:
+            runs.append(_take(loader, 6))
+    assert runs[0] == runs[1]
+    with pytest.raises(RuntimeError, match="closed"):
+        iter(loader).__next__()
     c = _take(_loader(ds, enc, shuffle=True, seed=1), 6)
     d = _take(_loader(ds, enc, shuffle=True, seed=2), 6)
     assert c != d, "different seeds must give different orders (else the check above is vacuous)"

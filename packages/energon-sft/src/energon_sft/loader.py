@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import pickle
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -113,8 +112,32 @@ class SFTLoader:
         self.operational = operational
         self.virtual_epoch_length = virtual_epoch_length
         self._started = False
+        self._closed = False
         self._iters: dict[int, Iterator[Any]] = {}
         self._worker_stats: dict[tuple[int, int], dict[str, int]] = {}
+
+    def close(self) -> None:
+        """Stop the worker processes now.
+
+        Energon's workers keep a command thread alive, so a dropped loader's workers only go
+        away when torch's shutdown times out (about 5 s per worker). This stops the command
+        threads, then the workers. The loader cannot be iterated afterwards.
+        """
+        self._closed = True
+        self._iters.clear()
+        for loader in self._loaders.values():
+            for queue in getattr(loader, "cmd_queues", None) or []:
+                queue.put((None,))
+            inner = getattr(loader, "_iterator", None)
+            shutdown = getattr(inner, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+
+    def __enter__(self) -> SFTLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __len__(self) -> int:
         if self.virtual_epoch_length is None:
@@ -123,6 +146,8 @@ class SFTLoader:
 
     def __iter__(self) -> Iterator[SFTBatch]:
         """One epoch: `virtual_epoch_length` batches per logical shard, or forever."""
+        if self._closed:
+            raise RuntimeError("the loader was closed; build a new one")
         self._started = True
         active = list(self.shards)
         self._iters = {s: iter(self._loaders[s]) for s in active}
@@ -181,7 +206,7 @@ class SFTLoader:
         error: Exception | None = None
         try:
             restored = self._validated_states(state)
-        except (StateMismatchError, RuntimeError, pickle.UnpicklingError) as exc:
+        except Exception as exc:  # every rank must reach the agreement below
             error = exc
         if group is not None:
             import torch
