@@ -557,6 +557,15 @@ class ContextParallelSharder:
             else:
                 local[name] = t.index_select(prep.seq_dims[name], local_idx.to(t.device))
         out, self._local_buffers = self._assemble(local, prep, backend)
+        logger.debug(
+            "cp shard: cp=%d rank=%d layout=%s backend=%s length %d -> %d",
+            cp.size,
+            cp.rank,
+            prep.kind.value,
+            backend.value,
+            prep.original_seq_len,
+            prep.padded_seq_len,
+        )
         return self._context(prep, backend, local_idx, all_idx), out
 
     def _prepare_with_hook(self, batch: dict[str, Any]) -> _Prepared:
