@@ -305,6 +305,16 @@ def setup_checks(rank: int, world: int) -> dict:
     except ValueError as err:
         errors["engine_static_graph"] = str(err)
 
+    ddp = apply_data_parallel(make_model(), mesh=mesh, config=DDPConfig())
+    ddp_engine = Engine(
+        ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), gradient_accumulation_steps=2
+    )
+    ids, labels = global_batch(0, 2)
+    try:
+        ddp_engine.backward(token_loss_mean(ddp(ids), labels))  # forward bypassed the Engine
+    except RuntimeError as err:
+        errors["ddp_forward_bypass"] = str(err)
+
     fsdp = apply_data_parallel(make_model(), mesh=mesh, config=FSDP2Config())
     blocks_sharded = all(isinstance(b, FSDPModule) for b in fsdp.layers) and isinstance(
         fsdp, FSDPModule

@@ -121,6 +121,7 @@ def test_setup_validation_blocks_and_param_groups(rank_pool) -> None:
     assert "bucket_cap_mb must be > 0" in errors["bucket_cap"]
     assert "DDPConfig or FSDP2Config" in errors["bad_config"]
     assert "static_graph=False" in errors["engine_static_graph"]
+    assert "call engine(...) instead of model(...)" in errors["ddp_forward_bypass"]
     assert r["blocks_sharded"]
     assert r["grad_average_size"] == 2
     assert r["summed_size"] == 1.0, "a custom FSDP2 divide factor must replace the dp size"

@@ -137,6 +137,7 @@ class Engine:
         self._windows = 0
         # Per-window bookkeeping.
         self._backward_since_step = False
+        self._forward_since_step = False
         self._window_backwards = 0
         self._contract: str | None = None
         self._window_num_tokens: float | None = None
@@ -235,6 +236,8 @@ class Engine:
         """
         self._check_usable()
         self._set_grad_sync()
+        if torch.is_grad_enabled():
+            self._forward_since_step = True
         return self.module(*args, **kwargs)
 
     def global_num_tokens(self, local_count: int | float | Tensor) -> Tensor:
@@ -317,6 +320,18 @@ class Engine:
                     f"num_tokens changed within a window ({self._window_num_tokens} then "
                     f"{num_tokens}); pass the whole window's global token count every time"
                 )
+        if (
+            self._topology.kind == "ddp"
+            and self.defer_grad_sync
+            and self._window > 1
+            and not self._forward_since_step
+        ):
+            raise RuntimeError(
+                "backward() under DDP with deferred gradient sync, but this micro-batch's "
+                "forward did not go through the Engine; DDP decides in forward whether the "
+                "backward all-reduces, so call engine(...) instead of model(...) (or build the "
+                "Engine with defer_grad_sync=False)"
+            )
         scaled = self._scale(loss, num_tokens)
         self._set_grad_sync()
         try:
@@ -378,6 +393,7 @@ class Engine:
                 "engine.backward(loss) once per micro-batch before engine.step()"
             )
         self._backward_since_step = False
+        self._forward_since_step = False
         if not self.is_gradient_accumulation_boundary():
             self._micro_step += 1
             return StepResult(
@@ -444,6 +460,7 @@ class Engine:
     def _reset_window(self) -> None:
         self._micro_step = 0
         self._backward_since_step = False
+        self._forward_since_step = False
         self._window_backwards = 0
         self._contract = None
         self._window_num_tokens = None
