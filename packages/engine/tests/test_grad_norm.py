@@ -67,3 +67,14 @@ def test_argument_errors() -> None:
         global_grad_norm(params, 0)
     with pytest.raises(ValueError, match="max_norm must be > 0"):
         clip_grads_with_norm_(params, 0.0, torch.tensor(1.0))
+
+
+def test_fallback_without_float64_foreach_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    params = _params([(4, 3), (5,)], 3, torch.float32)
+    expected = float(global_grad_norm(params))
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("no float64 output on this backend")
+
+    monkeypatch.setattr(torch, "_foreach_norm", unsupported)
+    assert float(global_grad_norm(params)) == pytest.approx(expected, rel=1e-12)

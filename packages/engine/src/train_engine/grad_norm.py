@@ -43,6 +43,15 @@ def _by_device_dtype(tensors: list[Tensor]) -> dict[tuple[torch.device, torch.dt
     return groups
 
 
+def _float64_norms(tensors: list[Tensor], norm_type: float) -> list[Tensor]:
+    """Per-tensor norms accumulated in float64: one foreach kernel where the backend has it."""
+    try:
+        return list(torch._foreach_norm(tensors, norm_type, dtype=torch.float64))
+    except (RuntimeError, NotImplementedError):
+        # A backend without the float64-output foreach kernel: same math, one kernel per tensor.
+        return [torch.linalg.vector_norm(t, norm_type, dtype=torch.float64) for t in tensors]
+
+
 def _local_norm_stat(tensors: list[Tensor], norm_type: float, device: torch.device) -> Tensor:
     """Float64 Σ|g|^p (or max |g| for p = inf) of plain tensors, as a 0-dim tensor on ``device``."""
     stat = torch.zeros((), dtype=torch.float64, device=device)
@@ -52,7 +61,7 @@ def _local_norm_stat(tensors: list[Tensor], norm_type: float, device: torch.devi
     for (_, _), group in _by_device_dtype(tensors).items():
         # Per-tensor norms accumulate in float64 inside the kernel, so neither fp32 round-off
         # over millions of elements nor overflow of the squares can occur.
-        norms = torch._foreach_norm(group, norm_type, dtype=torch.float64)
+        norms = _float64_norms(group, norm_type)
         stacked = torch.stack([n.to(device) for n in norms])
         if math.isinf(norm_type):
             stat = torch.maximum(stat, stacked.max())
