@@ -322,7 +322,13 @@ def setup_checks(rank: int, world: int) -> dict:
     groups = param_groups(fsdp, weight_decay=0.1)
     opt = torch.optim.AdamW(groups, lr=1e-3)
     decay_of = {name: g["weight_decay"] for g in opt.param_groups for name in g["param_names"]}
-    engine = Engine(fsdp, opt)
+    engine = Engine(fsdp, opt, gradient_accumulation_steps=2)
+    engine.backward(token_loss_mean(engine(ids), labels))
+    engine.step()
+    try:
+        engine.zero_grad()
+    except RuntimeError as err:
+        errors["fsdp2_mid_window_zero_grad"] = str(err)
     summed = apply_data_parallel(make_model(), mesh=mesh, config=FSDP2Config())
     for module in summed.modules():
         if isinstance(module, FSDPModule):

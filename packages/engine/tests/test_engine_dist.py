@@ -122,6 +122,7 @@ def test_setup_validation_blocks_and_param_groups(rank_pool) -> None:
     assert "DDPConfig or FSDP2Config" in errors["bad_config"]
     assert "static_graph=False" in errors["engine_static_graph"]
     assert "call engine(...) instead of model(...)" in errors["ddp_forward_bypass"]
+    assert "Finish the window" in errors["fsdp2_mid_window_zero_grad"]
     assert r["blocks_sharded"]
     assert r["grad_average_size"] == 2
     assert r["summed_size"] == 1.0, "a custom FSDP2 divide factor must replace the dp size"

@@ -442,8 +442,22 @@ class Engine:
         )
 
     def zero_grad(self) -> None:
-        """Clear all gradients (to None). Mid-window, this discards the window and starts anew."""
-        if self._micro_step != 0 or self._backward_since_step:
+        """Clear all gradients (to None). Mid-window, this discards the window and starts anew.
+
+        Raises:
+            RuntimeError: mid-window under FSDP2 with deferred sync, where the window's
+                unsharded gradients live inside FSDP2 (not in ``param.grad``) until the last
+                backward and cannot be discarded.
+        """
+        mid_window = self._micro_step != 0 or self._backward_since_step
+        if mid_window and self._topology.kind == "fsdp2" and self.defer_grad_sync:
+            raise RuntimeError(
+                f"zero_grad() in the middle of a window (micro-batch {self._micro_step + 1} of "
+                f"{self._window}) is not supported for FSDP2 with deferred gradient sync: FSDP2 "
+                "holds the window's unsharded gradients internally until the last backward. "
+                "Finish the window, or build the Engine with defer_grad_sync=False"
+            )
+        if mid_window:
             logger.warning(
                 "zero_grad() in the middle of a window (micro-batch %d of %d): the window's "
                 "gradients are discarded and a new window starts",
