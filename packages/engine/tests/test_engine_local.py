@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from _engine_models import (
     IGNORE,
@@ -211,3 +214,23 @@ def test_mid_window_zero_grad_starts_a_new_window(caplog: pytest.LogCaptureFixtu
     assert "window's gradients are discarded" in caplog.text
     assert engine.micro_step == 0
     assert all(p.grad is None for p in engine.module.parameters())
+
+
+@settings(max_examples=10, deadline=None)
+@given(cuts=st.sets(st.integers(1, 7), max_size=5), seed=st.integers(0, 1000))
+def test_contract_b_any_uneven_split_matches_reference(cuts: set[int], seed: int) -> None:
+    """Property: any split of the global batch into micro-batches of different sizes gives the
+    update of the whole batch's token-mean loss."""
+    reference = reference_sgd_run(
+        steps=1, n_seq=8, lr=0.1, momentum=0.9, max_grad_norm=None, data_seed=seed
+    )
+    bounds = [0, *sorted(cuts), 8]
+    engine = _sgd_engine(gradient_accumulation_steps=len(bounds) - 1)
+    ids, labels = global_batch(seed, 8)
+    n = engine.global_num_tokens(int((labels != IGNORE).sum()))
+    for lo, hi in itertools.pairwise(bounds):
+        engine.backward(token_loss_sum(engine(ids[lo:hi]), labels[lo:hi]), num_tokens=n)
+        result = engine.step()
+    assert result.updated
+    got = _params(engine)
+    assert max(float((got[k] - reference[k]).abs().max()) for k in got) < 2e-6
