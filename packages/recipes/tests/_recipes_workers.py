@@ -53,3 +53,43 @@ def run_retrieval_on_rank(rank: int, world_size: int, overrides: list[str]) -> d
         "first_loss": result.first_loss,
         "last_loss": result.last_loss,
     }
+
+
+def run_lora_on_rank(
+    rank: int, world_size: int, overrides: list[str], probe: list[list[int]], adapter_dir: str
+) -> dict[str, Any]:
+    """A LoRA SFT run; rank 0 also writes the adapter-only export and checks frozen weights."""
+    from train_recipes.config import SFTConfig, load_config, validate_sft
+    from train_recipes.demo import build_char_tokenizer
+    from train_recipes.modeling import build_model, export_hf
+    from train_recipes.sft import run_sft
+
+    config = load_config(SFTConfig, None, overrides)
+    validate_sft(config, world_size=world_size)
+    result = run_sft(config)
+    if rank != 0:
+        return {}
+    model: Any = result.model
+    with torch.no_grad():
+        model.eval()
+        logits = model(input_ids=torch.tensor(probe)).logits
+    export_hf(model, build_char_tokenizer(), adapter_dir, is_main=True, lora_export="adapter")
+    # The base weights stay at their seeded initial values; only the adapters moved.
+    torch.manual_seed(config.train.seed)
+    fresh = build_model(config, build_char_tokenizer()).state_dict()
+    base = model.get_base_model().state_dict()
+    frozen_equal = all(
+        torch.equal(fresh[k], v) for k, v in base.items() if "lora_" not in k and k in fresh
+    )
+    lora_names = [n for n, p in model.named_parameters() if p.requires_grad]
+    rows = [
+        json.loads(x)
+        for x in (Path(config.train.output_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
+    return {
+        "losses": {r["step"]: r["loss"] for r in rows if "loss" in r},
+        "logits": logits,
+        "frozen_equal": frozen_equal,
+        "trainable": lora_names,
+        "export_dir": str(result.export_dir),
+    }

@@ -40,7 +40,7 @@ def _args(split: DemoSplit, out: Path) -> list[str]:
         "train.keep_checkpoints=3",
         "train.eval_samples=32",
         "train.device=cpu",
-        "train.export=false",
+        "train.export=true",
         "data.micro_batch_size=16",
     ]
     args = ["sft", "--nproc-per-node", "2", "--output-dir", str(out)]
@@ -101,27 +101,30 @@ def test_two_ranks_loss_decreases_and_sigkill_resume_is_exact(
     for step in range(start + 1, 31):
         assert got[step] == ref_losses[step], (step, got[step], ref_losses[step])
 
-    # 4. `train-recipes export` of step 20 of both runs: loadable with from_pretrained, and the
-    #    resumed run's weights equal the uninterrupted run's bit for bit.
+    # 4. The final weights (exported at the end of both runs) are equal bit for bit, and
+    #    `train-recipes export` turns a checkpoint into a loadable HF model folder.
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    exported = []
-    for name, src in (("ref", ref), ("resumed", run)):
-        out = tmp_path / f"export-{name}"
-        exp = subprocess.run(
-            [*CLI, "export", str(src / "checkpoints" / "step_000020"), "--out", str(out)],
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert exp.returncode == 0, exp.stderr[-4000:]
-        exported.append(load_file(out / "model.safetensors"))
-    assert exported[0].keys() == exported[1].keys()
-    for key in exported[0]:
-        assert torch.equal(exported[0][key], exported[1][key]), key
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export-ref")
+    final_ref = load_file(ref / "hf_model" / "model.safetensors")
+    final_resumed = load_file(run / "hf_model" / "model.safetensors")
+    assert final_ref.keys() == final_resumed.keys()
+    for key in final_ref:
+        assert torch.equal(final_ref[key], final_resumed[key]), key
+    out = tmp_path / "export-step20"
+    exp = subprocess.run(
+        [*CLI, "export", str(ref / "checkpoints" / "step_000020"), "--out", str(out)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert exp.returncode == 0, exp.stderr[-4000:]
+    step20 = load_file(out / "model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(out)
     state = model.state_dict()
-    for key, value in exported[0].items():
+    for key, value in step20.items():
         assert torch.equal(state[key], value), key
+    # Step 20's weights are the checkpoint's: neither the initial nor the final ones.
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(step20[name], final_ref[name])

@@ -655,10 +655,8 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
             "data.packing",
             "packing with cp>1 needs the THD path; this recipe supports cp with padding only",
         )
-    if config.lora.enabled:
-        raise ConfigError(
-            "lora.enabled", "LoRA through peft is not wired into this version of the recipe yet"
-        )
+    if config.lora.enabled and config.parallel.cp > 1:
+        raise ConfigError("lora.enabled", "LoRA is supported with cp=1 only in this version")
     if config.lora.enabled and config.parallel.data_parallel == "fsdp2":
         raise ConfigError("lora.enabled", "LoRA is supported with data_parallel='ddp' only")
     vlm = data.model_family == "qwen2_5_vl"

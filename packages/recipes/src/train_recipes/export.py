@@ -38,7 +38,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None)
 
     from train_engine import Engine
     from train_recipes._dist import init_distributed
-    from train_recipes.modeling import build_model, export_hf
+    from train_recipes.modeling import apply_lora, build_model, export_hf
 
     ckpt = Path(checkpoint)
     if not ckpt.is_dir():
@@ -49,11 +49,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None)
     init_distributed(device_preference="cpu", cp=1)
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "tokenizer")
     torch.manual_seed(config.train.seed)
-    model = build_model(config, tokenizer)
+    model = apply_lora(build_model(config, tokenizer), config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.optim.lr)
     engine = Engine(model, optimizer)
     engine.load_checkpoint(ckpt)
     out = Path(out_dir) if out_dir is not None else ckpt / "hf_model"
-    written = export_hf(model, tokenizer, out, is_main=True)
+    written = export_hf(model, tokenizer, out, is_main=True, lora_export=config.lora.export)
     assert written is not None
     return written

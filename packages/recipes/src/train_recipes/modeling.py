@@ -178,6 +178,32 @@ def _build_vlm(config: SFTConfig, tokenizer: Any, dtype: torch.dtype) -> nn.Modu
     return model.to(dtype=dtype)
 
 
+def apply_lora(model: nn.Module, config: SFTConfig) -> nn.Module:
+    """Wrap the model with peft LoRA adapters (base weights frozen); identity when disabled."""
+    if not config.lora.enabled:
+        return model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as err:
+        raise ImportError(
+            "lora.enabled=true needs peft: install the extra `train-recipes[lora]`"
+        ) from err
+    lora = config.lora
+    peft_config = LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, target_modules=list(lora.target_modules), lora_dropout=0.0
+    )
+    wrapped: nn.Module = get_peft_model(model, peft_config)
+    return wrapped
+
+
+def _is_peft(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The module inside a DDP wrapper (FSDP2 works in place, so it is returned as is)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -346,12 +372,38 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def export_hf(
-    model: nn.Module, tokenizer: Any, out_dir: str | Path, *, is_main: bool
+    model: nn.Module,
+    tokenizer: Any,
+    out_dir: str | Path,
+    *,
+    is_main: bool,
+    lora_export: str = "merged",
 ) -> Path | None:
     """Write the model in Hugging Face format (config + safetensors + tokenizer) on rank 0.
 
-    Collective for FSDP2 (the shards are gathered first). Returns the directory on rank 0.
+    Collective for FSDP2 (the shards are gathered first). A peft LoRA model is written either
+    merged into a plain model ("merged", from a copy: the live model keeps its adapters) or as
+    the adapter alone ("adapter": adapter_config.json + adapter_model.safetensors, loadable with
+    ``peft.PeftModel.from_pretrained(base, dir)``). Returns the directory on rank 0.
     """
+    inner_model = unwrap(model)
+    if _is_peft(inner_model):
+        if not is_main:
+            return None
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        peft_model: Any = inner_model
+        if lora_export == "adapter":
+            peft_model.save_pretrained(out, safe_serialization=True)
+        else:
+            import copy
+
+            copy.deepcopy(peft_model).merge_and_unload().save_pretrained(
+                out, safe_serialization=True
+            )
+        tokenizer.save_pretrained(out)
+        logger.info("exported the LoRA model (%s) to %s", lora_export, out)
+        return out
     state = full_state_dict(model)
     if not is_main:
         return None

@@ -142,11 +142,27 @@ def recall_at_k(
     device: torch.device,
     batch_size: int = 64,
 ) -> dict[int, float]:
-    """Fraction of queries whose own passage ranks within the top k among all held-out passages."""
+    """Fraction of queries whose own passage ranks within the top k among all held-out passages.
+
+    Under torch.distributed each rank encodes an equal slice of the texts and the embeddings
+    are all-gathered (collective: every rank calls it and gets the same numbers).
+    """
     was_training = model.training
     model.eval()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
 
     def encode(texts: list[str]) -> Tensor:
+        per_rank = -(-len(texts) // world)
+        padded = texts + [texts[-1]] * (per_rank * world - len(texts))
+        local = encode_local(padded[rank * per_rank : (rank + 1) * per_rank])
+        if world == 1:
+            return local[: len(texts)]
+        gathered = local.new_empty((per_rank * world, local.shape[1]))
+        dist.all_gather_into_tensor(gathered, local.contiguous())
+        return gathered[: len(texts)]
+
+    def encode_local(texts: list[str]) -> Tensor:
         out = []
         for i in range(0, len(texts), batch_size):
             tok = tokenizer(
@@ -163,9 +179,9 @@ def recall_at_k(
     d = encode([p[1] for p in pairs])
     scores = q @ d.T  # [N, N]
     own = scores.diagonal().unsqueeze(1)
-    rank = (scores > own).sum(1)  # 0 = the right passage is the best match
+    position = (scores > own).sum(1)  # 0 = the right passage is the best match
     model.train(was_training)
-    return {k: float((rank < k).float().mean()) for k in ks}
+    return {k: float((position < k).float().mean()) for k in ks}
 
 
 class _GatherRows(torch.autograd.Function):

@@ -26,6 +26,7 @@ from train_recipes._dist import RankContext, init_distributed
 from train_recipes.config import SFTConfig, to_dict
 from train_recipes.metrics import RunLogger, plot_loss
 from train_recipes.modeling import (
+    apply_lora,
     build_model,
     exact_match_accuracy,
     export_hf,
@@ -172,7 +173,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
     tokenizer = tokenizer_of(processor)
     if ctx.is_main:
         processor.save_pretrained(out_dir / "tokenizer")
-    model = build_model(config, tokenizer).to(ctx.device)
+    model = apply_lora(build_model(config, tokenizer), config).to(ctx.device)
     model.train()
     model = apply_data_parallel(
         model,
@@ -360,7 +361,13 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         run_log.log(train.steps, {"eval/exact_match": accuracy_after})
     export_dir = None
     if train.export:
-        export_dir = export_hf(model, processor, out_dir / EXPORT_DIR, is_main=ctx.is_main)
+        export_dir = export_hf(
+            model,
+            processor,
+            out_dir / EXPORT_DIR,
+            is_main=ctx.is_main,
+            lora_export=config.lora.export,
+        )
     run_log.close()
     result = SFTResult(
         output_dir=out_dir,
