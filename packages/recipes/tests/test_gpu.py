@@ -1,0 +1,69 @@
+"""CUDA/NCCL paths of the SFT recipe (skipped without GPUs; the lead runs them on a GPU host)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import data_overrides
+from train_recipes.demo import DemoSplit
+from train_testing import requires_cuda
+
+CLI = [sys.executable, "-m", "train_recipes.cli"]
+
+
+def _run(split: DemoSplit, out: Path, nproc: int, sets: list[str]) -> dict[int, float]:
+    args = ["sft", "--nproc-per-node", str(nproc), "--output-dir", str(out)]
+    for s in [
+        *data_overrides(split),
+        "train.steps=40",
+        "train.log_every=1",
+        "train.checkpoint_every=20",
+        "train.eval_samples=32",
+        "train.device=cuda",
+        "data.micro_batch_size=16",
+        "data.num_logical_shards=2",
+        "data.shuffle=false",
+        *sets,
+    ]:
+        args += ["--set", s]
+    done = subprocess.run(
+        [*CLI, *args], env=dict(os.environ), capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@requires_cuda(1)
+@pytest.mark.timeout(900)
+def test_one_gpu_fsdp2_bf16_trains_and_exports(demo_data: DemoSplit, tmp_path: Path) -> None:
+    losses = _run(
+        demo_data,
+        tmp_path / "fsdp2",
+        1,
+        [
+            "parallel.data_parallel=fsdp2",
+            "parallel.fsdp.param_dtype=bfloat16",
+            "parallel.fsdp.reduce_dtype=float32",
+            "data.num_logical_shards=null",
+        ],
+    )
+    assert losses[40] < 0.8 * losses[1], losses
+    assert (tmp_path / "fsdp2" / "hf_model" / "model.safetensors").is_file()
+
+
+@requires_cuda(2)
+@pytest.mark.timeout(900)
+def test_two_gpus_cp2_matches_dp2_on_nccl(demo_data: DemoSplit, tmp_path: Path) -> None:
+    dp = _run(demo_data, tmp_path / "dp2", 2, ["parallel.cp=1"])
+    cp = _run(
+        demo_data, tmp_path / "cp2", 2, ["parallel.cp=2", "train.gradient_accumulation_steps=2"]
+    )
+    for step in range(1, 41):
+        assert abs(dp[step] - cp[step]) <= 1e-3 * abs(dp[step]) + 1e-4, (step, dp[step], cp[step])
