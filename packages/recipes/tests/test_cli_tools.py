@@ -55,5 +55,5 @@ def test_plot_draws_the_loss_curve(tmp_path: Path, capsys: pytest.CaptureFixture
     assert png == run / "loss.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 2000
     assert len(read_metrics(run)) == 40
-    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+    with pytest.raises(FileNotFoundError, match=r"metrics\.jsonl"):
         read_metrics(tmp_path / "missing")
