@@ -20,7 +20,9 @@ def main() -> None:
         for entropy, sum_z in ((True, True), (False, False)):
             signature = {
                 "x_ptr": dtype,
+                "stride_slab": "i64",
                 "stride_row": "i64",
+                "rows_per_slab": "i64",
                 "n_cols": "i32",
                 "inv_t": "fp32",
                 "max_ptr": "*fp32",
@@ -43,9 +45,10 @@ def main() -> None:
         for has_target, has_entropy, has_uniform in ((True, True, True), (True, False, False)):
             signature = {
                 "x_ptr": dtype,
-                "stride_x": "i64",
+                "stride_slab": "i64",
+                "stride_row": "i64",
+                "rows_per_slab": "i64",
                 "g_ptr": dtype,
-                "stride_g": "i64",
                 "n_cols": "i32",
                 "inv_t": "fp32",
                 "inv_vocab": "fp32",

@@ -62,7 +62,17 @@ def _same_on_all_ranks(t: torch.Tensor, what: str) -> None:
     gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, t.contiguous())
     for rank, other in enumerate(gathered):
-        assert torch.equal(other, t), f"{what} differs between rank {dist.get_rank()} and {rank}"
+        # Bitwise equal; nan == nan (a mean over all-ignored labels is nan, as in PyTorch).
+        torch.testing.assert_close(
+            other,
+            t,
+            rtol=0,
+            atol=0,
+            equal_nan=True,
+            msg=lambda m, rank=rank: (
+                f"{what} differs between rank {dist.get_rank()} and {rank}: {m}"
+            ),
+        )
 
 
 def check_logits_parity(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[str]:

@@ -206,7 +206,7 @@ def test_inputs_are_not_modified_and_no_fp32_copy_is_saved() -> None:
     assert torch.equal(logits.detach(), before)
     big = [(t.dtype, tuple(t.shape)) for t in saved if t.numel() >= logits.numel()]
     # Only the input logits themselves (bf16) may be saved at logits size.
-    assert big == [(torch.bfloat16, (64, 512))], big
+    assert big == [(torch.bfloat16, (1, 64, 512))], big
     fp32 = make_logits((8,), 50, seed=11).requires_grad_()
     snapshot = fp32.detach().clone()
     vp.token_entropy(fp32, temperature=0.5).sum().backward()
@@ -220,3 +220,32 @@ def test_empty_batch() -> None:
     assert out.shape == (0,)
     out.sum().backward()
     assert logits.grad is not None and logits.grad.shape == (0, 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliced_logits_are_read_in_place(dtype: torch.dtype) -> None:
+    """logits[:, :-1] (the usual shift) is neither copied nor saved as a copy."""
+    full = make_logits((3, 6), VOCAB, seed=12, masked_columns=2).to(dtype).requires_grad_()
+    labels = make_labels((3, 5), VOCAB, seed=12, low=2)
+    ref_full = full.detach().double().requires_grad_()
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        log_p, ent = vp.token_log_probs_and_entropy(full[:, :-1], labels, chunk_size=2)
+    big = [t for t in saved if t.numel() >= 3 * 5 * VOCAB]
+    assert len(big) == 1, [tuple(t.shape) for t in big]
+    assert big[0].untyped_storage().data_ptr() == full.untyped_storage().data_ptr(), "copied"
+    ref_lp = ref_log_probs(ref_full[:, :-1], labels, 1.0, IGNORE)
+    ref_h = ref_entropy(ref_full[:, :-1], 1.0)
+    v_atol, g_atol, g_rtol = TOL[dtype]
+    _close(log_p, ref_lp, atol=v_atol, rtol=1e-5, what="sliced log-probs")
+    _close(ent, ref_h, atol=v_atol, rtol=1e-5, what="sliced entropy")
+    w1, w2 = upstream((3, 5), seed=12), upstream((3, 5), seed=13)
+    (log_p.double() * w1 + ent.double() * w2).sum().backward()
+    (ref_lp * w1 + ref_h * w2).sum().backward()
+    _close(full.grad, ref_full.grad, atol=g_atol, rtol=g_rtol, what="sliced gradient")
+    assert torch.all(full.grad[:, -1] == 0)

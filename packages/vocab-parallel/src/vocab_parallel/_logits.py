@@ -1,6 +1,10 @@
 """Autograd function over (possibly vocabulary-sharded) logits, chunked over tokens.
 
-# N tokens, V global vocabulary, Vl local vocabulary columns, C tokens per chunk
+# N tokens (B * R), B slabs, R rows per slab, V global vocabulary, Vl local vocabulary columns,
+# C tokens per chunk
+
+The logits arrive as [B, R, Vl] with unit stride along Vl: a contiguous tensor is one slab
+(B = 1), and a slice such as ``logits[:, :-1]`` keeps its strides instead of being copied.
 
 Forward reads the logits once (one fp32 chunk of [C, Vl] at a time) and keeps only [N]-sized
 statistics; backward recomputes softmax per chunk from the saved input logits and the saved
@@ -9,6 +13,7 @@ logZ, writing straight into the gradient buffer. No fp32 copy of the logits is e
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,21 +108,32 @@ def chunk_size_for(local_vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(local_vocab, 1))
 
 
+def row_chunks(logits: Tensor, chunk_size: int) -> Iterator[tuple[int, Tensor]]:
+    """(first token, [C, Vl] view) for each chunk of rows of logits [B, R, Vl], slab by slab."""
+    slabs, rows, _ = logits.shape
+    for slab in range(slabs):
+        for start in range(0, rows, chunk_size):
+            yield slab * rows + start, logits[slab, start : start + chunk_size]
+
+
 def target_logits(logits: Tensor, targets: Targets, inv_temperature: float) -> Tensor:
     """[N] fp32 scaled target logit where the target is in this shard, else 0."""
-    if logits.shape[-1] == 0:
-        return logits.new_zeros(logits.shape[0], dtype=torch.float32)
-    picked = logits.gather(-1, targets.index.unsqueeze(-1)).squeeze(-1)
+    slabs, rows, local_vocab = logits.shape
+    if local_vocab == 0:
+        return logits.new_zeros(slabs * rows, dtype=torch.float32)
+    index = targets.index.view(slabs, rows, 1)
+    picked = logits.gather(-1, index).reshape(slabs * rows)
     values = scaled_target(picked, inv_temperature)
     return torch.where(targets.in_shard, values, torch.zeros_like(values))
 
 
 class VocabStats(torch.autograd.Function):
-    """(log p_y, H, mean_v log p_v) per token from logits [N, Vl]; see :class:`Plan`."""
+    """(log p_y, H, mean_v log p_v) [N] from logits [B, R, Vl]; see :class:`Plan`."""
 
     @staticmethod
     def forward(ctx: Any, logits: Tensor, labels: Tensor | None, plan: Plan) -> Any:
-        n, local_vocab = logits.shape
+        slabs, rows, local_vocab = logits.shape
+        n = slabs * rows
         if plan.backend == "triton":
             from vocab_parallel import _triton
 
@@ -129,8 +145,8 @@ class VocabStats(torch.autograd.Function):
             )
         else:
             parts: list[ShardStats] = []
-            for start in range(0, n, plan.chunk_size):
-                z = scaled_fp32(logits[start : start + plan.chunk_size], plan.inv_temperature)
+            for _, chunk in row_chunks(logits, plan.chunk_size):
+                z = scaled_fp32(chunk, plan.inv_temperature)
                 parts.append(shard_stats(z, entropy=plan.entropy, sum_z=plan.uniform))
                 del z
             stats = _concat(parts, n=n, like=logits, plan=plan)
@@ -211,25 +227,26 @@ class VocabStats(torch.autograd.Function):
                 target_grad=g_target,
             )
             return grad, None, None
-        grad = torch.empty_like(logits)
-        n = logits.shape[0]
-        if logits.shape[1] == 0:
+        slabs, rows, local_vocab = logits.shape
+        grad = logits.new_empty((slabs, rows, local_vocab))
+        if local_vocab == 0:
             return grad, None, None
-        for start in range(0, n, plan.chunk_size):
-            rows = slice(start, start + plan.chunk_size)
-            z = scaled_fp32(logits[rows], inv_t)
+        flat_grad = grad.view(slabs * rows, local_vocab)
+        for start, chunk_logits in row_chunks(logits, plan.chunk_size):
+            span = slice(start, start + chunk_logits.shape[0])
+            z = scaled_fp32(chunk_logits, inv_t)
             chunk = chunk_grad(
                 z,
-                log_normalizer=log_normalizer[rows],
-                entropy=entropy[rows] if g_ent is not None else None,
-                grad_target=g_all[rows] if g_all is not None else None,
-                grad_entropy=g_ent[rows] if g_ent is not None else None,
-                grad_uniform=g_uni[rows] if g_uni is not None else None,
+                log_normalizer=log_normalizer[span],
+                entropy=entropy[span] if g_ent is not None else None,
+                grad_target=g_all[span] if g_all is not None else None,
+                grad_entropy=g_ent[span] if g_ent is not None else None,
+                grad_uniform=g_uni[span] if g_uni is not None else None,
                 inv_vocab=1.0 / plan.vocab_size,
-                target_index=index[rows] if index is not None else None,
-                target_grad=g_target[rows] if g_target is not None else None,
+                target_index=index[span] if index is not None else None,
+                target_grad=g_target[span] if g_target is not None else None,
             )
-            grad[rows].copy_(chunk)
+            flat_grad[span].copy_(chunk)
             del z, chunk
         return grad, None, None
 

@@ -2,7 +2,9 @@
 """Triton kernels for the logits path on CUDA: one read of the logits forward, one read and one
 write backward (the memory-bandwidth floor), with no fp32 [N, V] buffer at all.
 
-# N tokens (one program per token row), V local vocabulary columns, BLOCK columns per step
+# N tokens (one program per token row; N = B slabs * R rows), V local vocabulary columns,
+# BLOCK columns per step. Input rows are addressed through (slab stride, row stride), so a
+# strided slice such as logits[:, :-1] is read in place; gradients are written contiguous.
 
 Imported lazily: ``triton`` ships with CUDA builds of PyTorch. The same kernels run on CPU under
 ``TRITON_INTERPRET=1`` (how the CPU test suite checks them).
@@ -31,7 +33,9 @@ def interpreting() -> bool:
 @triton.jit
 def _stats_kernel(
     x_ptr,
+    stride_slab,
     stride_row,
+    rows_per_slab,
     n_cols,
     inv_t,
     max_ptr,
@@ -46,7 +50,8 @@ def _stats_kernel(
     # Online softmax over the row. Invariant, with c = (m if m > -inf else 0):
     #   s = sum exp(z - c),  t = sum exp(z - c) * (z - c)
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_row
+    slab = row // rows_per_slab
+    x_row = x_ptr + slab * stride_slab + (row - slab * rows_per_slab) * stride_row
     offsets = tl.arange(0, BLOCK)
     m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
     s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
@@ -80,9 +85,10 @@ def _stats_kernel(
 @triton.jit
 def _grad_kernel(
     x_ptr,
-    stride_x,
+    stride_slab,
+    stride_row,
+    rows_per_slab,
     g_ptr,
-    stride_g,
     n_cols,
     inv_t,
     inv_vocab,
@@ -101,8 +107,9 @@ def _grad_kernel(
 ):
     # grad = -p * (g_all + g_uniform + g_entropy * (log p + H)) + g_uniform / V + onehot * g_target
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    g_row = g_ptr + row * stride_g
+    slab = row // rows_per_slab
+    x_row = x_ptr + slab * stride_slab + (row - slab * rows_per_slab) * stride_row
+    g_row = g_ptr + row * n_cols
     offsets = tl.arange(0, BLOCK)
     log_z = tl.load(log_z_ptr + row)
     coef = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
@@ -140,8 +147,10 @@ def _launch_config(n_cols: int) -> tuple[int, int]:
     return block, (8 if block >= 4096 else 4)
 
 
-def _rows(logits: Tensor) -> Tensor:
-    return logits if logits.stride(-1) == 1 else logits.contiguous()
+def _slabs(logits: Tensor) -> Tensor:
+    """[B, R, V] with unit stride along V (a 2-D input becomes one slab)."""
+    x = logits if logits.ndim == 3 else logits.unsqueeze(0)
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _on_device(t: Tensor) -> contextlib.AbstractContextManager[None]:
@@ -157,10 +166,14 @@ def shard_stats(
     """Same statistics as :func:`vocab_parallel._math.shard_stats` for all rows at once.
 
     Args:
-        logits: [N, V] any float dtype (not modified, never copied to fp32).
+        logits: [B, R, V] or [N, V], any float dtype (not modified, never copied to fp32).
+
+    Returns:
+        statistics of the N = B * R rows, [N] each.
     """
-    x = _rows(logits)
-    n, v = x.shape
+    x = _slabs(logits)
+    slabs, rows, v = x.shape
+    n = slabs * rows
     out = torch.empty((4, n), device=x.device, dtype=torch.float32)
     if n and v:
         block, warps = _launch_config(v)
@@ -168,6 +181,8 @@ def shard_stats(
             _stats_kernel[(n,)](
                 x,
                 x.stride(0),
+                x.stride(1),
+                rows,
                 v,
                 inv_temperature,
                 out[0],
@@ -204,13 +219,15 @@ def logits_grad(
     target_index: Tensor | None,
     target_grad: Tensor | None,
 ) -> Tensor:
-    """Gradient w.r.t. the logits [N, V] in their dtype (see :func:`_math.chunk_grad`); the
-    ``grad_*`` inputs are [N] fp32 already multiplied by ``inv_temperature``."""
-    x = _rows(logits)
-    n, v = x.shape
-    grad = torch.empty_like(x)
+    """Gradient w.r.t. the logits ([B, R, V] or [N, V]) in their dtype and shape, contiguous
+    (see :func:`_math.chunk_grad`); the ``grad_*`` inputs are [N] fp32 already multiplied by
+    ``inv_temperature``."""
+    x = _slabs(logits)
+    slabs, rows, v = x.shape
+    n = slabs * rows
+    grad = x.new_empty(x.shape)
     if n == 0 or v == 0:
-        return grad
+        return grad.view(logits.shape)
     dummy = log_normalizer
     block, warps = _launch_config(v)
     has_target = grad_all is not None and target_index is not None and target_grad is not None
@@ -218,8 +235,9 @@ def logits_grad(
         _grad_kernel[(n,)](
             x,
             x.stride(0),
+            x.stride(1),
+            rows,
             grad,
-            grad.stride(0),
             v,
             inv_temperature,
             inv_vocab,
@@ -237,4 +255,4 @@ def logits_grad(
             BLOCK=block,
             num_warps=warps,
         )
-    return grad
+    return grad.view(logits.shape)

@@ -11,6 +11,7 @@ one SUM of the [N, H] hidden gradient in backward).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -78,6 +79,25 @@ def _check_float(t: Tensor, name: str) -> None:
         )
 
 
+def _as_slabs(local: Tensor) -> Tensor:
+    """View logits [..., Vl] as [B, R, Vl] without copying whenever the strides allow.
+
+    A contiguous tensor is one slab; a slice along the last leading dim (``logits[:, :-1]``)
+    is B slabs of R rows. Anything else (or a non-unit stride along Vl) is copied once.
+    """
+    local_vocab = local.shape[-1]
+    lead = local.shape[:-1]
+    # Explicit sizes: a rank may hold zero vocabulary columns (V < number of shards).
+    n = math.prod(lead)
+    if local.stride(-1) == 1 or local_vocab <= 1:
+        with contextlib.suppress(RuntimeError):
+            return local.view(1, n, local_vocab)
+        if len(lead) >= 2:
+            with contextlib.suppress(RuntimeError):
+                return local.view(math.prod(lead[:-1]), lead[-1], local_vocab)
+    return local.reshape(1, n, local_vocab)
+
+
 def _vocab_stats(
     logits: Tensor,
     labels: Tensor | None,
@@ -109,22 +129,20 @@ def _vocab_stats(
             )
         flat_labels = labels.reshape(-1)
     local = shard.local
-    local_vocab = local.shape[-1]
-    # Explicit N: a rank may hold zero vocabulary columns (V < number of shards).
-    flat = local.reshape(math.prod(batch_shape), local_vocab)
+    slabs = _as_slabs(local)
     plan = Plan(
         group=shard.group,
         vocab_start=shard.vocab_start,
         vocab_size=shard.vocab_size,
         inv_temperature=inv_t,
         ignore_index=ignore_index,
-        chunk_size=chunk_size or chunk_size_for(local_vocab),
+        chunk_size=chunk_size or chunk_size_for(local.shape[-1]),
         entropy=entropy,
         uniform=uniform,
         validate=validate,
         backend=_resolve_backend(backend, local),
     )
-    log_p, ent, uni = VocabStats.apply(flat, flat_labels, plan)
+    log_p, ent, uni = VocabStats.apply(slabs, flat_labels, plan)
     return log_p.view(batch_shape), ent.view(batch_shape), uni.view(batch_shape)
 
 
