@@ -287,7 +287,7 @@ def greedy_answers(
         done = torch.zeros(len(chunk), dtype=torch.bool, device=device)
         rows = torch.arange(len(chunk), device=device)
         for _ in range(max_new_tokens):
-            logits = model(input_ids=ids[:, : int(cur.max())], **extra).logits  # [B, S, V]
+            logits = model(input_ids=ids[:, : int(cur.max())], use_cache=False, **extra).logits
             nxt = logits[rows, cur - 1].argmax(-1)
             nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
             ids[rows, cur] = nxt

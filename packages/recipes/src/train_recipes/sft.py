@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import yaml
+from torch import Tensor
 
 from train_recipes import _integrations as data_api
 from train_recipes._dist import RankContext, init_distributed
@@ -146,6 +147,48 @@ def _forever(loader: Any) -> Iterator[Any]:
         yield from loader
 
 
+def token_sum_loss(
+    model: Any, batch: dict[str, Tensor], *, sharder: Any = None, vlm: bool = False
+) -> Tensor:
+    """The sum over this rank's trained tokens of -log p(label): the loss of contract (b).
+
+    Text batches pass ``position_ids`` and no attention mask: right padding never reaches a
+    real token under causal attention, and for packed rows transformers derives the document
+    boundaries from the restarting position ids (no attention across packed samples). VLM
+    batches pass the padding mask and the images; the model builds its M-RoPE positions.
+    With a ``sharder`` (cp > 1) the batch is cp-sharded and the forward runs in its context.
+
+    Args:
+        model: the (wrapped) model or the Engine.
+        batch: ``input_ids`` [B, S], ``labels`` [B, S] (already shifted, -100 untrained),
+            ``position_ids`` [B, S], ``attention_mask`` [B, S] (+ ``pixel_values`` [P, D],
+            ``image_grid_thw`` [N, 3] for VLM).
+
+    Returns:
+        0-dim float32 tensor.
+    """
+    from vocab_parallel import token_log_probs
+
+    inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    if vlm:
+        inputs["attention_mask"] = batch["attention_mask"]
+        inputs["pixel_values"] = batch["pixel_values"]
+        inputs["image_grid_thw"] = batch["image_grid_thw"]
+    else:
+        inputs["position_ids"] = batch["position_ids"]
+    # No KV cache: transformers only derives packed-document masks from position ids when
+    # there is no cache, and training never reuses one anyway.
+    if sharder is None:
+        labels = inputs.pop("labels")
+        logits = model(**inputs, use_cache=False).logits  # [B, S, V]
+        return -token_log_probs(logits, labels).sum()
+    train_ctx, local = sharder.shard(inputs)
+    labels = local.pop("labels")
+    with train_ctx():
+        logits = model(**local, use_cache=False).logits  # [B, S_l, V]
+        return -token_log_probs(logits, labels).sum()
+
+
 def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
     """Run the SFT recipe on the already-launched ranks (or one process).
 
@@ -158,7 +201,6 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         The run summary, identical on every rank.
     """
     from train_engine import Engine, LossWindow, apply_data_parallel, param_groups
-    from vocab_parallel import token_log_probs
 
     train = config.train
     ctx = init_distributed(device_preference=train.device, cp=config.parallel.cp)
@@ -278,25 +320,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         step_loss = torch.zeros((), dtype=torch.float64, device=ctx.device)
         for batch in micro:
             seen[1] += float(batch["attention_mask"].sum()) / ctx.cp_size
-            inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
-            if vlm:
-                # M-RoPE positions come from the model (image grids + the padding mask).
-                inputs["attention_mask"] = batch["attention_mask"]
-                inputs["pixel_values"] = batch["pixel_values"]
-                inputs["image_grid_thw"] = batch["image_grid_thw"]
-            else:
-                inputs["position_ids"] = batch["position_ids"]
-            train_ctx: Any = None
-            if sharder is not None:
-                train_ctx, inputs = sharder.shard(inputs)
-            labels = inputs.pop("labels")
-            if train_ctx is not None:
-                with train_ctx():
-                    logits = engine(**inputs).logits  # [B, S_l, V]
-                    loss_sum = -token_log_probs(logits, labels).sum()
-            else:
-                logits = engine(**inputs).logits  # [B, S, V]
-                loss_sum = -token_log_probs(logits, labels).sum()
+            loss_sum = token_sum_loss(engine, batch, sharder=sharder, vlm=vlm)
             engine.backward(loss_sum, num_tokens=num_tokens)
             step_loss += loss_sum.detach().to(torch.float64)
             engine.step()
