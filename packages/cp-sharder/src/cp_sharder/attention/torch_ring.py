@@ -52,14 +52,15 @@ def hf_ring_attention(
         raise ValueError(
             "torch's ring attention supports plain causal attention only (no mask, is_causal=True)"
         )
+    if key.shape[1] != query.shape[1]:
+        # torch's ring kernels need equal head counts and its CP dispatcher does not honour
+        # enable_gqa (on an H200 with torch 2.11: no kernel in fp32, wrong K/V gradients in
+        # bf16), so the KV heads are expanded here; autograd sums their gradients back.
+        repeats = query.shape[1] // key.shape[1]
+        key = key.repeat_interleave(repeats, dim=1)
+        value = value.repeat_interleave(repeats, dim=1)
     out = F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        dropout_p=dropout,
-        is_causal=True,
-        scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1],
+        query, key, value, dropout_p=dropout, is_causal=True, scale=scaling
     )
     return out.transpose(1, 2).contiguous(), None
 
