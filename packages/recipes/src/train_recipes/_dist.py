@@ -49,11 +49,22 @@ class RankContext:
 
 
 def pick_device(preference: str) -> torch.device:
-    """ "auto" picks the local CUDA device when there is one, else the CPU."""
-    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("train.device='cuda' but CUDA is not available; use 'cpu' or 'auto'")
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+    """Resolve train.device: "auto" picks CUDA when every local rank gets its own GPU.
+
+    The choice depends only on the node (GPU count vs local world size), so all ranks of a
+    node agree and never mix NCCL and gloo.
+    """
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if preference == "cuda":
+        if gpus < local_world:
+            raise RuntimeError(
+                f"train.device='cuda' with {local_world} local ranks but {gpus} CUDA devices; "
+                "start one rank per GPU or use train.device=cpu"
+            )
+        return torch.device("cuda", local)
+    if preference == "auto" and gpus >= local_world:
         return torch.device("cuda", local)
     return torch.device("cpu")
 
