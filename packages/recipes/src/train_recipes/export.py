@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -38,7 +39,14 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None)
 
     from train_engine import Engine
     from train_recipes._dist import init_distributed
-    from train_recipes.modeling import apply_lora, build_model, export_hf
+    from train_recipes.modeling import (
+        LocalProcessor,
+        apply_lora,
+        build_model,
+        demo_image_processor,
+        export_hf,
+        is_vlm,
+    )
 
     ckpt = Path(checkpoint)
     if not ckpt.is_dir():
@@ -54,6 +62,14 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None)
     engine = Engine(model, optimizer)
     engine.load_checkpoint(ckpt)
     out = Path(out_dir) if out_dir is not None else ckpt / "hf_model"
-    written = export_hf(model, tokenizer, out, is_main=True, lora_export=config.lora.export)
+    processor: Any = tokenizer
+    if is_vlm(config):
+        if config.model.path is None:
+            processor = LocalProcessor(tokenizer, demo_image_processor())
+        else:
+            from transformers import AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(config.model.path)
+    written = export_hf(model, processor, out, is_main=True, lora_export=config.lora.export)
     assert written is not None
     return written
