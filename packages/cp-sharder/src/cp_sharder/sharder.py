@@ -21,7 +21,6 @@ from cp_sharder import layouts
 from cp_sharder._dist import CPGroup, agree, all_gather_seq, resolve_cp_group
 from cp_sharder.attention import (
     Backend,
-    has_sliding_window,
     is_hf_model,
     model_hook,
     select_family,
@@ -475,15 +474,10 @@ class ContextParallelSharder:
             return self._family
         if self._cp.size == 1 and not prep.thd:
             return Backend.NONE
-        plain_causal = (
-            not prep.thd
-            and prep.doc_ids is None
-            and (prep.key_valid is None or bool(prep.key_valid.all()))
-            and not has_sliding_window(self._model)
-        )
-        mesh_type = getattr(self._cp.mesh, "device_type", "cpu")
-        if plain_causal and mesh_type == "cuda" and self._cp.size > 1:
-            return Backend.TORCH_RING
+        # torch's ring attention (attention.torch_ring) is not selected: on an H200 with torch
+        # 2.11 its loss matched but its gradients did not (relative error 1.6 in fp32 at cp=2,
+        # benchmarks/results/mgpu_cp_w2.json), and a backend that trains wrongly must not be
+        # chosen silently. The portable backend is exact on every device.
         return Backend.PORTABLE
 
     def shard(self, batch: Mapping[str, Any]) -> tuple[TrainContext, dict[str, Any]]:
@@ -644,10 +638,6 @@ class ContextParallelSharder:
                 te.attach(model, cp)
                 self._te_attached = True
             return contextlib.nullcontext
-        if backend is Backend.TORCH_RING:
-            from cp_sharder.attention import torch_ring
-
-            return torch_ring.make_context(model, cp, self._hf, prep.padded_seq_len)
         from cp_sharder.attention import portable
 
         spec = portable.MaskSpec(
