@@ -85,6 +85,9 @@ def main() -> None:
         args.tokens, args.hidden, args.ffn, args.experts = 256, 32, 64, 8
         args.iters, args.warmup = 3, 1
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        # set_device needs an index on older torch (2.11): "cuda" alone is rejected.
+        device = torch.device("cuda", torch.cuda.current_device())
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
 
