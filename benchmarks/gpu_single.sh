@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One call on a one-GPU machine whose python3 already has torch (and triton, transformers):
+# install the workspace's wheels (built beforehand into .whl/ with
+# `uv build --all-packages --wheel --no-sources --out-dir .whl`), run the CUDA tests, then the
+# packages' GPU benchmarks. Logs and JSON go to $OUT (default /tmp/gpu-out).
+#   usage: bash benchmarks/gpu_single.sh [tests|bench|all]
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+what=${1:-all}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+log="$OUT/gpu.log"
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+} 2>&1 | tee -a "$log"
+step() { local limit=$1; shift; echo "=== $*" | tee -a "$log"; timeout "$limit" "$@" 2>&1 | tee -a "$log" | tail -25; }
+if [[ $what == tests || $what == all ]]; then
+  # One pytest per package: test module basenames repeat across packages.
+  for t in vocab-parallel/tests/test_vp_triton.py vocab-parallel/tests/test_vp_distributed.py \
+           engine/tests/test_cuda.py cp-sharder/tests/test_cuda.py \
+           moe-dispatch/tests/test_cuda_paths.py testing/tests/test_markers.py; do
+    step 240 python3 -m pytest -q -rs -p no:cacheprovider "packages/$t"
+  done
+fi
+if [[ $what == bench || $what == all ]]; then
+  for t in 8192 16384; do
+    step 150 python3 packages/vocab-parallel/bench/log_probs.py --device cuda --tokens $t --vocab 151936 --out "$OUT/vocab_parallel_T$t.json"
+  done
+  step 120 python3 packages/moe-dispatch/bench/dispatch_throughput.py --device cuda --tokens 16384 --hidden 2048 --experts 64 --top-k 8 --dtype bfloat16 --json "$OUT/moe_dispatch.json"
+  step 90 python3 packages/engine/bench/overhead.py --device cuda --out "$OUT/engine_overhead.json"
+  step 60 python3 packages/engine/bench/clip.py --device cuda --out "$OUT/engine_clip.json"
+  step 240 python3 packages/engine/bench/sft_llama.py --device cuda --baseline --out "$OUT/engine_sft_llama.json"
+fi
