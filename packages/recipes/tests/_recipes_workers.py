@@ -23,6 +23,8 @@ def run_sft_on_rank(
     with torch.no_grad():
         result.model.eval()
         logits = result.model(input_ids=torch.tensor(probe)).logits
+        if hasattr(logits, "full_tensor"):  # vocab-sharded DTensor (tp > 1): gather, collective
+            logits = logits.full_tensor()
     if rank != 0:
         return {}
     rows = [

@@ -128,3 +128,47 @@ def test_vlm_demo_trains_on_two_ranks(
 
     config = AutoConfig.from_pretrained(run["export_dir"])
     assert config.model_type == "qwen2_5_vl"
+
+
+@pytest.mark.timeout(300)
+def test_vocab_sharded_output_projection_matches_dp(
+    rank_pool: object, demo_data: DemoSplit, tmp_path: Path
+) -> None:
+    """tp=2 shards lm_head over the vocabulary (odd vocab: uneven shards) and the loss runs
+    on the sharded logits (vocab-parallel); it must follow the dp=2 losses (FSDP2, untied)."""
+    common = [
+        "parallel.data_parallel=fsdp2",
+        "model.tiny.tie_word_embeddings=false",
+        "train.export=true",
+    ]
+    dp_run = rank_pool.run(  # type: ignore[attr-defined]
+        2,
+        run_sft_on_rank,
+        [*_common(demo_data, tmp_path / "dp2"), *common, "parallel.tp=1"],
+        PROBE,
+        timeout_s=240,
+    )[0]
+    tp_run = rank_pool.run(  # type: ignore[attr-defined]
+        2,
+        run_sft_on_rank,
+        [
+            *_common(demo_data, tmp_path / "tp2"),
+            *common,
+            "parallel.tp=2",
+            "train.gradient_accumulation_steps=2",
+        ],
+        PROBE,
+        timeout_s=240,
+    )[0]
+    steps = sorted(dp_run["losses"])
+    assert steps == sorted(tp_run["losses"]) == list(range(1, 13))
+    a = torch.tensor([dp_run["losses"][s] for s in steps], dtype=torch.float64)
+    b = torch.tensor([tp_run["losses"][s] for s in steps], dtype=torch.float64)
+    torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-5, msg=lambda m: f"dp vs tp\n{a}\n{b}\n{m}")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tp_run["export_dir"]).eval()
+    assert not model.config.tie_word_embeddings
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROBE)).logits
+    torch.testing.assert_close(logits, tp_run["logits"], rtol=1e-5, atol=1e-5)

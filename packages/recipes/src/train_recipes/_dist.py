@@ -22,10 +22,11 @@ class RankContext:
         rank: global rank.
         world_size: number of ranks (dp * cp).
         device: this rank's device.
-        mesh: 2-D mesh ("dp", "cp").
+        mesh: 3-D mesh ("dp", "cp", "tp"), tp innermost.
         dp_rank: index of this rank's data-parallel replica.
         dp_size: number of data-parallel replicas.
         cp_size: context-parallel degree.
+        tp_size: tensor-parallel degree (of the output projection).
     """
 
     rank: int
@@ -35,6 +36,7 @@ class RankContext:
     dp_rank: int
     dp_size: int
     cp_size: int
+    tp_size: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -69,7 +71,9 @@ def pick_device(preference: str) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(*, device_preference: str, cp: int, timeout_s: float = 600.0) -> RankContext:
+def init_distributed(
+    *, device_preference: str, cp: int, tp: int = 1, timeout_s: float = 600.0
+) -> RankContext:
     """Join (or create, for one process) the default process group and build the (dp, cp) mesh.
 
     Works under torchrun (RANK/WORLD_SIZE/MASTER_ADDR set) and as a plain single process, where a
@@ -93,10 +97,10 @@ def init_distributed(*, device_preference: str, cp: int, timeout_s: float = 600.
             )
     world = dist.get_world_size()
     rank = dist.get_rank()
-    if world % cp:
-        raise ValueError(f"parallel.cp={cp} does not divide the world size {world}")
-    dp = world // cp
-    mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
+    if world % (cp * tp):
+        raise ValueError(f"parallel.cp*tp={cp * tp} does not divide the world size {world}")
+    dp = world // (cp * tp)
+    mesh = init_device_mesh(device.type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
     return RankContext(
         rank=rank,
         world_size=world,
@@ -105,4 +109,5 @@ def init_distributed(*, device_preference: str, cp: int, timeout_s: float = 600.
         dp_rank=mesh.get_local_rank("dp"),
         dp_size=dp,
         cp_size=cp,
+        tp_size=tp,
     )

@@ -45,6 +45,8 @@ class TinyModelConfig:
         num_heads: attention heads (H must be divisible by it).
         num_kv_heads: key/value heads (grouped-query attention); must divide num_heads.
         intermediate_size: MLP width; None means 3*H.
+        tie_word_embeddings: share the input embedding with the output projection (must be
+            false for tp > 1, which shards the output projection alone).
     """
 
     hidden_size: int = 64
@@ -52,6 +54,7 @@ class TinyModelConfig:
     num_heads: int = 4
     num_kv_heads: int = 4
     intermediate_size: int | None = None
+    tie_word_embeddings: bool = True
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -609,11 +612,6 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
     """
     train, data, model = config.train, config.data, config.model
     _check_common(config.parallel, train.gradient_accumulation_steps, world_size)
-    if config.parallel.tp > 1:
-        raise ConfigError(
-            "parallel.tp",
-            "tensor parallelism of the output projection is not wired into this recipe yet; set tp=1",
-        )
     if train.steps < 1:
         raise ConfigError("train.steps", f"must be >= 1, got {train.steps}")
     if data.micro_batch_size < 1:
@@ -672,6 +670,20 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
             "context parallelism for the VLM path (inputs_embeds sharding) is not wired into "
             "this recipe yet; use cp=1",
         )
+    if config.parallel.tp > 1:
+        if config.parallel.data_parallel != "fsdp2":
+            raise ConfigError(
+                "parallel.tp",
+                "tp > 1 (a vocab-sharded output projection, DTensor) needs "
+                "parallel.data_parallel=fsdp2; DDP does not take DTensor parameters",
+            )
+        if model.path is None and model.tiny.tie_word_embeddings:
+            raise ConfigError(
+                "model.tiny.tie_word_embeddings",
+                "tp > 1 shards the output projection alone; set tie_word_embeddings=false",
+            )
+        if vlm or config.lora.enabled:
+            raise ConfigError("parallel.tp", "tp > 1 is supported for text models without LoRA")
     if train.checkpoint_every < 0:
         raise ConfigError("train.checkpoint_every", f"must be >= 0, got {train.checkpoint_every}")
 

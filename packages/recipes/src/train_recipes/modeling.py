@@ -110,7 +110,7 @@ def build_model(config: SFTConfig, tokenizer: Any) -> nn.Module:
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tiny.tie_word_embeddings,
     )
     hf_config._attn_implementation = config.model.attn_implementation
     model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
@@ -204,6 +204,35 @@ def _is_peft(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
+def apply_output_tp(model: nn.Module, tp_mesh: Any) -> nn.Module:
+    """Shard the output projection over the vocabulary (ColwiseParallel, logits Shard(-1)).
+
+    The logits stay a DTensor sharded on V, which vocab-parallel's losses consume without
+    gathering the vocabulary. The rest of the model is replicated over ``tp_mesh``.
+    """
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_word_embeddings", False):
+        raise ValueError(
+            "tp > 1 shards lm_head alone but this model ties it to the input embedding "
+            "(config.tie_word_embeddings=True); use an untied model or tp=1"
+        )
+    parallelize_module(
+        model,
+        tp_mesh,
+        {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)},
+    )
+    return model
+
+
+def _full(logits: Any) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The module inside a DDP wrapper (FSDP2 works in place, so it is returned as is)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -287,7 +316,9 @@ def greedy_answers(
         done = torch.zeros(len(chunk), dtype=torch.bool, device=device)
         rows = torch.arange(len(chunk), device=device)
         for _ in range(max_new_tokens):
-            logits = model(input_ids=ids[:, : int(cur.max())], use_cache=False, **extra).logits
+            logits = _full(
+                model(input_ids=ids[:, : int(cur.max())], use_cache=False, **extra).logits
+            )
             nxt = logits[rows, cur - 1].argmax(-1)
             nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
             ids[rows, cur] = nxt
@@ -312,6 +343,7 @@ def exact_match_accuracy(
     device: torch.device,
     batch_size: int = 64,
     media_root: str | Path | None = None,
+    tp: int = 1,
 ) -> float:
     """Held-out exact-match accuracy by greedy decoding, split over all ranks (collective).
 
@@ -319,6 +351,7 @@ def exact_match_accuracy(
         processor: the tokenizer, or a processor with ``.tokenizer`` and ``.image_processor``.
         rows: chats whose last message is the reference assistant answer; ``media`` paths are
             relative to ``media_root``.
+        tp: tensor-parallel degree; each tp group decodes the same rows together.
 
     Returns:
         The fraction of rows whose decoded answer equals the reference (stripped), same on
@@ -326,8 +359,10 @@ def exact_match_accuracy(
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    mine = list(rows)[rank::world]
-    per_rank = (len(rows) + world - 1) // world
+    # Ranks of one tensor-parallel group (tp innermost in the mesh) decode the same rows.
+    replica, replicas = rank // tp, world // tp
+    mine = list(rows)[replica::replicas]
+    per_rank = (len(rows) + replicas - 1) // replicas
     num_batches = max(1, (per_rank + batch_size - 1) // batch_size)
     images = None
     image_processor = getattr(processor, "image_processor", None)

@@ -28,6 +28,7 @@ from train_recipes.config import SFTConfig, to_dict
 from train_recipes.metrics import RunLogger, plot_loss
 from train_recipes.modeling import (
     apply_lora,
+    apply_output_tp,
     build_model,
     exact_match_accuracy,
     export_hf,
@@ -203,7 +204,9 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
     from train_engine import Engine, LossWindow, apply_data_parallel, param_groups
 
     train = config.train
-    ctx = init_distributed(device_preference=train.device, cp=config.parallel.cp)
+    ctx = init_distributed(
+        device_preference=train.device, cp=config.parallel.cp, tp=config.parallel.tp
+    )
     out_dir = Path(train.output_dir)
     if ctx.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -217,6 +220,8 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         processor.save_pretrained(out_dir / "tokenizer")
     model = apply_lora(build_model(config, tokenizer), config).to(ctx.device)
     model.train()
+    if ctx.tp_size > 1:
+        model = apply_output_tp(model, ctx.mesh["tp"])
     model = apply_data_parallel(
         model,
         mesh=ctx.grad_mesh(),
@@ -285,7 +290,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         total_steps=train.steps,
         start_step=start_step,
         tensorboard=train.tensorboard,
-        desc=f"sft dp={ctx.dp_size} cp={ctx.cp_size}",
+        desc=f"sft dp={ctx.dp_size} cp={ctx.cp_size} tp={ctx.tp_size}",
     )
     if ckpt is not None:
         run_log.write(f"resumed from {ckpt} at step {start_step}")
@@ -297,6 +302,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
             max_new_tokens=train.eval_max_new_tokens,
             device=ctx.device,
             media_root=eval_path.parent if eval_path is not None else None,
+            tp=ctx.tp_size,
         )
         run_log.write(
             f"held-out exact match before training: {accuracy_before:.1%} ({len(eval_rows)} questions)"
@@ -319,7 +325,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         num_tokens = engine.global_num_tokens(local_tokens)
         step_loss = torch.zeros((), dtype=torch.float64, device=ctx.device)
         for batch in micro:
-            seen[1] += float(batch["attention_mask"].sum()) / ctx.cp_size
+            seen[1] += float(batch["attention_mask"].sum()) / (ctx.cp_size * ctx.tp_size)
             loss_sum = token_sum_loss(engine, batch, sharder=sharder, vlm=vlm)
             engine.backward(loss_sum, num_tokens=num_tokens)
             step_loss += loss_sum.detach().to(torch.float64)
@@ -327,7 +333,12 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         seen[0] += float(num_tokens) / ctx.world_size
         # Each rank holds a part of the global token sum; scaled so the mean over all ranks is
         # the exact global token-mean loss.
-        window.update(step_loss * ctx.world_size / num_tokens.to(step_loss.device, torch.float64))
+        # (tp ranks hold the same value, hence the division by tp.)
+        window.update(
+            step_loss
+            * (ctx.world_size / ctx.tp_size)
+            / num_tokens.to(step_loss.device, torch.float64)
+        )
         if step % train.log_every == 0 or step == train.steps:
             loss = window.last()
             avg = window.average()
@@ -381,6 +392,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
             max_new_tokens=train.eval_max_new_tokens,
             device=ctx.device,
             media_root=eval_path.parent if eval_path is not None else None,
+            tp=ctx.tp_size,
         )
         run_log.log(train.steps, {"eval/exact_match": accuracy_after})
     export_dir = None
@@ -414,6 +426,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
             "world_size": ctx.world_size,
             "dp": ctx.dp_size,
             "cp": ctx.cp_size,
+            "tp": ctx.tp_size,
         }
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print(_summary_table(summary, out_dir, png, export_dir), flush=True)
@@ -436,7 +449,8 @@ def _summary_table(
     lines = [
         "",
         f"run            {out_dir}",
-        f"ranks          {summary['world_size']} (dp={summary['dp']}, cp={summary['cp']})",
+        f"ranks          {summary['world_size']} "
+        f"(dp={summary['dp']}, cp={summary['cp']}, tp={summary['tp']})",
         f"steps          {summary['steps']}",
         f"loss           {_fmt(summary['first_loss'])} -> {_fmt(summary['last_loss'])}",
     ]
