@@ -3,7 +3,8 @@
 Per package (tag = the package folder, so `uvx nox -t cp-sharder` runs both):
   tests-<pkg>     exact `uv sync --package <dist> --group test` (no other member present), then pytest.
   isolated-<pkg>  build the wheel without workspace sources, install it alone in a fresh environment,
-                  import every module, then run the package's tests against that installed wheel.
+                  import every module, then run the package's tests against that installed wheel
+                  (all but those marked `slow`, which tests-<pkg> runs).
 Whole workspace:
   lint            ruff check + ruff format --check
   typecheck       mypy on every member's sources (library packages, recipes, test helper)
@@ -56,7 +57,7 @@ def _uv_env(session: nox.Session) -> dict[str, str]:
     }
 
 
-def _pytest(session: nox.Session, folder: str) -> None:
+def _pytest(session: nox.Session, folder: str, *extra: str) -> None:
     session.run(
         "python",
         "-m",
@@ -64,6 +65,7 @@ def _pytest(session: nox.Session, folder: str) -> None:
         f"packages/{folder}/tests",
         "-p",
         "no:cacheprovider",
+        *extra,
         *session.posargs,
     )
 
@@ -149,7 +151,9 @@ def _make_isolated_session(folder: str) -> None:
         session.install(
             *_test_group(folder), str(ROOT / "packages" / "testing"), env=_uv_env(session)
         )
-        _pytest(session, folder)
+        # Tests marked slow (long end-to-end runs of code the fast tests already cover) run in
+        # tests-<pkg> only; this session is about what the installed wheel contains.
+        _pytest(session, folder, "-m", "not slow")
 
 
 # Imports every module of an installed package and proves it is not the workspace's source tree.
