@@ -510,7 +510,8 @@ def cuda_parity(rank: int, world_size: int, arch: str) -> dict[str, Any]:
     results["thd_portable"] = _compare(loss, grads, ref_loss, ref)
     results["thd_portable"]["backend"] = sharder.layout.backend.value
     # No padding, no documents: plain causal, which torch's ring handles.
-    plain = _bshd_batch(seed=9, bsz=2, seq=13)
+    # 125 tokens pad to 128: head/tail chunks of 32 at cp=2, as torch's ring needs.
+    plain = _bshd_batch(seed=9, bsz=2, seq=125)
     plain.pop("attention_mask")
     plain["labels"][:, -1] = -100
     ref_model = copy.deepcopy(cpu_model).double()

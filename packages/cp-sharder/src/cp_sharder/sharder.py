@@ -21,6 +21,7 @@ from cp_sharder import layouts
 from cp_sharder._dist import CPGroup, agree, all_gather_seq, resolve_cp_group
 from cp_sharder.attention import (
     Backend,
+    has_sliding_window,
     is_hf_model,
     model_hook,
     select_family,
@@ -29,6 +30,9 @@ from cp_sharder.layouts import LayoutKind
 from cp_sharder.loss import global_label_tokens
 
 logger = logging.getLogger(__name__)
+
+# Tokens per head/tail chunk that torch's ring attention needs a multiple of (see _pick_backend).
+_RING_CHUNK_ALIGN = 32
 
 __all__ = ["ContextParallelSharder", "ShardLayout"]
 
@@ -474,10 +478,22 @@ class ContextParallelSharder:
             return self._family
         if self._cp.size == 1 and not prep.thd:
             return Backend.NONE
-        # torch's ring attention (attention.torch_ring) is not selected: on an H200 with torch
-        # 2.11 its loss matched but its gradients did not (relative error 1.6 in fp32 at cp=2,
-        # benchmarks/results/mgpu_cp_w2.json), and a backend that trains wrongly must not be
-        # chosen silently. The portable backend is exact on every device.
+        plain_causal = (
+            not prep.thd
+            and prep.doc_ids is None
+            and (prep.key_valid is None or bool(prep.key_valid.all()))
+            and not has_sliding_window(self._model)
+        )
+        mesh_type = getattr(self._cp.mesh, "device_type", "cpu")
+        # Only transformers models: their attention call goes through torch_ring's autograd
+        # wrapper, which re-enters torch's ring dispatch for backward. A plain model's own SDPA
+        # call would run backward outside train_ctx and get local-only gradients.
+        # torch's ring merges per-chunk log-sum-exps that its memory-efficient kernel pads to a
+        # multiple of 32 rows, so each head/tail chunk (P / 2cp tokens) must be such a multiple
+        # (on an H200 with torch 2.11, P=16 at cp=2 failed inside torch's merge).
+        ring_aligned = prep.padded_seq_len % (_RING_CHUNK_ALIGN * 2 * self._cp.size) == 0
+        if plain_causal and ring_aligned and self._hf and mesh_type == "cuda" and self._cp.size > 1:
+            return Backend.TORCH_RING
         return Backend.PORTABLE
 
     def shard(self, batch: Mapping[str, Any]) -> tuple[TrainContext, dict[str, Any]]:
@@ -638,6 +654,10 @@ class ContextParallelSharder:
                 te.attach(model, cp)
                 self._te_attached = True
             return contextlib.nullcontext
+        if backend is Backend.TORCH_RING:
+            from cp_sharder.attention import torch_ring
+
+            return torch_ring.make_context(model, cp, self._hf, prep.padded_seq_len)
         from cp_sharder.attention import portable
 
         spec = portable.MaskSpec(

@@ -10,6 +10,7 @@ Dimension letters: B batch, H heads, S local sequence, D head dim.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +24,46 @@ from cp_sharder._dist import CPGroup
 HF_ATTENTION_KEY = "cp_sharder_torch_ring"
 
 
+class _RingSDPA(torch.autograd.Function):
+    """Causal SDPA whose backward also runs under torch's ring dispatch.
+
+    torch routes SDPA to its ring kernels only while its context is active. ``train_ctx`` wraps
+    the forward alone, so a plain call would run its backward outside the context and compute
+    local-only attention gradients (measured on an H200: right loss, gradient error 1.6). This
+    function records the forward on detached inputs and re-enters the context for backward.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        reenter: Callable[[], contextlib.AbstractContextManager[None]],
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        dropout: float,
+        scaling: float | None,
+    ) -> Tensor:
+        q, k, v = (t.detach().requires_grad_(t.requires_grad) for t in (query, key, value))
+        # Record a graph only when some input needs a gradient (not in eval / no_grad).
+        track = any(ctx.needs_input_grad[1:4])
+        with torch.enable_grad() if track else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout, is_causal=True, scale=scaling
+            )
+        inputs = (q, k, v)
+        ctx.reenter, ctx.inputs, ctx.out = reenter, inputs, out
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        inputs: tuple[Tensor, ...] = ctx.inputs
+        wanted = [t for t in inputs if t.requires_grad]
+        with ctx.reenter():
+            grads = iter(torch.autograd.grad(ctx.out, wanted, grad_out))
+        ctx.inputs = ctx.out = None
+        return (None, *(next(grads) if t.requires_grad else None for t in inputs), None, None)
+
+
 def hf_ring_attention(
     module: torch.nn.Module,
     query: Tensor,
@@ -32,6 +73,8 @@ def hf_ring_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     sliding_window: int | None = None,
+    *,
+    reenter: Callable[[], contextlib.AbstractContextManager[None]],
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """transformers attention function that hands causal SDPA to torch's CP dispatcher.
@@ -39,6 +82,7 @@ def hf_ring_attention(
     Args:
         query: [B, H, S, D] local queries (head/tail layout).
         key, value: [B, Hkv, S, D].
+        reenter: returns torch's ring context again, for the backward pass.
 
     Returns:
         ([B, S, H, D], None).
@@ -59,9 +103,7 @@ def hf_ring_attention(
         repeats = query.shape[1] // key.shape[1]
         key = key.repeat_interleave(repeats, dim=1)
         value = value.repeat_interleave(repeats, dim=1)
-    out = F.scaled_dot_product_attention(
-        query, key, value, dropout_p=dropout, is_causal=True, scale=scaling
-    )
+    out = _RingSDPA.apply(reenter, query, key, value, dropout, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -109,14 +151,16 @@ def make_context(
     """The train_ctx factory for this backend."""
     from cp_sharder.attention.portable import hf_attention_override
 
+    def reenter() -> contextlib.AbstractContextManager[None]:
+        return torch_ring_context(cp, padded_len)
+
     @contextlib.contextmanager
     def ctx() -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             if hf:
-                stack.enter_context(
-                    hf_attention_override(model, HF_ATTENTION_KEY, hf_ring_attention)
-                )
-            stack.enter_context(torch_ring_context(cp, padded_len))
+                attention = functools.partial(hf_ring_attention, reenter=reenter)
+                stack.enter_context(hf_attention_override(model, HF_ATTENTION_KEY, attention))
+            stack.enter_context(reenter())
             yield
 
     return ctx
