@@ -202,10 +202,12 @@ def test_mask_a_backend_cannot_honour_raises() -> None:
     module = torch.nn.Module()
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="cannot honour sliding_window=4"):
-        torch_ring.hf_ring_attention(module, q, q, q, None, sliding_window=4)
+        torch_ring.hf_ring_attention(
+            module, q, q, q, None, sliding_window=4, reenter=contextlib.nullcontext
+        )
     module.is_causal = False
     with pytest.raises(ValueError, match="plain causal attention only"):
-        torch_ring.hf_ring_attention(module, q, q, q, None)
+        torch_ring.hf_ring_attention(module, q, q, q, None, reenter=contextlib.nullcontext)
     spec = portable.MaskSpec(q_index=torch.arange(4), k_index=torch.arange(4))
     fn = portable.make_hf_attention(spec, ContextParallelSharder(_IdsOnly())._cp)
     with pytest.raises(ValueError, match="softcapping"):
