@@ -98,8 +98,9 @@ def hf_ring_attention(
         )
     if key.shape[1] != query.shape[1]:
         # torch's ring kernels need equal head counts and its CP dispatcher does not honour
-        # enable_gqa (on an H200 with torch 2.11: no kernel in fp32, wrong K/V gradients in
-        # bf16), so the KV heads are expanded here; autograd sums their gradients back.
+        # enable_gqa (on an H200 with torch 2.11 it found no fp32 kernel), so the KV heads are
+        # expanded here; autograd sums their gradients back. (The wrong gradients seen there
+        # came from the backward running outside torch's context: see _RingSDPA.)
         repeats = query.shape[1] // key.shape[1]
         key = key.repeat_interleave(repeats, dim=1)
         value = value.repeat_interleave(repeats, dim=1)
