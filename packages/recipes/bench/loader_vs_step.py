@@ -1,0 +1,727 @@
+"""Does the energon-sft loader keep one GPU fed? Loader samples/s vs the SFT step's rate (VLM).
+
+One run measures, side by side, for a Qwen2.5-VL-style SFT workload:
+
+1. loader: the recipe's energon-sft loader (``train_recipes._integrations.build_encoder`` and
+   ``build_loader`` with the settings ``train_recipes.sft`` passes: family ``qwen2_5_vl``, packing,
+   ``pad_to_multiple_of=2``, one data-parallel replica, ``--num-workers`` workers) over an Energon
+   dataset written the way the VLM demo writes its own (chat JSONL + image files ->
+   ``convert_chat_jsonl``): generated photo-like RGB pictures (448x448 JPEG by default, 256
+   image tokens each, one or two per sample) and short multi-turn chats. Samples/s and tokens/s
+   over ``--batches`` micro-batches after a warm-up that starts the workers, fills their
+   buffers and drains the prefetched queue. The processor is built locally: the recipes'
+   character tokenizer (one token per character; the chats are sized in characters like
+   real-tokenizer tokens) and a PIL-backend Qwen2-VL image processor.
+2. step: one SFT step of a random-init Qwen2.5-VL-style model built by the recipe's
+   ``build_model`` (the default preset mirrors Qwen2.5-VL-3B: decoder hidden 2048, 36 layers,
+   16/2 heads, MLP 11008, vocabulary 151936, tied; vision tower 32 blocks of width 1280) on the
+   first ``--step-batches`` batches of that same loader, already on the device: the recipe's
+   ``token_sum_loss`` + ``Engine.backward(loss, num_tokens=...)`` + ``Engine.step()``, AdamW.
+   Median over ``--steps`` steps (device synchronised) after ``--warmup-steps``.
+3. ratio = loader samples/s / step samples/s: >= 1 means the loader produces batches at least
+   as fast as one GPU consumes them.
+
+    python packages/recipes/bench/loader_vs_step.py --device cuda --out loader_vs_step.json
+    python packages/recipes/bench/loader_vs_step.py --quick --out /tmp/lvs.json   # tiny, CPU
+
+The recipe's builder makes a one-block, 32-wide vision tower; the bench sets the vision config
+of the preset (depth, width, heads, windows) on the builder's config before the weights are
+made, and pads the model's vocabulary to the preset's size (the character tokenizer uses the
+first ids only), so the vision tower, lm_head and loss cost what they cost in the real model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# Energon draws a progress bar per worker buffer fill; tqdm reads this when first imported
+# (torch imports it).
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+import torch
+
+logger = logging.getLogger("loader_vs_step")
+
+# Qwen2.5-VL-3B's shapes; "tiny" is the quick/CPU preset.
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen2.5-vl-3b": {
+        "text": {
+            "hidden_size": 2048,
+            "num_layers": 36,
+            "num_heads": 16,
+            "num_kv_heads": 2,
+            "intermediate_size": 11008,
+        },
+        "vision": {
+            "depth": 32,
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "num_heads": 16,
+            "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+        },
+        "vocab_size": 151936,
+    },
+    "tiny": {
+        "text": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2},
+        "vision": {
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+        },
+        "vocab_size": None,  # the tokenizer's own size
+    },
+}
+
+_WORD_TEXT = (
+    "the a an of in on at to with and or is are was there this that what which where how many "
+    "color colour red green blue yellow white black small large left right top bottom middle "
+    "picture image photo shows contains object objects shape circle square triangle line text "
+    "person people car tree house sky water road sign table chair window door light dark near "
+    "far behind front next between both first second describe explain compare count read"
+)
+WORDS = _WORD_TEXT.split()
+
+
+# ------------------------------------------------------------------------------------ data
+
+
+def make_image(rng: Any, size: int) -> Any:
+    """A photo-like RGB picture: a smooth colour field, a few shapes, sensor-like noise.
+
+    The noise keeps JPEG/PNG files at realistic sizes (flat drawings compress to almost
+    nothing and decode unrealistically fast).
+    """
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    coarse = rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8)
+    img = Image.fromarray(coarse).resize((size, size), Image.Resampling.BICUBIC)
+    draw = ImageDraw.Draw(img)
+    for _ in range(int(rng.integers(2, 6))):
+        x0, y0 = (int(v) for v in rng.integers(0, size * 3 // 4, size=2))
+        w, h = (int(v) for v in rng.integers(size // 10, size // 3, size=2))
+        fill = tuple(int(v) for v in rng.integers(0, 256, size=3))
+        box = (x0, y0, x0 + w, y0 + h)
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=fill)
+    arr = np.asarray(img, dtype=np.int16) + rng.normal(0, 10, size=(size, size, 3)).astype(np.int16)
+    return Image.fromarray(arr.clip(0, 255).astype(np.uint8))
+
+
+def _words(rng: random.Random, lo: int, hi: int) -> str:
+    text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+    return text[0].upper() + text[1:]
+
+
+def make_chat(rng: random.Random, n_images: int) -> list[dict[str, Any]]:
+    """1-3 turns; the images open the first user message. About 100-450 characters of text."""
+    messages: list[dict[str, Any]] = []
+    for turn in range(rng.randint(1, 3)):
+        question = _words(rng, 4, 12) + "?"
+        if turn == 0:
+            parts: list[dict[str, Any]] = [
+                {"type": "image", "media_index": j} for j in range(n_images)
+            ]
+            parts.append({"type": "text", "text": question})
+            messages.append({"role": "user", "content": parts})
+        else:
+            messages.append({"role": "user", "content": question})
+        messages.append({"role": "assistant", "content": _words(rng, 6, 24) + "."})
+    return messages
+
+
+def write_dataset(
+    out_dir: Path,
+    *,
+    num_samples: int,
+    image_size: int,
+    image_format: str,
+    two_image_fraction: float,
+    seed: int,
+) -> tuple[Path, dict[str, Any]]:
+    """Chat JSONL + image files -> a prepared Energon dataset (the VLM demo's path).
+
+    Reused when ``out_dir`` already holds one written with the same settings.
+
+    Returns:
+        (the Energon dataset folder, dataset statistics).
+    """
+    import numpy as np
+
+    from train_recipes._integrations import convert_chat_jsonl
+
+    settings = {
+        "num_samples": num_samples,
+        "image_size": image_size,
+        "image_format": image_format,
+        "two_image_fraction": two_image_fraction,
+        "seed": seed,
+    }
+    energon_dir = out_dir / "energon"
+    stamp = out_dir / "settings.json"
+    if stamp.is_file() and (energon_dir / ".nv-meta").is_dir():
+        saved = json.loads(stamp.read_text())
+        if saved.get("settings") == settings:
+            logger.info("reusing the dataset in %s", out_dir)
+            return energon_dir, saved["stats"]
+    t0 = time.perf_counter()
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    np_rng = np.random.default_rng(seed)
+    suffix = {"jpeg": ".jpg", "png": ".png"}[image_format]
+    n_images = 0
+    image_bytes = 0
+    text_chars = 0
+    jsonl = out_dir / "train.jsonl"
+    with jsonl.open("w") as f:
+        for i in range(num_samples):
+            k = 2 if rng.random() < two_image_fraction else 1
+            media = []
+            for j in range(k):
+                name = f"images/{i:07d}_{j}{suffix}"
+                img = make_image(np_rng, image_size)
+                if image_format == "jpeg":
+                    img.save(out_dir / name, quality=90)
+                else:
+                    img.save(out_dir / name)
+                image_bytes += (out_dir / name).stat().st_size
+                media.append(name)
+            messages = make_chat(rng, k)
+            text_chars += sum(
+                len(m["content"])
+                if isinstance(m["content"], str)
+                else sum(len(p.get("text", "")) for p in m["content"])
+                for m in messages
+            )
+            n_images += k
+            f.write(json.dumps({"messages": messages, "media": media}) + "\n")
+    convert_chat_jsonl(jsonl, energon_dir)
+    stats = {
+        "samples": num_samples,
+        "images": n_images,
+        "images_per_sample": n_images / num_samples,
+        "mean_image_kib": image_bytes / max(n_images, 1) / 1024,
+        "mean_text_chars_per_sample": text_chars / num_samples,
+        "write_s": time.perf_counter() - t0,
+    }
+    stamp.write_text(json.dumps({"settings": settings, "stats": stats}))
+    logger.info("wrote %d samples (%d images) in %.1f s", num_samples, n_images, stats["write_s"])
+    return energon_dir, stats
+
+
+def build_processor(image_size: int) -> Any:
+    """The recipes' local processor: character tokenizer + PIL Qwen2-VL image processor.
+
+    Pixel bounds are Qwen2.5-VL's usual ones (56^2 .. 1280 * 28^2), so an image keeps its size
+    (a multiple of 28) and gives (side / 28)^2 tokens.
+    """
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from train_recipes.demo import build_char_tokenizer
+    from train_recipes.modeling import LocalProcessor
+
+    if image_size % 28:
+        raise SystemExit(f"--image-size {image_size} must be a multiple of 28 (patch 14 x merge 2)")
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=56 * 56,
+        max_pixels=1280 * 28 * 28,
+        patch_size=14,
+        merge_size=2,
+        temporal_patch_size=2,
+    )
+    return LocalProcessor(build_char_tokenizer(), image_processor)
+
+
+# ---------------------------------------------------------------------------------- loader
+
+
+def measure_loader(
+    config: Any, processor: Any, *, warmup: int, batches: int, keep: int
+) -> tuple[dict[str, Any], list[Any]]:
+    """Throughput of the recipe's loader; returns the row and the first ``keep`` timed batches."""
+    from train_recipes import _integrations as data_api
+
+    data = config.data
+    # The same calls, with the same arguments, as train_recipes.sft.run_sft on one dp rank, cp=1.
+    encoder = data_api.build_encoder(
+        processor,
+        model_family=data.model_family,
+        max_length=data.max_length,
+        train_on=data.train_on,
+        pad_to_multiple_of=2,
+        packing=data.packing,
+    )
+    loader = data_api.build_loader(
+        data.path,
+        encoder=encoder,
+        batch_size=data.micro_batch_size,
+        dp_rank=0,
+        dp_world_size=1,
+        num_workers=data.num_workers,
+        seed=config.train.seed,
+        shuffle=data.shuffle,
+        num_logical_shards=data.num_logical_shards,
+    )
+    kept: list[Any] = []
+    samples = tokens = images = trained = 0
+    try:
+        it = iter(loader)
+        t0 = time.perf_counter()
+        for _ in range(warmup):
+            next(it)
+        startup = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for i in range(batches):
+            batch = next(it)
+            samples += len(batch.sample_weights)
+            tokens += int(batch.attention_mask.sum())
+            trained += int(batch.num_trainable_tokens)
+            images += int(batch.image_grid_thw.shape[0])
+            if i < keep:
+                kept.append(batch)
+        seconds = time.perf_counter() - t0
+        stats = loader.data_stats()
+    finally:
+        loader.close()
+    row = {
+        "variant": f"loader ({data.num_workers} workers)",
+        "samples/s": samples / seconds,
+        "tokens/s": tokens / seconds,
+        "ms/batch": seconds * 1e3 / batches,
+        "samples/batch": samples / batches,
+        "tokens/batch": tokens / batches,
+        "trained tokens/batch": trained / batches,
+        "images/batch": images / batches,
+        "batches": batches,
+        "warmup batches": warmup,
+        "startup s": startup,
+        "num_workers": data.num_workers,
+        "bad-sample counters": stats,
+    }
+    return row, kept
+
+
+# ------------------------------------------------------------------------------------ step
+
+
+class _PaddedVocab:
+    """The tokenizer as the model builder sees it, with ``len()`` = the preset's vocabulary."""
+
+    def __init__(self, tokenizer: Any, size: int) -> None:
+        self._tokenizer = tokenizer
+        self._size = max(size, len(tokenizer))
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
+def build_vlm(config: Any, tokenizer: Any, preset: dict[str, Any], device: torch.device) -> Any:
+    """The recipe's ``build_model`` with the preset's vision tower and vocabulary size.
+
+    The builder runs on the meta device (no weights) to get its Qwen2.5-VL config; the vision
+    fields are set on it and the model is made on ``device`` from that config.
+    """
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from train_recipes.modeling import build_model
+
+    if preset["vocab_size"] is not None:
+        tokenizer = _PaddedVocab(tokenizer, preset["vocab_size"])
+    with torch.device("meta"):
+        skeleton = build_model(config, tokenizer)
+    hf_config: Any = skeleton.config
+    del skeleton
+    for key, value in preset["vision"].items():
+        setattr(hf_config.vision_config, key, value)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.model.dtype]
+    model_class: Any = Qwen2_5_VLForConditionalGeneration
+    with torch.device(device):
+        model = model_class(hf_config)
+    return model.to(dtype=dtype)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _init_single_process_group(device: torch.device) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    store = Path(tempfile.mkdtemp(prefix="loader-vs-step-")) / "store"
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+
+
+def measure_step(
+    config: Any,
+    processor: Any,
+    preset: dict[str, Any],
+    cpu_batches: list[Any],
+    *,
+    device: torch.device,
+    wrap: str,
+    activation_checkpointing: bool,
+    warmup: int,
+    steps: int,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Median SFT step on batches already on the device; returns (row, model description)."""
+    from train_engine import Engine, FSDP2Config, apply_data_parallel, param_groups
+    from train_recipes import _integrations as data_api
+    from train_recipes.modeling import tokenizer_of
+    from train_recipes.sft import token_sum_loss
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # main() gives it an index
+    torch.manual_seed(config.train.seed)
+    t0 = time.perf_counter()
+    model = build_vlm(config, tokenizer_of(processor), preset, device)
+    build_s = time.perf_counter() - t0
+    n_params = sum(p.numel() for p in model.parameters())
+    visual = getattr(getattr(model, "model", model), "visual", None)
+    n_vision = sum(p.numel() for p in visual.parameters()) if visual is not None else 0
+    described = {
+        "params_B": n_params / 1e9,
+        "vision_params_B": n_vision / 1e9,
+        "vocab_size": model.config.text_config.vocab_size,
+        "text": preset["text"],
+        "vision": preset["vision"],
+        "dtype": config.model.dtype,
+        "wrap": wrap,
+        "activation_checkpointing": activation_checkpointing,
+        "build_s": build_s,
+    }
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    if wrap == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _init_single_process_group(device)
+        model = apply_data_parallel(
+            model,
+            mesh=init_device_mesh(device.type, (1,)),
+            config=FSDP2Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        )
+    optimizer = torch.optim.AdamW(
+        param_groups(model, weight_decay=config.optim.weight_decay),
+        lr=config.optim.lr,
+        betas=config.optim.betas,
+    )
+    engine = Engine(model, optimizer, max_grad_norm=config.optim.max_grad_norm)
+
+    # Host -> device copy of each batch, as the recipe's loop does it (timed separately).
+    h2d: list[float] = []
+    batches = []
+    for b in cpu_batches:
+        _sync(device)
+        t0 = time.perf_counter()
+        batches.append(data_api.batch_tensors(b, device))
+        _sync(device)
+        h2d.append(time.perf_counter() - t0)
+    samples = [len(b.sample_weights) for b in cpu_batches]
+    tokens = [int(b.attention_mask.sum()) for b in cpu_batches]
+
+    def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        # The recipe's micro-step (gradient_accumulation_steps=1, one dp rank, cp=1).
+        num_tokens = engine.global_num_tokens(int((batch["labels"] != -100).sum()))
+        loss = token_sum_loss(engine, batch, vlm=True)
+        engine.backward(loss, num_tokens=num_tokens)
+        engine.step()
+        return loss.detach()
+
+    times: list[float] = []
+    losses: list[float] = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for i in range(warmup + steps):
+        batch = batches[i % len(batches)]
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = step(batch)
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss) / max(1, int((batch["labels"] != -100).sum())))
+    median_s = statistics.median(times)
+    # Per-batch mean over the steps actually timed.
+    timed = [(warmup + i) % len(batches) for i in range(steps)]
+    mean_samples = statistics.fmean(samples[j] for j in timed)
+    mean_tokens = statistics.fmean(tokens[j] for j in timed)
+    row = {
+        "variant": (
+            f"SFT step (fsdp2 fp32 weights, bf16 compute, {device.type})"
+            if wrap == "fsdp2"
+            else f"SFT step ({config.model.dtype}, {device.type})"
+        ),
+        "samples/s": mean_samples / median_s,
+        "tokens/s": mean_tokens / median_s,
+        "ms/batch": median_s * 1e3,
+        "samples/batch": mean_samples,
+        "tokens/batch": mean_tokens,
+        "images/batch": statistics.fmean(int(b.image_grid_thw.shape[0]) for b in cpu_batches),
+        "batches": len(batches),
+        "steps": steps,
+        "warmup steps": warmup,
+        "min ms/step": min(times) * 1e3,
+        "max ms/step": max(times) * 1e3,
+        "h2d ms/batch": statistics.fmean(h2d) * 1e3,
+        "peak GiB": (
+            torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        ),
+        "params (B)": n_params / 1e9,
+        "loss/token first, last": [losses[0], losses[-1]],
+    }
+    return row, described
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def environment(device: torch.device, num_workers: int) -> dict[str, Any]:
+    import transformers
+
+    try:
+        from megatron.energon import __version__ as energon_version
+    except ImportError:  # pragma: no cover - energon is a dependency of energon-sft
+        energon_version = None
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "megatron_energon": str(energon_version),
+        "python": platform.python_version(),
+        "device": str(device),
+        "device_name": (
+            torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else platform.processor() or platform.machine()
+        ),
+        "num_workers": num_workers,
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": affinity,
+        "torch_threads": torch.get_num_threads(),
+        "argv": sys.argv[1:],
+    }
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths, strict=True)))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", choices=sorted(PRESETS), default=None, help="model preset")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument(
+        "--wrap",
+        choices=["plain", "fsdp2"],
+        default="plain",
+        help="plain: the model in --dtype as is (the fastest step); fsdp2: fp32 weights under "
+        "a 1-rank FSDP2 with bf16 compute and fp32 reduction (the recipe's GPU configs)",
+    )
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--num-workers", type=int, default=None, help="loader workers (4)")
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="packed rows (2)")
+    parser.add_argument("--max-length", type=int, default=None, help="pack capacity (4096)")
+    parser.add_argument("--image-size", type=int, default=None, help="square side (448)")
+    parser.add_argument("--image-format", choices=["jpeg", "png"], default="jpeg")
+    parser.add_argument("--two-image-fraction", type=float, default=0.5)
+    parser.add_argument("--num-samples", type=int, default=None, help="dataset size (2000)")
+    parser.add_argument("--data-dir", default=None, help="keep/reuse the dataset here")
+    parser.add_argument("--warmup-batches", type=int, default=None, help="max(8, 3*workers)")
+    parser.add_argument("--batches", type=int, default=None, help="timed loader batches (100)")
+    parser.add_argument("--step-batches", type=int, default=None, help="batches to step on (8)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="(3)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (12)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes on the CPU (for CI)")
+    parser.add_argument("--out", default=None, help="JSON output path")
+    args = parser.parse_args(argv)
+    full = {
+        "model": "qwen2.5-vl-3b",
+        "num_workers": 4,
+        "micro_batch_size": 2,
+        "max_length": 4096,
+        "image_size": 448,
+        "num_samples": 2000,
+        "batches": 100,
+        "step_batches": 8,
+        "warmup_steps": 3,
+        "steps": 12,
+    }
+    quick = {
+        "model": "tiny",
+        "num_workers": 1,
+        "micro_batch_size": 2,
+        "max_length": 1024,
+        "image_size": 56,
+        "num_samples": 48,
+        "batches": 4,
+        "step_batches": 2,
+        "warmup_steps": 1,
+        "steps": 2,
+        "warmup_batches": 2,
+    }
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.warmup_batches is None:
+        args.warmup_batches = max(8, 3 * args.num_workers)
+    if args.model != "tiny" and args.device == "cpu":
+        raise SystemExit(
+            f"--model {args.model} needs --device cuda; use --quick or --model tiny on the CPU"
+        )
+    if args.step_batches > args.batches:
+        raise SystemExit(f"--step-batches {args.step_batches} > --batches {args.batches}")
+    return args
+
+
+def sft_config(args: argparse.Namespace, dataset: Path) -> Any:
+    """The recipe config this bench stands for (validated like `train-recipes sft` does)."""
+    from train_recipes.config import (
+        DataConfig,
+        ModelConfig,
+        ParallelConfig,
+        SFTConfig,
+        TinyModelConfig,
+        TrainConfig,
+        validate_sft,
+    )
+
+    text = PRESETS[args.model]["text"]
+    fsdp = args.wrap == "fsdp2"
+    config = SFTConfig(
+        model=ModelConfig(
+            tiny=TinyModelConfig(**text, tie_word_embeddings=True),
+            dtype="float32" if fsdp else args.dtype,
+            attn_implementation="sdpa",
+        ),
+        data=DataConfig(
+            path=str(dataset),
+            model_family="qwen2_5_vl",
+            max_length=args.max_length,
+            micro_batch_size=args.micro_batch_size,
+            num_workers=args.num_workers,
+            packing=True,
+        ),
+        parallel=ParallelConfig(data_parallel="fsdp2" if fsdp else "ddp"),
+        train=TrainConfig(
+            seed=args.seed, device="cuda" if args.device.startswith("cuda") else "cpu"
+        ),
+    )
+    validate_sft(config, world_size=1)
+    return config
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    from train_recipes.config import to_dict
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)  # no CUDA call before the loader workers fork
+    preset = PRESETS[args.model]
+    with tempfile.TemporaryDirectory(prefix="loader-vs-step-") as tmp:
+        data_dir = Path(args.data_dir) if args.data_dir else Path(tmp)
+        dataset, data_stats = write_dataset(
+            data_dir,
+            num_samples=args.num_samples,
+            image_size=args.image_size,
+            image_format=args.image_format,
+            two_image_fraction=args.two_image_fraction,
+            seed=args.seed,
+        )
+        config = sft_config(args, dataset)
+        processor = build_processor(args.image_size)
+        # The loader first: its workers start before anything touches CUDA.
+        logger.info("loader: %d warm-up + %d timed batches", args.warmup_batches, args.batches)
+        loader_row, kept = measure_loader(
+            config,
+            processor,
+            warmup=args.warmup_batches,
+            batches=args.batches,
+            keep=args.step_batches,
+        )
+    logger.info("step: building the %s model on %s", args.model, device)
+    step_row, model_meta = measure_step(
+        config,
+        processor,
+        preset,
+        kept,
+        device=device,
+        wrap=args.wrap,
+        activation_checkpointing=args.activation_checkpointing,
+        warmup=args.warmup_steps,
+        steps=args.steps,
+    )
+    ratio = {
+        "samples_per_s": loader_row["samples/s"] / step_row["samples/s"],
+        "tokens_per_s": loader_row["tokens/s"] / step_row["tokens/s"],
+    }
+    ratio["keeps_gpu_fed"] = ratio["samples_per_s"] >= 1.0
+    rows = [loader_row, step_row]
+    meta = {
+        **environment(device, args.num_workers),
+        "model": {"preset": args.model, **model_meta},
+        "dataset": {
+            **data_stats,
+            "image_size": args.image_size,
+            "image_format": args.image_format,
+            "image_tokens": (args.image_size // 28) ** 2,
+        },
+        "sft_config": to_dict(config),
+        "args": vars(args),
+    }
+    print(
+        f"\nenergon-sft loader vs SFT step: {args.model}, micro batch {args.micro_batch_size} "
+        f"packed rows of <= {args.max_length} tokens, {args.image_size}px {args.image_format}, "
+        f"{args.num_workers} workers, {meta['device_name']}"
+    )
+    print_table(
+        rows,
+        ["variant", "samples/s", "tokens/s", "ms/batch", "samples/batch", "tokens/batch"],
+    )
+    verdict = "keeps the GPU fed" if ratio["keeps_gpu_fed"] else "does NOT keep the GPU fed"
+    print(f"loader / step samples/s = {ratio['samples_per_s']:.3g}: the loader {verdict}")
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"meta": meta, "rows": rows, "ratio": ratio}, indent=2))
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
