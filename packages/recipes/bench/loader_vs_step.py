@@ -33,6 +33,7 @@ first ids only), so the vision tower, lm_head and loss cost what they cost in th
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -471,9 +472,10 @@ def measure_step(
     mean_tokens = statistics.fmean(tokens[j] for j in timed)
     row = {
         "variant": (
-            f"SFT step (fsdp2 fp32 weights, bf16 compute, {device.type})"
-            if wrap == "fsdp2"
-            else f"SFT step ({config.model.dtype}, {device.type})"
+            "SFT step ("
+            + ("fsdp2 fp32 weights, bf16 compute" if wrap == "fsdp2" else config.model.dtype)
+            + (", activation checkpointing" if activation_checkpointing else "")
+            + f", {device.type})"
         ),
         "samples/s": mean_samples / median_s,
         "tokens/s": mean_tokens / median_s,
@@ -676,17 +678,35 @@ def main(argv: list[str] | None = None) -> None:
             keep=args.step_batches,
         )
     logger.info("step: building the %s model on %s", args.model, device)
-    step_row, model_meta = measure_step(
-        config,
-        processor,
-        preset,
-        kept,
-        device=device,
-        wrap=args.wrap,
-        activation_checkpointing=args.activation_checkpointing,
-        warmup=args.warmup_steps,
-        steps=args.steps,
-    )
+    checkpointing = args.activation_checkpointing
+    note = None
+    for attempt in range(2):
+        oom = False
+        try:
+            step_row, model_meta = measure_step(
+                config,
+                processor,
+                preset,
+                kept,
+                device=device,
+                wrap=args.wrap,
+                activation_checkpointing=checkpointing,
+                warmup=args.warmup_steps,
+                steps=args.steps,
+            )
+            break
+        except torch.OutOfMemoryError:
+            if checkpointing or attempt:
+                raise
+            oom = True
+        if oom:  # outside the except block, so the failed attempt's frames are released
+            gc.collect()
+            torch.cuda.empty_cache()
+            note = "out of memory without activation checkpointing; measured with it"
+            logger.warning("step: %s", note)
+            checkpointing = True
+    if note is not None:
+        step_row["note"] = note
     ratio = {
         "samples_per_s": loader_row["samples/s"] / step_row["samples/s"],
         "tokens_per_s": loader_row["tokens/s"] / step_row["tokens/s"],
