@@ -245,10 +245,13 @@ def clip_parity(
 # -------------------------------------------------------------------------- non-finite
 
 
-def nonfinite(rank: int, world: int, kind: str, policy: str) -> dict:
+def nonfinite(rank: int, world: int, kind: str, policy: str, fused: bool = False) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     model = _wrap(make_model(), kind, mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if fused:  # the update is skipped inside the fused kernel, without a host sync
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     engine = Engine(model, opt, sched, max_grad_norm=1.0, nonfinite=policy)  # type: ignore[arg-type]
     before = full_state(model)

@@ -95,18 +95,19 @@ def test_clip_parity_fsdp2_with_tensor_parallel_2d_mesh(rank_pool) -> None:
 
 @pytest.mark.timeout(200)
 def test_nonfinite_on_one_rank_is_agreed_by_all(rank_pool) -> None:
-    for kind in ("local", "ddp", "fsdp2"):
-        for policy in ("skip", "raise"):
-            results = rank_pool.run(2, w.nonfinite, kind, policy)
-            for rank, r in enumerate(results):
-                label = f"{kind}/{policy} rank {rank}: {r}"
-                if policy == "skip":
-                    assert r["skipped"] and not r["updated"], label
-                else:
-                    assert "non-finite global gradient norm" in r["raised"], label
-                assert r["unchanged"] and r["optimizer_steps"] == 0, label
-                assert r["lr"] == 0.1, f"{label}: the scheduler stepped on a skipped window"
-                assert r["grads_cleared"] and r["next_updated"], label
+    cases = [(k, p, False) for k in ("local", "ddp", "fsdp2") for p in ("skip", "raise")]
+    cases += [("ddp", "skip", True), ("fsdp2", "skip", True)]  # skipped on the device
+    for kind, policy, fused in cases:
+        results = rank_pool.run(2, w.nonfinite, kind, policy, fused)
+        for rank, r in enumerate(results):
+            label = f"{kind}/{policy}/fused={fused} rank {rank}: {r}"
+            if policy == "skip":
+                assert r["skipped"] and not r["updated"], label
+            else:
+                assert "non-finite global gradient norm" in r["raised"], label
+            assert r["unchanged"] and r["optimizer_steps"] == 0, label
+            assert r["lr"] == 0.1, f"{label}: the scheduler stepped on a skipped window"
+            assert r["grads_cleared"] and r["next_updated"], label
     # "step" applies the update anyway: the non-finite rank's parameters are no longer finite.
     results = rank_pool.run(2, w.nonfinite, "local", "step")
     assert results[1]["updated"] and not results[1]["unchanged"]

@@ -234,3 +234,57 @@ def test_contract_b_any_uneven_split_matches_reference(cuts: set[int], seed: int
     assert result.updated
     got = _params(engine)
     assert max(float((got[k] - reference[k]).abs().max()) for k in got) < 2e-6
+
+
+def _fused_run(windows: list[tuple[int, float]], *, nonfinite: str) -> tuple[Engine, list]:
+    """Fused AdamW + a decaying LambdaLR; each window is (data seed, loss multiplier)."""
+    torch.manual_seed(0)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    engine = Engine(model, opt, sched, max_grad_norm=0.3, nonfinite=nonfinite)  # type: ignore[arg-type]
+    results = []
+    for seed, factor in windows:
+        ids, labels = global_batch(seed, 4)
+        engine.backward(token_loss_mean(engine(ids), labels) * factor)
+        results.append(engine.step())
+    return engine, results
+
+
+def test_fused_optimizer_skip_on_device_equals_leaving_the_window_out() -> None:
+    """The device-decided skip must leave parameters, optimizer state, scheduler and counters
+    exactly as if the non-finite window never happened (compared bitwise)."""
+    clean, _ = _fused_run([(1, 1.0), (2, 1.0), (3, 1.0)], nonfinite="skip")
+    engine, results = _fused_run([(1, 1.0), (9, math.inf), (2, 1.0), (3, 1.0)], nonfinite="skip")
+    assert [r.skipped for r in results] == [False, True, False, False]
+    assert [r.updated for r in results] == [True, False, True, True]
+    assert [r.optimizer_steps for r in results] == [1, 1, 2, 3]
+    assert engine.optimizer_steps == 3 and engine.skipped_steps == 1
+    for (name, a), b in zip(engine.module.named_parameters(), clean.module.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    for a, b in zip(engine.optimizer.state.values(), clean.optimizer.state.values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert engine.lr_scheduler.state_dict() == clean.lr_scheduler.state_dict()  # type: ignore[union-attr]
+    assert engine.optimizer.param_groups[0]["lr"] == clean.optimizer.param_groups[0]["lr"]
+    assert "skipped=True" in repr(results[1])
+
+
+def test_fused_optimizer_clips_inside_the_update_like_clip_grad_norm() -> None:
+    """Clipping through the fused kernel's gradient divisor vs clip_grad_norm_ + fused AdamW."""
+    engine, results = _fused_run([(1, 1.0), (2, 1.0), (3, 1.0)], nonfinite="step")
+    torch.manual_seed(0)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    for seed in (1, 2, 3):
+        ids, labels = global_batch(seed, 4)
+        token_loss_mean(model(ids), labels).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)
+        assert float(norm) > 0.3  # clipping is active, so the test can fail
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    for r, in zip(results, strict=True):
+        assert r.updated and not r.skipped
+    for a, b in zip(engine.module.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -78,3 +78,34 @@ def test_fallback_without_float64_foreach_kernel(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(torch, "_foreach_norm", unsupported)
     assert float(global_grad_norm(params)) == pytest.approx(expected, rel=1e-12)
+
+
+def test_cpu_blocked_2_norm_is_float64_accurate() -> None:
+    # Tensors longer than one block, with a ragged tail, where a plain float32 sum over 10^6
+    # squares would be off by ~1e-5 relative.
+    g = torch.Generator().manual_seed(7)
+    params = []
+    for n in (1_000_003, 4096, 17):
+        q = torch.zeros(n, requires_grad=True)
+        q.grad = torch.randn(n, generator=g) * 3 + 1
+        params.append(q)
+    bf16 = torch.zeros(9000, dtype=torch.bfloat16, requires_grad=True)
+    bf16.grad = torch.randn(9000, generator=g).to(torch.bfloat16)
+    params.append(bf16)
+    flat = torch.cat([q.grad.double().reshape(-1) for q in params])
+    assert float(global_grad_norm(params)) == pytest.approx(float(flat.norm()), rel=1e-8)
+    # Plain float32 accumulation over the same gradients is measurably worse: the test can fail.
+    fp32 = torch.stack(torch._foreach_norm([q.grad.float() for q in params])).norm()
+    assert abs(float(fp32) / float(flat.norm()) - 1) > 1e-7
+
+
+def test_cpu_blocked_path_keeps_huge_finite_gradients_finite() -> None:
+    # 1e30 squared overflows float32 block sums; the float64 redo keeps the norm exact.
+    q = torch.zeros(5000, requires_grad=True)
+    q.grad = torch.full((5000,), 1e30)
+    expected = float(q.grad.double().norm())
+    assert float(global_grad_norm([q])) == pytest.approx(expected, rel=1e-12)
+    q.grad[3] = float("inf")
+    assert math.isinf(float(global_grad_norm([q])))
+    q.grad[3] = float("nan")
+    assert math.isnan(float(global_grad_norm([q])))

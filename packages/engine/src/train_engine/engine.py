@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -18,6 +17,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from train_engine._device_update import (
+    PendingUpdate,
+    grad_divisor,
+    step_on_device,
+    supports_device_update,
+)
 from train_engine._topology import detect_topology
 from train_engine.grad_norm import clip_grads_with_norm_, global_grad_norm
 
@@ -34,7 +39,6 @@ class NonFiniteGradientError(FloatingPointError):
     gradient norm is inf or NaN. The window's gradients are cleared; the Engine stays usable."""
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
 class StepResult:
     """What one :meth:`Engine.step` call did.
 
@@ -46,13 +50,59 @@ class StepResult:
         lrs: learning rate of each optimizer parameter group used by this update (the rates in
             force at this call when nothing was updated).
         optimizer_steps: number of optimizer updates done so far, this one included.
+
+    With a fused optimizer and ``nonfinite="skip"`` the skip is decided on the device;
+    ``updated``, ``skipped`` and ``optimizer_steps`` then read its flag when first accessed
+    (which waits for the gradient norm, not for the update).
     """
 
-    updated: bool
-    skipped: bool
-    grad_norm: Tensor | None
-    lrs: tuple[float, ...]
-    optimizer_steps: int
+    __slots__ = (
+        "_optimizer_steps",
+        "_pending",
+        "_skipped",
+        "_updated_without_pending",
+        "grad_norm",
+        "lrs",
+    )
+
+    def __init__(
+        self,
+        *,
+        updated: bool,
+        skipped: bool,
+        grad_norm: Tensor | None,
+        lrs: tuple[float, ...],
+        optimizer_steps: int,
+        pending: PendingUpdate | None = None,
+    ) -> None:
+        if updated and skipped:
+            raise ValueError("a step cannot be both updated and skipped")
+        self._skipped = skipped
+        self._optimizer_steps = optimizer_steps
+        self._pending = pending
+        self.grad_norm = grad_norm
+        self.lrs = lrs
+        self._updated_without_pending = updated
+
+    @property
+    def skipped(self) -> bool:
+        return self._skipped if self._pending is None else self._pending.resolve()
+
+    @property
+    def updated(self) -> bool:
+        if self._pending is None:
+            return self._updated_without_pending
+        return not self._pending.resolve()
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self._optimizer_steps - int(self._pending is not None and self._pending.resolve())
+
+    def __repr__(self) -> str:
+        return (
+            f"StepResult(updated={self.updated}, skipped={self.skipped}, "
+            f"grad_norm={self.grad_norm}, lrs={self.lrs}, optimizer_steps={self.optimizer_steps})"
+        )
 
 
 class Engine:
@@ -144,6 +194,7 @@ class Engine:
         self._sync_state: bool | None = None
         self._broken: str | None = None
         self._last_norm: Tensor | None = None
+        self._pending: PendingUpdate | None = None
 
     # ----------------------------------------------------------------- properties and queries
 
@@ -155,11 +206,13 @@ class Engine:
     @property
     def optimizer_steps(self) -> int:
         """Optimizer updates done so far (skipped windows not counted)."""
+        self._settle()
         return self._optimizer_steps
 
     @property
     def skipped_steps(self) -> int:
         """Windows whose update was skipped for non-finite gradients."""
+        self._settle()
         return self._skipped_steps
 
     @property
@@ -361,13 +414,53 @@ class Engine:
     def _lrs(self) -> tuple[float, ...]:
         return tuple(float(group["lr"]) for group in self.optimizer.param_groups)
 
-    def _nonfinite_everywhere(self, norm: Tensor) -> bool:
+    def _nonfinite_flag(self, norm: Tensor) -> Tensor:
+        """0-dim float32 tensor, 1 on every rank when the norm is inf/NaN on any (no host sync)."""
         flag = (~torch.isfinite(norm)).to(torch.float32)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             flag = flag.to(_backend_device(None))
             # A NaN on any rank must skip (or raise) on all of them, or ranks diverge or hang.
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return flag
+
+    def _nonfinite_everywhere(self, norm: Tensor) -> bool:
+        return bool(self._nonfinite_flag(norm).item())
+
+    def _settle(self) -> None:
+        """Account for the last device-decided update once its skip flag is known."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.resolve():
+            self._optimizer_steps -= 1
+            self._skipped_steps += 1
+            logger.warning(
+                "skipped optimizer step %d: non-finite global gradient norm",
+                self._optimizer_steps,
+            )
+
+    def _update_on_device(self, norm: Tensor) -> StepResult:
+        """Clip, skip and update inside a fused optimizer's kernel: no host synchronisation."""
+        found_inf = self._nonfinite_flag(norm) if self.nonfinite == "skip" else None
+        divisor = None
+        if self.max_grad_norm is not None:
+            divisor = grad_divisor(norm, self.max_grad_norm)
+        lrs = self._lrs()
+        step_on_device(self.optimizer, divisor=divisor, found_inf=found_inf)
+        pending = None
+        if found_inf is not None:
+            pending = PendingUpdate(found_inf, self.optimizer, self.lr_scheduler)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self._optimizer_steps += 1
+        self._pending = pending
+        self._end_window()
+        return StepResult(
+            updated=True,
+            skipped=False,
+            grad_norm=norm,
+            lrs=lrs,
+            optimizer_steps=self._optimizer_steps,
+            pending=pending,
+        )
 
     def _end_window(self) -> None:
         self._clear_grads()
@@ -403,8 +496,12 @@ class Engine:
                 lrs=self._lrs(),
                 optimizer_steps=self._optimizer_steps,
             )
+        # The previous update's skip flag is long computed: reading it now does not stall.
+        self._settle()
         norm = global_grad_norm(self._params, self.norm_type)
         self._last_norm = norm
+        if self.nonfinite != "raise" and supports_device_update(self.optimizer):
+            return self._update_on_device(norm)
         if self.nonfinite != "step" and self._nonfinite_everywhere(norm):
             self._end_window()
             self._skipped_steps += 1
@@ -483,6 +580,7 @@ class Engine:
 
     def state_dict(self) -> dict[str, int]:
         """The Engine's own counters (not model, optimizer or scheduler)."""
+        self._settle()
         return {
             "micro_step": self._micro_step,
             "optimizer_steps": self._optimizer_steps,
@@ -494,6 +592,7 @@ class Engine:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Restore counters saved by :meth:`state_dict`; only between windows."""
         self._require_between_windows("load_state_dict")
+        self._settle()
         expected = set(self.state_dict())
         if set(state) != expected:
             raise ValueError(
@@ -533,6 +632,8 @@ class Engine:
 
         self._check_usable()
         self._require_between_windows("save_checkpoint")
+        # Settle before the scheduler's state is written (a skipped update restores it).
+        self._settle()
         save_checkpoint(
             directory,
             model=self.module,
@@ -548,6 +649,7 @@ class Engine:
 
         self._check_usable()
         self._require_between_windows("load_checkpoint")
+        self._settle()
         loaded = load_checkpoint(
             directory, model=self.module, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler
         )
