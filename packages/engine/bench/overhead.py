@@ -18,13 +18,16 @@ from torch import nn
 from train_engine import Engine
 
 
-def build(hidden: int, layers: int, device: str) -> tuple[nn.Module, torch.optim.Optimizer, object]:
+def build(
+    hidden: int, layers: int, device: str, fused: bool
+) -> tuple[nn.Module, torch.optim.Optimizer, object]:
     torch.manual_seed(0)
     blocks: list[nn.Module] = []
     for _ in range(layers):
         blocks += [nn.Linear(hidden, hidden), nn.GELU()]
     model = nn.Sequential(*blocks, nn.Linear(hidden, 1)).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    kind = {"fused": True} if fused else {"foreach": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **kind)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return model, opt, sched
 
@@ -38,6 +41,11 @@ def main() -> None:
     parser.add_argument("--accum", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per timed block")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--fused",
+        action="store_true",
+        help="fused AdamW in both loops (the Engine then clips and skips inside the kernel)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CI smoke run)")
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args()
@@ -63,12 +71,12 @@ def main() -> None:
                 engine.backward(nn.functional.mse_loss(engine(x), y))
                 engine.step()
 
-    hand = build(args.hidden, args.layers, device)
+    hand = build(args.hidden, args.layers, device, args.fused)
     variants = {
         "hand-written loop": lambda: hand_loop(*hand),
     }
     for policy in ("step", "skip"):
-        model, opt, sched = build(args.hidden, args.layers, device)
+        model, opt, sched = build(args.hidden, args.layers, device, args.fused)
         engine = Engine(
             model,
             opt,
@@ -93,7 +101,7 @@ def main() -> None:
     meta = {**environment(device), **{k: v for k, v in vars(args).items() if k != "out"}}
     report(
         f"Engine overhead ({device}, hidden={args.hidden}, layers={args.layers}, "
-        f"batch={args.batch}, accum={args.accum})",
+        f"batch={args.batch}, accum={args.accum}, {'fused' if args.fused else 'foreach'} AdamW)",
         rows,
         ["variant", "median ms/step", "ratio"],
         args.out,

@@ -75,3 +75,38 @@ def test_fsdp2_bf16_mixed_precision_step_on_one_gpu() -> None:
     single-GPU reference within bf16 tolerance."""
     results = run_on_ranks(1, w.bf16_fsdp2_step, backend="nccl", timeout_s=300)
     assert results[0] < 2e-2, results[0]
+
+
+@requires_cuda(1)
+def test_fused_update_on_cuda_never_syncs_and_skips_exactly() -> None:
+    """With fused AdamW the boundary step() makes no host synchronisation (CUDA's sync debug
+    mode turns any into an error), and a non-finite window leaves the run bitwise identical
+    to one without that window."""
+    from _engine_models import global_batch, make_model, token_loss_mean
+    from train_engine import Engine
+
+    def run(windows: list[tuple[int, float]]) -> tuple[Engine, list]:
+        torch.manual_seed(0)
+        model = make_model().cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        engine = Engine(model, opt, sched, max_grad_norm=0.3)
+        results = []
+        for seed, factor in windows:
+            ids, labels = global_batch(seed, 4)
+            loss = token_loss_mean(engine(ids.cuda()), labels.cuda()) * factor
+            engine.backward(loss)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                results.append(engine.step())
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return engine, results
+
+    clean, _ = run([(1, 1.0), (2, 1.0), (3, 1.0)])
+    engine, results = run([(1, 1.0), (9, math.inf), (2, 1.0), (3, 1.0)])
+    assert [r.skipped for r in results] == [False, True, False, False]
+    assert engine.optimizer_steps == 3 and engine.skipped_steps == 1
+    for a, b in zip(engine.module.parameters(), clean.module.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert engine.lr_scheduler.state_dict() == clean.lr_scheduler.state_dict()

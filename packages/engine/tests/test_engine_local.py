@@ -260,7 +260,9 @@ def test_fused_optimizer_skip_on_device_equals_leaving_the_window_out() -> None:
     assert [r.updated for r in results] == [True, False, True, True]
     assert [r.optimizer_steps for r in results] == [1, 1, 2, 3]
     assert engine.optimizer_steps == 3 and engine.skipped_steps == 1
-    for (name, a), b in zip(engine.module.named_parameters(), clean.module.parameters(), strict=True):
+    for (name, a), b in zip(
+        engine.module.named_parameters(), clean.module.parameters(), strict=True
+    ):
         assert torch.equal(a, b), name
     for a, b in zip(engine.optimizer.state.values(), clean.optimizer.state.values(), strict=True):
         assert all(torch.equal(a[k], b[k]) for k in a)
@@ -284,7 +286,7 @@ def test_fused_optimizer_clips_inside_the_update_like_clip_grad_norm() -> None:
         opt.step()
         sched.step()
         opt.zero_grad()
-    for r, in zip(results, strict=True):
+    for (r,) in zip(results, strict=True):
         assert r.updated and not r.skipped
     for a, b in zip(engine.module.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

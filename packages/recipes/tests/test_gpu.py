@@ -42,7 +42,11 @@ def _run(split: DemoSplit, out: Path, nproc: int, sets: list[str]) -> dict[int, 
 
 @requires_cuda(1)
 @pytest.mark.timeout(900)
-def test_one_gpu_fsdp2_bf16_trains_and_exports(demo_data: DemoSplit, tmp_path: Path) -> None:
+@pytest.mark.parametrize("speed", [False, True], ids=["plain", "compiled-cudnn"])
+def test_one_gpu_fsdp2_bf16_trains_and_exports(
+    demo_data: DemoSplit, tmp_path: Path, speed: bool
+) -> None:
+    knobs = ["model.compile=true", "model.sdpa_backends=[cudnn,flash]"] if speed else []
     losses = _run(
         demo_data,
         tmp_path / "fsdp2",
@@ -52,6 +56,7 @@ def test_one_gpu_fsdp2_bf16_trains_and_exports(demo_data: DemoSplit, tmp_path: P
             "parallel.fsdp.param_dtype=bfloat16",
             "parallel.fsdp.reduce_dtype=float32",
             "data.num_logical_shards=null",
+            *knobs,
         ],
     )
     assert losses[40] < 0.8 * losses[1], losses

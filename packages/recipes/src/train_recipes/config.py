@@ -67,12 +67,18 @@ class ModelConfig:
         tiny: the architecture of the random-init model used when ``path`` is None.
         dtype: parameter dtype for the forward: "float32" or "bfloat16".
         attn_implementation: passed to ``from_pretrained``/``from_config`` ("sdpa", "eager").
+        compile: compile each decoder layer's forward with torch.compile (before DDP/FSDP2
+            wrapping; parameter names and checkpoints are unchanged). Pays off on GPUs.
+        sdpa_backends: scaled_dot_product_attention backends to allow, in priority order
+            ("cudnn", "flash", "efficient", "math"); None leaves torch's choice.
     """
 
     path: str | None = None
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     dtype: Literal["float32", "bfloat16"] = "float32"
     attn_implementation: str = "sdpa"
+    compile: bool = False
+    sdpa_backends: tuple[Literal["cudnn", "flash", "efficient", "math"], ...] | None = None
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -126,6 +132,8 @@ class OptimConfig:
         warmup_steps: linear warm-up optimizer steps.
         min_lr_ratio: the learning rate at the last step, as a fraction of ``lr``.
         max_grad_norm: global gradient clipping; None disables it.
+        fused: use the fused AdamW kernel; None means on CUDA only. Fused, the Engine also
+            clips and skips non-finite windows inside the kernel, without a host sync.
     """
 
     lr: float = 3e-3
@@ -134,6 +142,7 @@ class OptimConfig:
     warmup_steps: int = 30
     min_lr_ratio: float = 0.05
     max_grad_norm: float | None = 1.0
+    fused: bool | None = None
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -626,6 +635,10 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
         )
     if data.max_length < 2:
         raise ConfigError("data.max_length", f"must be >= 2, got {data.max_length}")
+    if model.sdpa_backends is not None and not model.sdpa_backends:
+        raise ConfigError(
+            "model.sdpa_backends", "an empty list allows no attention backend; use null instead"
+        )
     if data.path is not None and not (Path(data.path) / ".nv-meta").is_dir():
         raise ConfigError(
             "data.path",

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,75 @@ def build_model(config: SFTConfig, tokenizer: Any) -> nn.Module:
     hf_config._attn_implementation = config.model.attn_implementation
     model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     return model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a transformers model (the classes in ``_no_split_modules``)."""
+    names = set(getattr(unwrap(model), "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(
+            f"found no decoder layers in {type(model).__name__}: its _no_split_modules "
+            f"({sorted(names)}) names no submodule class; compile is only supported for "
+            "transformers models"
+        )
+    return layers
+
+
+def compile_decoder_layers(model: nn.Module, *, backend: str = "inductor") -> int:
+    """Compile the forward of every decoder layer in place; call before FSDP2 wrapping.
+
+    The layer's ``forward`` is compiled, not the module: parameter names stay unchanged (no
+    ``_orig_mod.``), so checkpoints and the HF export are unaffected, and module hooks (FSDP2's
+    all-gather and reduce-scatter) run outside the compiled region. Identical layers share one
+    graph.
+
+    Args:
+        model: a transformers model (plain, not yet wrapped).
+        backend: the torch.compile backend ("aot_eager" makes tests fast on the CPU).
+
+    Returns:
+        The number of layers compiled.
+    """
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, backend=backend)
+    return len(layers)
+
+
+_SDPA_BACKENDS = {
+    "cudnn": "CUDNN_ATTENTION",
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "math": "MATH",
+}
+
+
+@contextlib.contextmanager
+def sdpa_backends(names: Sequence[str] | None) -> Iterator[None]:
+    """Restrict scaled_dot_product_attention to ``names``, tried in this order (None: torch's).
+
+    Wrap the forward and the backward (under torch.compile, the backend is fixed when tracing).
+
+    Args:
+        names: some of "cudnn", "flash", "efficient", "math".
+
+    Raises:
+        ValueError: an unknown backend name.
+    """
+    if names is None:
+        yield
+        return
+    unknown = [n for n in names if n not in _SDPA_BACKENDS]
+    if unknown or not names:
+        raise ValueError(
+            f"unknown SDPA backends {unknown or list(names)}; choose from {sorted(_SDPA_BACKENDS)}"
+        )
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [getattr(SDPBackend, _SDPA_BACKENDS[n]) for n in names]
+    with sdpa_kernel(order, set_priority=True):
+        yield
 
 
 def _build_vlm(config: SFTConfig, tokenizer: Any, dtype: torch.dtype) -> nn.Module:

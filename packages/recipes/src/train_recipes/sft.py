@@ -30,10 +30,12 @@ from train_recipes.modeling import (
     apply_lora,
     apply_output_tp,
     build_model,
+    compile_decoder_layers,
     exact_match_accuracy,
     export_hf,
     is_vlm,
     load_processor,
+    sdpa_backends,
     tokenizer_of,
     unwrap,
 )
@@ -175,7 +177,7 @@ def token_sum_loss(
         inputs["attention_mask"] = batch["attention_mask"]
         inputs["pixel_values"] = batch["pixel_values"]
         inputs["image_grid_thw"] = batch["image_grid_thw"]
-    else:
+    elif "position_ids" in batch:
         inputs["position_ids"] = batch["position_ids"]
     # No KV cache: transformers only derives packed-document masks from position ids when
     # there is no cache, and training never reuses one anyway.
@@ -220,6 +222,8 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         processor.save_pretrained(out_dir / "tokenizer")
     model = apply_lora(build_model(config, tokenizer), config).to(ctx.device)
     model.train()
+    if config.model.compile:
+        compile_decoder_layers(model)
     if ctx.tp_size > 1:
         model = apply_output_tp(model, ctx.mesh["tp"])
     model = apply_data_parallel(
@@ -232,6 +236,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         param_groups(model, weight_decay=config.optim.weight_decay),
         lr=config.optim.lr,
         betas=config.optim.betas,
+        fused=ctx.device.type == "cuda" if config.optim.fused is None else config.optim.fused,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
     engine = Engine(
@@ -318,19 +323,24 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
     seen = torch.zeros(2, dtype=torch.float64)  # [loss tokens, input tokens] since the last log
     t_last = time.perf_counter()
     for step in range(start_step + 1, train.steps + 1):
-        micro = [data_api.batch_tensors(next(batches), ctx.device) for _ in range(accum)]
-        local_tokens = sum(int((m["labels"] != -100).sum()) for m in micro)
+        # Counted on the host copies: reading device tensors would stall the GPU's queue.
+        host = [data_api.batch_tensors(next(batches), torch.device("cpu")) for _ in range(accum)]
+        local_tokens = sum(int((m["labels"] != -100).sum()) for m in host)
+        micro = [{k: v.to(ctx.device, non_blocking=True) for k, v in m.items()} for m in host]
         # Contract (b): the window's loss tokens over all data-parallel replicas (counted before
         # cp sharding, so every cp rank of a replica holds the same count).
         num_tokens = engine.global_num_tokens(local_tokens)
         step_loss = torch.zeros((), dtype=torch.float64, device=ctx.device)
-        for batch in micro:
-            seen[1] += float(batch["attention_mask"].sum()) / (ctx.cp_size * ctx.tp_size)
-            loss_sum = token_sum_loss(engine, batch, sharder=sharder, vlm=vlm)
-            engine.backward(loss_sum, num_tokens=num_tokens)
-            step_loss += loss_sum.detach().to(torch.float64)
-            engine.step()
-        seen[0] += float(num_tokens) / ctx.world_size
+        with sdpa_backends(config.model.sdpa_backends):
+            for batch, host_batch in zip(micro, host, strict=True):
+                seen[1] += float(host_batch["attention_mask"].sum()) / (ctx.cp_size * ctx.tp_size)
+                loss_sum = token_sum_loss(engine, batch, sharder=sharder, vlm=vlm)
+                engine.backward(loss_sum, num_tokens=num_tokens)
+                step_loss += loss_sum.detach().to(torch.float64)
+                engine.step()
+        # The cp and tp ranks of a replica count the same tokens: summed over all ranks at
+        # logging time, this is the global number of loss tokens.
+        seen[0] += local_tokens / (ctx.cp_size * ctx.tp_size)
         # Each rank holds a part of the global token sum; scaled so the mean over all ranks is
         # the exact global token-mean loss.
         # (tp ranks hold the same value, hence the division by tp.)

@@ -1,0 +1,459 @@
+"""End-to-end SFT step on one GPU: the train-recipes path against two plain FSDP2 loops.
+
+Model: Llama-style, hidden 2048, 16 layers, 32 heads / 8 KV heads, intermediate 8192, vocab
+128256, untied head (1.50B parameters), random init, batch 4 x 4096 tokens. Every variant uses
+FSDP2 mixed precision (bf16 compute, fp32 master weights, fp32 gradient reduction), fused
+AdamW and clipping at 1.0, and runs in the same process one after the other:
+
+- ``fsdp2``: a hand-written loop, the transformers model as is (its loss upcasts the logits).
+- ``fsdp2+compile``: the same with each decoder layer compiled.
+- ``recipes``: the train-recipes step: Engine, compiled decoder layers, the vocab-parallel
+  token-sum loss on bf16 logits, unsharded parameters kept between forward and backward
+  (one GPU), and the SDPA backend order of ``--sdpa`` (cuDNN first by default).
+
+Model FLOPs per token = 6 * parameters + 6 * layers * hidden * sequence (causal attention);
+MFU is against the dense bf16 peak given by ``--peak-tflops`` (989 for H100/H200 SXM).
+
+    python packages/recipes/bench/sft_step.py --out sft_step.json
+    python packages/recipes/bench/sft_step.py --variants recipes --profile recipes
+    python packages/recipes/bench/sft_step.py --quick      # tiny model on the CPU (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from train_engine import Engine, FSDP2Config, apply_data_parallel, param_groups
+from train_recipes.modeling import compile_decoder_layers, sdpa_backends
+from train_recipes.sft import token_sum_loss
+
+FULL = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+}
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Variant:
+    """One way of running the step (see the module docstring)."""
+
+    name: str
+    engine: bool
+    compile: bool
+    loss: str  # "hf": transformers' loss on the logits; "vocab_parallel": token_sum_loss
+    reshard_after_forward: bool | None
+    sdpa: tuple[str, ...] | None
+    position_ids: bool = True  # the recipe passes them (packed rows need them)
+
+
+def variants(args: argparse.Namespace) -> dict[str, Variant]:
+    sdpa = tuple(args.sdpa.split(",")) if args.sdpa else None
+    out = [
+        Variant(
+            name="fsdp2",
+            engine=False,
+            compile=False,
+            loss="hf",
+            reshard_after_forward=None,
+            sdpa=None,
+        ),
+        Variant(
+            name="fsdp2+compile",
+            engine=False,
+            compile=True,
+            loss="hf",
+            reshard_after_forward=None,
+            sdpa=None,
+        ),
+        Variant(
+            name="recipes",
+            engine=True,
+            compile=True,
+            loss="vocab_parallel",
+            reshard_after_forward=False,
+            sdpa=sdpa,
+        ),
+        # Ablations of the recipes step, one change each.
+        Variant(
+            name="recipes-hf-loss",
+            engine=True,
+            compile=True,
+            loss="hf",
+            reshard_after_forward=False,
+            sdpa=sdpa,
+        ),
+        Variant(
+            name="recipes-reshard",
+            engine=True,
+            compile=True,
+            loss="vocab_parallel",
+            reshard_after_forward=True,
+            sdpa=sdpa,
+        ),
+        Variant(
+            name="recipes-default-sdpa",
+            engine=True,
+            compile=True,
+            loss="vocab_parallel",
+            reshard_after_forward=False,
+            sdpa=None,
+        ),
+        Variant(
+            name="recipes-no-position-ids",
+            engine=True,
+            compile=True,
+            loss="vocab_parallel",
+            reshard_after_forward=False,
+            sdpa=sdpa,
+            position_ids=False,
+        ),
+        Variant(
+            name="recipes-eager",
+            engine=True,
+            compile=False,
+            loss="vocab_parallel",
+            reshard_after_forward=False,
+            sdpa=sdpa,
+        ),
+    ]
+    return {v.name: v for v in out}
+
+
+def init_process_group(device: str) -> None:
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device == "cuda" else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        store = Path(tempfile.mkdtemp(prefix="sft-step-")) / "store"
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    if device == "cuda":
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+
+
+def build_model(args: argparse.Namespace) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        **(TINY if args.quick else FULL),
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        return LlamaForCausalLM(config)
+
+
+def make_batches(args: argparse.Namespace, vocab: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(2):
+        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
+        positions = torch.arange(args.seq).expand(args.batch, -1)
+        # token_sum_loss takes labels already shifted (-100 where nothing is trained); the
+        # transformers loss shifts by itself. Both train the same S - 1 tokens per row.
+        shifted = torch.cat([ids[:, 1:], torch.full((args.batch, 1), -100)], dim=1)
+        out.append(
+            {
+                "input_ids": ids.to(args.device),
+                "labels": ids.to(args.device),
+                "shifted_labels": shifted.to(args.device),
+                "position_ids": positions.contiguous().to(args.device),
+            }
+        )
+    return out
+
+
+def setup(variant: Variant, args: argparse.Namespace) -> tuple[Callable[[dict], None], int, Any]:
+    """Build model, optimizer and the step function of one variant."""
+    model = build_model(args)
+    config = model.config
+    n_params = sum(p.numel() for p in model.parameters())
+    if variant.compile:
+        compile_decoder_layers(model)
+    bf16 = torch.bfloat16 if args.device == "cuda" else torch.float32
+    mesh = init_device_mesh(args.device, (1,))
+    fused = args.device == "cuda"
+    if variant.engine:
+        fsdp = FSDP2Config(
+            param_dtype=bf16,
+            reduce_dtype=torch.float32,
+            reshard_after_forward=variant.reshard_after_forward,
+        )
+        model = apply_data_parallel(model, mesh=mesh, config=fsdp)
+        opt = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=1e-5, fused=fused)
+        engine = Engine(model, opt, max_grad_norm=1.0)
+
+        def step(batch: dict[str, torch.Tensor]) -> None:
+            if variant.loss == "hf":
+                engine.backward(engine(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
+            else:
+                inputs = {"input_ids": batch["input_ids"], "labels": batch["shifted_labels"]}
+                if variant.position_ids:
+                    inputs["position_ids"] = batch["position_ids"]
+                loss = token_sum_loss(engine, inputs)
+                engine.backward(loss, num_tokens=args.batch * (args.seq - 1))
+            engine.step()
+
+    else:
+        policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused)
+
+        def step(batch: dict[str, torch.Tensor]) -> None:
+            model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return step, n_params, config
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_steps(
+    step: Callable[[dict], None], data: list[dict], args: argparse.Namespace
+) -> list[float]:
+    """Per-step seconds: CUDA events between steps, read after the last step (the host never
+    waits between steps, as in training); wall clock on the CPU."""
+    if args.device != "cuda":
+        times = []
+        for i in range(args.steps):
+            t0 = time.perf_counter()
+            step(data[i % 2])
+            times.append(time.perf_counter() - t0)
+        return times
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
+    events[0].record()
+    for i in range(args.steps):
+        step(data[i % 2])
+        events[i + 1].record()
+    events[-1].synchronize()
+    return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(events)]
+
+
+def run_variant(variant: Variant, args: argparse.Namespace, out_dir: Path | None) -> dict[str, Any]:
+    step, n_params, config = setup(variant, args)
+    data = make_batches(args, config.vocab_size)
+    with sdpa_backends(variant.sdpa):
+        t0 = time.perf_counter()
+        for i in range(args.warmup):
+            step(data[i % 2])
+        sync(args.device)
+        warmup_s = time.perf_counter() - t0
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = timed_steps(step, data, args)
+        if variant.name in (args.profile or "").split(",") and out_dir is not None:
+            profile(step, data, args, out_dir / f"profile_{variant.name}.txt")
+    seconds = statistics.median(times)
+    tokens_per_s = args.batch * args.seq / seconds
+    flops = 6.0 * n_params + 6.0 * config.num_hidden_layers * config.hidden_size * args.seq
+    tflops = tokens_per_s * flops / 1e12
+    return {
+        "variant": variant.name,
+        "ms/step": seconds * 1e3,
+        "tokens/s": tokens_per_s,
+        "model TFLOP/s": tflops,
+        "MFU %": 100 * tflops / args.peak_tflops,
+        "peak GiB": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
+        "warm-up s": warmup_s,
+        "params (B)": n_params / 1e9,
+    }
+
+
+def profile(
+    step: Callable[[dict], None], data: list[dict], args: argparse.Namespace, path: Path
+) -> None:
+    """Kernel table of two steps, then where the GPU sat idle between kernels."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cuda = args.device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=activities) as prof:
+        for i in range(2):
+            step(data[i % 2])
+        sync(args.device)
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    text = prof.key_averages().table(sort_by=key, row_limit=45, max_name_column_width=70)
+    if cuda:
+        trace = path.with_suffix(".trace.json")
+        prof.export_chrome_trace(str(trace))
+        text += "\n" + idle_gaps(json.loads(trace.read_text()))
+        trace.unlink()
+    path.write_text(text)
+
+
+def idle_gaps(trace: dict[str, Any], top: int = 25) -> str:
+    """The GPU's idle time between consecutive kernels and copies, with the largest gaps and
+    the CPU operation that was running when the next kernel was launched."""
+    events = trace.get("traceEvents", [])
+    gpu = sorted(
+        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+        key=lambda e: e["ts"],
+    )
+    if not gpu:
+        return "no GPU events in the trace"
+    launches = {
+        e["args"].get("correlation"): e
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "args" in e
+    }
+    cpu_ops = sorted(
+        (e for e in events if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e),
+        key=lambda e: e["ts"],
+    )
+    gaps = []
+    end = gpu[0]["ts"] + gpu[0].get("dur", 0)
+    for e in gpu[1:]:
+        if e["ts"] > end:
+            gaps.append((e["ts"] - end, end, e))
+        end = max(end, e["ts"] + e.get("dur", 0))
+    span = end - gpu[0]["ts"]
+    idle = sum(g for g, _, _ in gaps)
+    lines = [
+        f"GPU span {span / 1e3:.1f} ms, idle {idle / 1e3:.1f} ms ({100 * idle / span:.1f}%) "
+        f"in {len(gaps)} gaps; largest:"
+    ]
+    for gap, at, e in sorted(gaps, key=lambda g: -g[0])[:top]:
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        owner = "?"
+        if launch is not None:
+            # The innermost CPU op enclosing the launch call.
+            enclosing = [c for c in cpu_ops if c["ts"] <= launch["ts"] <= c["ts"] + c["dur"]]
+            if enclosing:
+                owner = " < ".join(c["name"][:40] for c in enclosing[-3:][::-1])
+        lines.append(
+            f"  {gap / 1e3:7.2f} ms at +{(at - gpu[0]['ts']) / 1e3:7.1f} ms before "
+            f"{e['name'][:50]!r} launched in {owner}"
+        )
+    return "\n".join(lines)
+
+
+def free_memory(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--variants", default="fsdp2,fsdp2+compile,recipes")
+    parser.add_argument(
+        "--sdpa", default="cudnn,flash", help="SDPA backend order of the recipes step"
+    )
+    parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="variants to profile, comma-separated (tables in --out's folder)",
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny model, CPU is fine (no compile)")
+    parser.add_argument("--out", default=None, help="JSON output path")
+    args = parser.parse_args()
+    if args.quick:
+        args.batch, args.seq, args.steps, args.warmup = 2, 32, 2, 1
+    elif args.device != "cuda":
+        raise SystemExit("the full-size benchmark needs --device cuda; use --quick on the CPU")
+    init_process_group(args.device)
+    table = variants(args)
+    chosen = [table[name] for name in args.variants.split(",")]
+    if args.device != "cuda":
+        # Inductor on the CPU needs a C++ toolchain; the quick run checks the plumbing only.
+        chosen = [Variant(**{**_fields(v), "compile": False}) for v in chosen]
+    out_dir = Path(args.out).parent if args.out else None
+    rows = []
+    traced_sdpa: object = "none yet"
+    for variant in chosen:
+        if variant.compile and variant.sdpa != traced_sdpa:
+            # The SDPA backend is fixed while tracing: retrace when the backend order changes.
+            torch._dynamo.reset()
+            traced_sdpa = variant.sdpa
+        rows.append(run_variant(variant, args, out_dir))
+        free_memory(args.device)
+        print(json.dumps(rows[-1]), flush=True)
+    base = next((r for r in rows if r["variant"] == "fsdp2+compile"), rows[0])
+    for r in rows:
+        r[f"vs {base['variant']}"] = r["tokens/s"] / base["tokens/s"]
+    columns = [
+        "variant",
+        "ms/step",
+        "tokens/s",
+        "model TFLOP/s",
+        "MFU %",
+        f"vs {base['variant']}",
+        "peak GiB",
+        "warm-up s",
+    ]
+    print(f"\nSFT step, batch {args.batch} x {args.seq} ({device_name(args.device)})")
+    for r in rows:
+        print("  ".join(f"{c}={_fmt(r.get(c))}" for c in columns))
+    if args.out:
+        meta = {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "device_name": device_name(args.device),
+            **{k: v for k, v in vars(args).items() if k != "out"},
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    dist.destroy_process_group()
+
+
+def _fields(v: Variant) -> dict[str, Any]:
+    return {name: getattr(v, name) for name in Variant.__slots__}
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The recipe's speed knobs: compiled decoder layers (under FSDP2), SDPA backend selection,
+the optional position ids and the config keys that switch them on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _recipes_workers import compiled_layers_under_fsdp2
+from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
+from train_recipes.modeling import decoder_layers, sdpa_backends
+
+
+@pytest.mark.timeout(300)
+def test_compiled_layers_under_fsdp2_match_float64_eager(rank_pool: object) -> None:
+    results = rank_pool.run(2, compiled_layers_under_fsdp2)  # type: ignore[attr-defined]
+    for rank, r in enumerate(results):
+        assert r["compiled"] == 3 and r["names_unchanged"], rank
+        assert r["loss_err"] < 1e-5, (rank, r["loss_err"])
+        assert r["unique_graphs"] >= 1, "nothing was compiled"
+    # FSDP2's gradient is the mean over ranks of each rank's gradient.
+    for name, grad in results[0]["grads"].items():
+        expected = (results[0]["ref_grads"][name] + results[1]["ref_grads"][name]) / 2
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_decoder_layers_requires_a_transformers_model() -> None:
+    with pytest.raises(ValueError, match="found no decoder layers in Sequential"):
+        decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_sdpa_backends_restrict_the_choice() -> None:
+    q = torch.randn(1, 2, 8, 16)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    with sdpa_backends(("math",)):
+        got = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.testing.assert_close(got, expected)
+    # cuDNN alone has no CPU kernel: the restriction is really in force.
+    with sdpa_backends(("cudnn",)), pytest.raises(RuntimeError):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    with pytest.raises(ValueError, match="unknown SDPA backends"), sdpa_backends(("fast",)):
+        pass
+
+
+def test_token_sum_loss_without_position_ids_is_the_same_for_unpacked_rows() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from train_recipes.sft import token_sum_loss
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config).double()
+    ids = torch.randint(0, 50, (2, 10))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    with_pos = token_sum_loss(
+        model, {"input_ids": ids, "labels": labels, "position_ids": torch.arange(10).expand(2, 10)}
+    )
+    without = token_sum_loss(model, {"input_ids": ids, "labels": labels})
+    # Reference computed another way: plain log_softmax over the model's logits.
+    logits = model(input_ids=ids).logits
+    ref = -torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None]).sum()
+    # (the loss is float32 whatever the logits' dtype)
+    torch.testing.assert_close(with_pos.double(), ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(without.double(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_speed_config_keys() -> None:
+    config = load_config(
+        SFTConfig,
+        None,
+        ["model.compile=true", "model.sdpa_backends=[cudnn,flash]", "optim.fused=false"],
+    )
+    assert config.model.compile and config.model.sdpa_backends == ("cudnn", "flash")
+    assert config.optim.fused is False
+    with pytest.raises(ConfigError, match=r"model\.sdpa_backends"):
+        load_config(SFTConfig, None, ["model.sdpa_backends=[fastest]"])
+    empty = load_config(SFTConfig, None, ["model.sdpa_backends=[]"])
+    with pytest.raises(ConfigError, match=r"model\.sdpa_backends"):
+        validate_sft(empty, world_size=1)
