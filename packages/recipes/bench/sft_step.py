@@ -7,9 +7,12 @@ AdamW and clipping at 1.0, and runs in the same process one after the other:
 
 - ``fsdp2``: a hand-written loop, the transformers model as is (its loss upcasts the logits).
 - ``fsdp2+compile``: the same with each decoder layer compiled.
-- ``recipes``: the train-recipes step: Engine, compiled decoder layers, the vocab-parallel
-  token-sum loss on bf16 logits, unsharded parameters kept between forward and backward
-  (one GPU), and the SDPA backend order of ``--sdpa`` (cuDNN first by default).
+- ``recipes``: the train-recipes step: Engine (fused AdamW: clipping and the non-finite skip
+  inside the kernel, no host sync), compiled decoder layers, the vocab-parallel token-sum loss
+  on bf16 logits, unsharded parameters kept between forward and backward (one GPU), causal
+  attention without transformers' mask construction for unpacked rows (no host sync), and the
+  SDPA backend order of ``--sdpa`` (cuDNN first by default).
+- ``recipes-*``: ablations, each undoing one of these.
 
 Model FLOPs per token = 6 * parameters + 6 * layers * hidden * sequence (causal attention);
 MFU is against the dense bf16 peak given by ``--peak-tflops`` (989 for H100/H200 SXM).
@@ -41,7 +44,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from train_engine import Engine, FSDP2Config, apply_data_parallel, param_groups
-from train_recipes.modeling import compile_decoder_layers, sdpa_backends
+from train_recipes.modeling import CausalFastPath, compile_decoder_layers, sdpa_backends
 from train_recipes.sft import token_sum_loss
 
 FULL = {
@@ -73,6 +76,7 @@ class Variant:
     reshard_after_forward: bool | None
     sdpa: tuple[str, ...] | None
     position_ids: bool = True  # the recipe passes them (packed rows need them)
+    fast_path: bool = False  # the recipe's CausalFastPath for unpacked batches
 
 
 def variants(args: argparse.Namespace) -> dict[str, Variant]:
@@ -97,6 +101,7 @@ def variants(args: argparse.Namespace) -> dict[str, Variant]:
         Variant(
             name="recipes",
             engine=True,
+            fast_path=True,
             compile=True,
             loss="vocab_parallel",
             reshard_after_forward=False,
@@ -106,6 +111,7 @@ def variants(args: argparse.Namespace) -> dict[str, Variant]:
         Variant(
             name="recipes-hf-loss",
             engine=True,
+            fast_path=True,
             compile=True,
             loss="hf",
             reshard_after_forward=False,
@@ -114,6 +120,7 @@ def variants(args: argparse.Namespace) -> dict[str, Variant]:
         Variant(
             name="recipes-reshard",
             engine=True,
+            fast_path=True,
             compile=True,
             loss="vocab_parallel",
             reshard_after_forward=True,
@@ -122,23 +129,25 @@ def variants(args: argparse.Namespace) -> dict[str, Variant]:
         Variant(
             name="recipes-default-sdpa",
             engine=True,
+            fast_path=True,
             compile=True,
             loss="vocab_parallel",
             reshard_after_forward=False,
             sdpa=None,
         ),
         Variant(
-            name="recipes-no-position-ids",
+            name="recipes-hf-mask",
             engine=True,
             compile=True,
             loss="vocab_parallel",
             reshard_after_forward=False,
             sdpa=sdpa,
-            position_ids=False,
+            fast_path=False,
         ),
         Variant(
             name="recipes-eager",
             engine=True,
+            fast_path=True,
             compile=False,
             loss="vocab_parallel",
             reshard_after_forward=False,
@@ -201,6 +210,8 @@ def setup(variant: Variant, args: argparse.Namespace) -> tuple[Callable[[dict], 
     model = build_model(args)
     config = model.config
     n_params = sum(p.numel() for p in model.parameters())
+    if variant.fast_path:
+        CausalFastPath(model).select(packed=False)  # the benchmark's rows are not packed
     if variant.compile:
         compile_decoder_layers(model)
     bf16 = torch.bfloat16 if args.device == "cuda" else torch.float32

@@ -15,10 +15,10 @@ BENCH = Path(__file__).parents[1] / "bench" / "sft_step.py"
 @pytest.mark.timeout(300)
 def test_sft_step_quick(tmp_path: Path) -> None:
     out = tmp_path / "sft_step.json"
-    variants = "fsdp2,fsdp2+compile,recipes,recipes-no-position-ids"
+    variants = "fsdp2,fsdp2+compile,recipes,recipes-hf-mask"
+    command = [sys.executable, str(BENCH), "--quick", "--variants", variants]
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--variants", variants, "--sdpa", "flash,math"]
-        + ["--profile", "recipes", "--out", str(out)],
+        [*command, "--sdpa", "flash,math", "--profile", "recipes", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=280,

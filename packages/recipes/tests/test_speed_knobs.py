@@ -85,3 +85,67 @@ def test_speed_config_keys() -> None:
     empty = load_config(SFTConfig, None, ["model.sdpa_backends=[]"])
     with pytest.raises(ConfigError, match=r"model\.sdpa_backends"):
         validate_sft(empty, world_size=1)
+
+
+def _tiny_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config).double()
+
+
+def test_causal_fast_path_matches_transformers_sdpa_and_switches_back() -> None:
+    from train_recipes.modeling import CAUSAL_ATTENTION, CausalFastPath, rows_are_packed
+    from train_recipes.sft import token_sum_loss
+
+    model = _tiny_llama()
+    ids = torch.randint(0, 50, (2, 12))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    plain = torch.arange(12).expand(2, 12)
+    packed = torch.cat([torch.arange(5), torch.arange(7)]).expand(2, 12)
+    assert not rows_are_packed(plain) and rows_are_packed(packed)
+
+    def loss_and_grads(position_ids: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
+        model.zero_grad()
+        batch = {"input_ids": ids, "labels": labels, "position_ids": position_ids}
+        loss = token_sum_loss(model, batch)
+        loss.backward()
+        return float(loss), [p.grad.clone() for p in model.parameters()]
+
+    ref_plain, ref_packed = loss_and_grads(plain), loss_and_grads(packed)
+    fast = CausalFastPath(model)
+    assert fast.enabled
+    fast.select(packed=False)
+    assert model.config._attn_implementation == CAUSAL_ATTENTION
+    got = loss_and_grads(plain)
+    assert got[0] == pytest.approx(ref_plain[0], rel=1e-12)
+    for a, b in zip(got[1], ref_plain[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    # Packed rows need a per-document mask: the fast path refuses a prepared (4-D) mask...
+    with pytest.raises(RuntimeError, match="got a mask"):
+        model(input_ids=ids, attention_mask=torch.ones(2, 1, 12, 12, dtype=torch.bool))
+    # ...and select(packed=True) restores transformers' SDPA with its document masking.
+    fast.select(packed=True)
+    assert model.config._attn_implementation == "sdpa"
+    got = loss_and_grads(packed)
+    assert got[0] == pytest.approx(ref_packed[0], rel=1e-12)
+    assert abs(ref_packed[0] - ref_plain[0]) > 1e-3  # packing changes the loss: the test can fail
+
+
+def test_causal_fast_path_is_off_for_other_attention_implementations() -> None:
+    from train_recipes.modeling import CausalFastPath
+
+    model = _tiny_llama()
+    model.config._attn_implementation = "eager"
+    fast = CausalFastPath(model)
+    fast.select(packed=False)
+    assert not fast.enabled and model.config._attn_implementation == "eager"

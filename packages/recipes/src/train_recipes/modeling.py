@@ -187,6 +187,72 @@ def sdpa_backends(names: Sequence[str] | None) -> Iterator[None]:
         yield
 
 
+# Name under which the mask-free causal attention is registered with transformers.
+CAUSAL_ATTENTION = "train_recipes_causal_sdpa"
+
+
+def _causal_sdpa(
+    module: nn.Module, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any
+) -> Any:
+    """transformers' SDPA attention, called without a mask: plain causal attention."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is not None:
+        raise RuntimeError(
+            f"the {CAUSAL_ATTENTION!r} attention got a mask; it is only for unpacked, unpadded-"
+            "attention text batches (CausalFastPath.select(packed=True) switches back)"
+        )
+    return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+
+def rows_are_packed(position_ids: torch.Tensor) -> bool:
+    """Whether any row of ``position_ids`` [B, S] holds several documents (positions restart).
+
+    The criterion transformers applies on the device; here it runs on the host copy.
+    """
+    return bool((position_ids[:, 1:] - position_ids[:, :-1] != 1).any())
+
+
+class CausalFastPath:
+    """Run unpacked text batches through causal SDPA without transformers' mask construction.
+
+    For a batch without a mask, transformers inspects the position ids on the device to detect
+    packed rows; reading the answer back stalls the host until the GPU has finished all queued
+    work (the previous optimizer step), so the GPU then waits for the host to queue the next
+    forward. The recipe knows from the host copy of the batch whether rows are packed: for
+    unpacked rows it switches the model to a registered attention that transformers gives no
+    mask (its SDPA attention, called causal and unmasked: the same computation), and back to
+    transformers' SDPA for packed rows, which need the per-document mask. While the fast path
+    is selected, transformers drops 2-D padding masks before attention: select(packed=True)
+    before any forward that needs one (generation, padded evaluation).
+
+    Args:
+        model: a text transformers model whose attention implementation is "sdpa" (otherwise
+            :meth:`select` does nothing).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        from transformers import AttentionInterface
+
+        self._model = unwrap(model)
+        self._base = getattr(self._model.config, "_attn_implementation", None)
+        self.enabled = self._base == "sdpa"
+        if self.enabled:
+            # Registering the same function under the same name again is harmless.
+            AttentionInterface.register(CAUSAL_ATTENTION, _causal_sdpa)
+
+    def select(self, *, packed: bool) -> None:
+        """Use transformers' SDPA (packed rows) or the mask-free causal attention."""
+        if not self.enabled:
+            return
+        target = self._base if packed else CAUSAL_ATTENTION
+        config = self._model.config
+        if config._attn_implementation != target:
+            # The config setter (what from_config's attn_implementation sets): the model's
+            # layers share this config and look the attention function up on every call.
+            config._attn_implementation = target
+
+
 def _build_vlm(config: SFTConfig, tokenizer: Any, dtype: torch.dtype) -> nn.Module:
     from transformers import (
         AutoModelForImageTextToText,

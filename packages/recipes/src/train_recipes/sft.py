@@ -27,6 +27,7 @@ from train_recipes._dist import RankContext, init_distributed
 from train_recipes.config import SFTConfig, to_dict
 from train_recipes.metrics import RunLogger, plot_loss
 from train_recipes.modeling import (
+    CausalFastPath,
     apply_lora,
     apply_output_tp,
     build_model,
@@ -35,6 +36,7 @@ from train_recipes.modeling import (
     export_hf,
     is_vlm,
     load_processor,
+    rows_are_packed,
     sdpa_backends,
     tokenizer_of,
     unwrap,
@@ -315,6 +317,8 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         run_log.log(0, {"eval/exact_match": accuracy_before})
 
     vlm = is_vlm(config)
+    # Text without cp: unpacked batches skip transformers' device-side packing check.
+    fast_path = CausalFastPath(model) if not vlm and sharder is None else None
     window = LossWindow(train.loss_window)
     batches = _forever(loader)
     accum = train.gradient_accumulation_steps
@@ -334,6 +338,8 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         with sdpa_backends(config.model.sdpa_backends):
             for batch, host_batch in zip(micro, host, strict=True):
                 seen[1] += float(host_batch["attention_mask"].sum()) / (ctx.cp_size * ctx.tp_size)
+                if fast_path is not None:
+                    fast_path.select(packed=rows_are_packed(host_batch["position_ids"]))
                 loss_sum = token_sum_loss(engine, batch, sharder=sharder, vlm=vlm)
                 engine.backward(loss_sum, num_tokens=num_tokens)
                 step_loss += loss_sum.detach().to(torch.float64)
@@ -393,6 +399,9 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
                 _prune_checkpoints(out_dir, train.keep_checkpoints)
             dist.barrier()
 
+    if fast_path is not None:
+        # Generation (padding masks, KV cache) and the HF export need transformers' own SDPA.
+        fast_path.select(packed=True)
     accuracy_after: float | None = None
     if eval_rows:
         accuracy_after = exact_match_accuracy(
