@@ -12,7 +12,8 @@ AdamW and clipping at 1.0, and runs in the same process one after the other:
   on bf16 logits, unsharded parameters kept between forward and backward (one GPU), causal
   attention without transformers' mask construction for unpacked rows (no host sync), and the
   SDPA backend order of ``--sdpa`` (cuDNN first by default).
-- ``recipes-*``: ablations, each undoing one of these.
+- ``recipes-*``: ablations, each undoing one of these; ``recipes-cp1`` runs ``recipes-hf-mask``
+  through cp-sharder at cp=1 (compare the two for the sharder's cost).
 
 Model FLOPs per token = 6 * parameters + 6 * layers * hidden * sequence (causal attention);
 MFU is against the dense bf16 peak given by ``--peak-tflops`` (989 for H100/H200 SXM).
@@ -77,6 +78,7 @@ class Variant:
     sdpa: tuple[str, ...] | None
     position_ids: bool = True  # the recipe passes them (packed rows need them)
     fast_path: bool = False  # the recipe's CausalFastPath for unpacked batches
+    cp1: bool = False  # through cp-sharder's ContextParallelSharder on a 1-rank cp mesh
 
 
 def variants(args: argparse.Namespace) -> dict[str, Variant]:
@@ -125,6 +127,16 @@ def variants(args: argparse.Namespace) -> dict[str, Variant]:
             loss="vocab_parallel",
             reshard_after_forward=True,
             sdpa=sdpa,
+        ),
+        Variant(
+            name="recipes-cp1",
+            engine=True,
+            compile=True,
+            loss="vocab_parallel",
+            reshard_after_forward=False,
+            sdpa=sdpa,
+            fast_path=False,
+            cp1=True,
         ),
         Variant(
             name="recipes-default-sdpa",
@@ -226,6 +238,11 @@ def setup(variant: Variant, args: argparse.Namespace) -> tuple[Callable[[dict], 
         model = apply_data_parallel(model, mesh=mesh, config=fsdp)
         opt = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=1e-5, fused=fused)
         engine = Engine(model, opt, max_grad_norm=1.0)
+        sharder = None
+        if variant.cp1:
+            from cp_sharder import ContextParallelSharder
+
+            sharder = ContextParallelSharder(model, mesh, padding_token_id=0)
 
         def step(batch: dict[str, torch.Tensor]) -> None:
             if variant.loss == "hf":
@@ -234,7 +251,7 @@ def setup(variant: Variant, args: argparse.Namespace) -> tuple[Callable[[dict], 
                 inputs = {"input_ids": batch["input_ids"], "labels": batch["shifted_labels"]}
                 if variant.position_ids:
                     inputs["position_ids"] = batch["position_ids"]
-                loss = token_sum_loss(engine, inputs)
+                loss = token_sum_loss(engine, inputs, sharder=sharder)
                 engine.backward(loss, num_tokens=args.batch * (args.seq - 1))
             engine.step()
 

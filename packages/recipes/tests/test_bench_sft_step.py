@@ -15,7 +15,7 @@ BENCH = Path(__file__).parents[1] / "bench" / "sft_step.py"
 @pytest.mark.timeout(300)
 def test_sft_step_quick(tmp_path: Path) -> None:
     out = tmp_path / "sft_step.json"
-    variants = "fsdp2,fsdp2+compile,recipes,recipes-hf-mask"
+    variants = "fsdp2,fsdp2+compile,recipes,recipes-hf-mask,recipes-cp1"
     command = [sys.executable, str(BENCH), "--quick", "--variants", variants]
     proc = subprocess.run(
         [*command, "--sdpa", "flash,math", "--profile", "recipes", "--out", str(out)],
