@@ -20,7 +20,7 @@ if [[ $what == tests || $what == all ]]; then
   # One pytest per package: test module basenames repeat across packages.
   for t in vocab-parallel/tests/test_vp_triton.py vocab-parallel/tests/test_vp_distributed.py \
            engine/tests/test_cuda.py cp-sharder/tests/test_cuda.py \
-           moe-dispatch/tests/test_cuda_paths.py testing/tests/test_markers.py; do
+           moe-dispatch/tests/test_cuda_paths.py testing/tests/test_markers.py recipes/tests/test_gpu.py; do
     step 240 python3 -m pytest -q -rs -p no:cacheprovider "packages/$t"
   done
 fi
@@ -30,6 +30,10 @@ if [[ $what == bench || $what == all ]]; then
   done
   step 120 python3 packages/moe-dispatch/bench/dispatch_throughput.py --device cuda --tokens 16384 --hidden 2048 --experts 64 --top-k 8 --dtype bfloat16 --json "$OUT/moe_dispatch.json"
   step 90 python3 packages/engine/bench/overhead.py --device cuda --out "$OUT/engine_overhead.json"
+  step 120 python3 packages/engine/bench/overhead.py --device cuda --hidden 4096 --batch 8192 --steps 5 --fused --out "$OUT/engine_overhead_gpu_bound_fused.json"
   step 60 python3 packages/engine/bench/clip.py --device cuda --out "$OUT/engine_clip.json"
   step 240 python3 packages/engine/bench/sft_llama.py --device cuda --baseline --out "$OUT/engine_sft_llama.json"
+  step 420 python3 packages/recipes/bench/sft_step.py --variants fsdp2,fsdp2+compile,recipes,recipes-hf-mask,recipes-cp1 --profile recipes --out "$OUT/sft_step.json"
+  # Needs megatron-energon and its dependencies importable (carry their wheels; see packages/recipes/README.md).
+  step 360 python3 packages/recipes/bench/loader_vs_step.py --device cuda --out "$OUT/loader_vs_step.json"
 fi
