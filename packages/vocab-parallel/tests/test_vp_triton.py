@@ -77,3 +77,42 @@ def test_backend_errors() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises((ValueError, ImportError), match="backend='triton'"):
             vp.token_log_probs(logits, labels, backend="triton")
+
+
+def test_linear_block_size_defaults() -> None:
+    from vocab_parallel._linear import block_size_for
+
+    # fp32 blocks: about 16M logits; 16-bit Triton blocks: 64M logits in multiples of 128 rows.
+    assert block_size_for(8192, 151936) == (1 << 24) // 8192
+    assert block_size_for(8192, 151936, low_precision=True) == 8192
+    assert block_size_for(3000, 151936, low_precision=True) % 128 == 0
+    assert block_size_for(1 << 22, 151936, low_precision=True) == 128  # never below 128 rows
+    assert block_size_for(16, 1000, low_precision=True) == 1000  # capped by the vocabulary
+
+
+@requires_cuda(1)
+@requires_module("triton", extra="triton")
+def test_linear_default_blocks_on_cuda_match_float64() -> None:
+    """The default (large, bf16) blocks over several blocks: values and both gradients against
+    a float64 dense reference computed with plain PyTorch."""
+    gen = torch.Generator().manual_seed(1)
+    tokens, vocab, width = 16384, 10000, 32  # 4096-row blocks: 3 blocks, a ragged last one
+    hidden = torch.randn(tokens, width, generator=gen).bfloat16()
+    weight = (torch.randn(vocab, width, generator=gen) / 4).bfloat16()
+    labels = torch.randint(0, vocab, (tokens,), generator=gen)
+    labels[::7] = -100
+    upstream = torch.randn(tokens, generator=gen)
+    h = hidden.cuda().requires_grad_()
+    w = weight.cuda().requires_grad_()
+    out = vp.linear_token_log_probs(h, w, labels.cuda())
+    (out * upstream.cuda()).sum().backward()
+    h64 = hidden.double().requires_grad_()
+    w64 = weight.double().requires_grad_()
+    logp = torch.log_softmax(h64 @ w64.T, dim=-1)
+    valid = labels != -100
+    ref = torch.where(valid, logp.gather(1, labels.clamp(min=0)[:, None])[:, 0], 0.0)
+    (ref * upstream.double()).sum().backward()
+    torch.testing.assert_close(out.double().cpu(), ref.detach(), atol=2e-2, rtol=1e-2)
+    for got, want in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        err = (got.double().cpu() - want).norm() / want.norm()
+        assert err < 1e-2, float(err)

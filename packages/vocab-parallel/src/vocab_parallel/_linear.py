@@ -22,10 +22,21 @@ from vocab_parallel._logits import CHUNK_ELEMENTS, Plan, locate_targets, raise_i
 from vocab_parallel._math import ShardStats, chunk_grad, merge, scaled_target, shard_stats
 from vocab_parallel._reduce import reduce_stats
 
+# Logits per block when the block stays in 16-bit (Triton backend): 128 MiB of bf16. Fewer,
+# larger blocks keep the three per-block matmuls near peak and cut the per-block fp32
+# accumulation of the hidden gradient ([N, H] read and written once per block).
+LOW_PRECISION_BLOCK_ELEMENTS = 1 << 26
 
-def block_size_for(tokens: int, local_vocab: int) -> int:
-    """Default vocabulary rows per block: about CHUNK_ELEMENTS fp32 logits per block."""
-    return max(1, min(max(local_vocab, 1), CHUNK_ELEMENTS // max(tokens, 1)))
+
+def block_size_for(tokens: int, local_vocab: int, *, low_precision: bool = False) -> int:
+    """Default vocabulary rows per block: about CHUNK_ELEMENTS fp32 logits per block, or
+    LOW_PRECISION_BLOCK_ELEMENTS 16-bit logits (a multiple of 128 rows) when the block is
+    never converted to fp32 (Triton backend, bf16/fp16 inputs)."""
+    local_vocab = max(local_vocab, 1)
+    if not low_precision:
+        return max(1, min(local_vocab, CHUNK_ELEMENTS // max(tokens, 1)))
+    rows = LOW_PRECISION_BLOCK_ELEMENTS // max(tokens, 1) // 128 * 128
+    return min(local_vocab, max(128, rows))
 
 
 def _block_fp32(logits: Tensor, inv_temperature: float) -> Tensor:

@@ -322,8 +322,9 @@ def linear_token_log_probs(
     """log p(label) under softmax(hidden @ weight.T / temperature), never building [N, V].
 
     The projection is walked in blocks of ``chunk_size`` vocabulary rows; each block's [N, B]
-    logits are recomputed in backward. Extra memory is about one [N, B] fp32 block plus an
-    fp32 [N, H] hidden-gradient accumulator, besides the gradients themselves.
+    logits are recomputed in backward. Extra memory is about one [N, B] block (fp32 on the
+    torch backend, the input dtype on Triton) and its gradient, plus an fp32 [N, H]
+    hidden-gradient accumulator, besides the gradients themselves.
 
     Args:
         hidden: [..., H] float; plain, or a DTensor that is Replicate on every mesh dim.
@@ -332,7 +333,8 @@ def linear_token_log_probs(
         labels: [...] integer; ``ignore_index`` positions give 0 and get no gradient.
         temperature: > 0.
         ignore_index: label value without a target.
-        chunk_size: vocabulary rows per block; None picks about 16M logits per block.
+        chunk_size: vocabulary rows per block; None picks about 16M fp32 logits per block
+            (torch backend) or 64M 16-bit logits (Triton backend, bf16/fp16).
         validate: check the label range (one device-to-host sync).
         backend: "auto", "torch" or "triton" for the per-block softmax work around the
             matmuls (see :func:`token_log_probs`).
@@ -363,17 +365,20 @@ def linear_token_log_probs(
         replicated_local(labels, name="labels"), batch_shape=batch_shape, what="hidden states"
     )
     flat_hidden = local_hidden.reshape(-1, local_hidden.shape[-1])
+    resolved = _resolve_backend(backend, flat_hidden)
+    low_precision = resolved == "triton" and flat_hidden.dtype in (torch.bfloat16, torch.float16)
     plan = Plan(
         group=shard.group,
         vocab_start=shard.vocab_start,
         vocab_size=shard.vocab_size,
         inv_temperature=inv_t,
         ignore_index=ignore_index,
-        chunk_size=chunk_size or block_size_for(flat_hidden.shape[0], shard.local.shape[0]),
+        chunk_size=chunk_size
+        or block_size_for(flat_hidden.shape[0], shard.local.shape[0], low_precision=low_precision),
         entropy=False,
         uniform=False,
         validate=validate,
-        backend=_resolve_backend(backend, flat_hidden),
+        backend=resolved,
     )
     log_p = LinearLogProbs.apply(flat_hidden, shard.local, labels.reshape(-1), plan)
     return log_p.view(batch_shape)
