@@ -35,7 +35,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,88 +83,29 @@ class Variant:
 
 def variants(args: argparse.Namespace) -> dict[str, Variant]:
     sdpa = tuple(args.sdpa.split(",")) if args.sdpa else None
+    plain = Variant(
+        name="fsdp2", engine=False, compile=False, loss="hf", reshard_after_forward=None, sdpa=None
+    )
+    recipes = Variant(
+        name="recipes",
+        engine=True,
+        compile=True,
+        loss="vocab_parallel",
+        reshard_after_forward=False,
+        sdpa=sdpa,
+        fast_path=True,
+    )
     out = [
-        Variant(
-            name="fsdp2",
-            engine=False,
-            compile=False,
-            loss="hf",
-            reshard_after_forward=None,
-            sdpa=None,
-        ),
-        Variant(
-            name="fsdp2+compile",
-            engine=False,
-            compile=True,
-            loss="hf",
-            reshard_after_forward=None,
-            sdpa=None,
-        ),
-        Variant(
-            name="recipes",
-            engine=True,
-            fast_path=True,
-            compile=True,
-            loss="vocab_parallel",
-            reshard_after_forward=False,
-            sdpa=sdpa,
-        ),
+        plain,
+        replace(plain, name="fsdp2+compile", compile=True),
+        recipes,
         # Ablations of the recipes step, one change each.
-        Variant(
-            name="recipes-hf-loss",
-            engine=True,
-            fast_path=True,
-            compile=True,
-            loss="hf",
-            reshard_after_forward=False,
-            sdpa=sdpa,
-        ),
-        Variant(
-            name="recipes-reshard",
-            engine=True,
-            fast_path=True,
-            compile=True,
-            loss="vocab_parallel",
-            reshard_after_forward=True,
-            sdpa=sdpa,
-        ),
-        Variant(
-            name="recipes-cp1",
-            engine=True,
-            compile=True,
-            loss="vocab_parallel",
-            reshard_after_forward=False,
-            sdpa=sdpa,
-            fast_path=False,
-            cp1=True,
-        ),
-        Variant(
-            name="recipes-default-sdpa",
-            engine=True,
-            fast_path=True,
-            compile=True,
-            loss="vocab_parallel",
-            reshard_after_forward=False,
-            sdpa=None,
-        ),
-        Variant(
-            name="recipes-hf-mask",
-            engine=True,
-            compile=True,
-            loss="vocab_parallel",
-            reshard_after_forward=False,
-            sdpa=sdpa,
-            fast_path=False,
-        ),
-        Variant(
-            name="recipes-eager",
-            engine=True,
-            fast_path=True,
-            compile=False,
-            loss="vocab_parallel",
-            reshard_after_forward=False,
-            sdpa=sdpa,
-        ),
+        replace(recipes, name="recipes-hf-loss", loss="hf"),
+        replace(recipes, name="recipes-reshard", reshard_after_forward=True),
+        replace(recipes, name="recipes-hf-mask", fast_path=False),
+        replace(recipes, name="recipes-cp1", fast_path=False, cp1=True),
+        replace(recipes, name="recipes-default-sdpa", sdpa=None),
+        replace(recipes, name="recipes-eager", compile=False),
     ]
     return {v.name: v for v in out}
 
@@ -431,7 +372,7 @@ def main() -> None:
     chosen = [table[name] for name in args.variants.split(",")]
     if args.device != "cuda":
         # Inductor on the CPU needs a C++ toolchain; the quick run checks the plumbing only.
-        chosen = [Variant(**{**_fields(v), "compile": False}) for v in chosen]
+        chosen = [replace(v, compile=False) for v in chosen]
     out_dir = Path(args.out).parent if args.out else None
     rows = []
     traced_sdpa: object = "none yet"
@@ -469,10 +410,6 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     dist.destroy_process_group()
-
-
-def _fields(v: Variant) -> dict[str, Any]:
-    return {name: getattr(v, name) for name in Variant.__slots__}
 
 
 def device_name(device: str) -> str:

@@ -24,6 +24,22 @@ def test_compiled_layers_under_fsdp2_match_float64_eager(rank_pool: object) -> N
         torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def _tiny_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config).double()
+
+
 def test_decoder_layers_requires_a_transformers_model() -> None:
     with pytest.raises(ValueError, match="found no decoder layers in Sequential"):
         decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
@@ -43,21 +59,9 @@ def test_sdpa_backends_restrict_the_choice() -> None:
 
 
 def test_token_sum_loss_without_position_ids_is_the_same_for_unpacked_rows() -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from train_recipes.sft import token_sum_loss
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=50,
-        attn_implementation="sdpa",
-    )
-    model = LlamaForCausalLM(config).double()
+    model = _tiny_llama()
     ids = torch.randint(0, 50, (2, 10))
     labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
     with_pos = token_sum_loss(
@@ -85,22 +89,6 @@ def test_speed_config_keys() -> None:
     empty = load_config(SFTConfig, None, ["model.sdpa_backends=[]"])
     with pytest.raises(ConfigError, match=r"model\.sdpa_backends"):
         validate_sft(empty, world_size=1)
-
-
-def _tiny_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=50,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config).double()
 
 
 def test_causal_fast_path_matches_transformers_sdpa_and_switches_back() -> None:

@@ -447,7 +447,14 @@ class Engine:
         step_on_device(self.optimizer, divisor=divisor, found_inf=found_inf)
         pending = None
         if found_inf is not None:
+            # Snapshots the scheduler before _finish_update steps it.
             pending = PendingUpdate(found_inf, self.optimizer, self.lr_scheduler)
+        return self._finish_update(norm, lrs, pending)
+
+    def _finish_update(
+        self, norm: Tensor, lrs: tuple[float, ...], pending: PendingUpdate | None = None
+    ) -> StepResult:
+        """Step the scheduler, count the update and end the window (the optimizer has run)."""
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self._optimizer_steps += 1
@@ -526,17 +533,7 @@ class Engine:
             clip_grads_with_norm_(self._params, self.max_grad_norm, norm)
         lrs = self._lrs()
         self.optimizer.step()
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self._optimizer_steps += 1
-        self._end_window()
-        return StepResult(
-            updated=True,
-            skipped=False,
-            grad_norm=norm,
-            lrs=lrs,
-            optimizer_steps=self._optimizer_steps,
-        )
+        return self._finish_update(norm, lrs)
 
     def zero_grad(self) -> None:
         """Clear all gradients (to None). Mid-window, this discards the window and starts anew.
