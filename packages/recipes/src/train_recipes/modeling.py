@@ -246,7 +246,7 @@ class CausalFastPath:
         if not self.enabled:
             return
         target = self._base if packed else CAUSAL_ATTENTION
-        config = self._model.config
+        config: Any = self._model.config
         if config._attn_implementation != target:
             # The config setter (what from_config's attn_implementation sets): the model's
             # layers share this config and look the attention function up on every call.
