@@ -290,3 +290,30 @@ def test_fused_optimizer_clips_inside_the_update_like_clip_grad_norm() -> None:
         assert r.updated and not r.skipped
     for a, b in zip(engine.module.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_device_update_only_where_the_flag_lives_with_the_parameters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Offloaded (CPU) parameters under a GPU backend take the host-read path: the fused CPU
+    kernel must not read a flag still being copied from the GPU."""
+    import train_engine.engine as engine_module
+
+    engine, _ = _fused_run([(1, 1.0)], nonfinite="skip")
+    assert engine._flag_on_param_device()  # one process, CPU parameters
+    monkeypatch.setattr(engine_module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(engine_module.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(engine_module, "_backend_device", lambda group: torch.device("cuda", 0))
+    assert not engine._flag_on_param_device()
+    monkeypatch.setattr(engine_module, "_backend_device", lambda group: torch.device("cpu"))
+    assert engine._flag_on_param_device()
+
+
+def test_fused_optimizer_on_the_host_path_still_skips(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Engine, "_flag_on_param_device", lambda self: False)
+    clean, _ = _fused_run([(1, 1.0), (2, 1.0)], nonfinite="skip")
+    engine, results = _fused_run([(1, 1.0), (9, math.inf), (2, 1.0)], nonfinite="skip")
+    assert [r.skipped for r in results] == [False, True, False]
+    assert results[1]._pending is None  # decided on the host
+    for a, b in zip(engine.module.parameters(), clean.module.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -423,6 +423,16 @@ class Engine:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag
 
+    def _flag_on_param_device(self) -> bool:
+        """Whether the agreed flag lives where the parameters do. Offloaded parameters (CPU)
+        under NCCL would make the CPU kernel read a flag still in flight from the GPU."""
+        types = {p.device.type for p in self._params}
+        if len(types) != 1:
+            return False
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return _backend_device(None).type in types
+        return True
+
     def _nonfinite_everywhere(self, norm: Tensor) -> bool:
         return bool(self._nonfinite_flag(norm).item())
 
@@ -507,7 +517,11 @@ class Engine:
         self._settle()
         norm = global_grad_norm(self._params, self.norm_type)
         self._last_norm = norm
-        if self.nonfinite != "raise" and supports_device_update(self.optimizer):
+        if (
+            self.nonfinite != "raise"
+            and supports_device_update(self.optimizer)
+            and self._flag_on_param_device()
+        ):
             return self._update_on_device(norm)
         if self.nonfinite != "step" and self._nonfinite_everywhere(norm):
             self._end_window()
