@@ -177,6 +177,7 @@ class Engine:
         else:
             self._dp_groups = (dp_group,)
         self._params = [p for p in model.parameters() if p.requires_grad]
+        self._param_device_types = frozenset(p.device.type for p in self._params)
         self._window = 1
         self.set_gradient_accumulation_steps(gradient_accumulation_steps)
 
@@ -426,11 +427,10 @@ class Engine:
     def _flag_on_param_device(self) -> bool:
         """Whether the agreed flag lives where the parameters do. Offloaded parameters (CPU)
         under NCCL would make the CPU kernel read a flag still in flight from the GPU."""
-        types = {p.device.type for p in self._params}
-        if len(types) != 1:
+        if len(self._param_device_types) != 1:
             return False
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return _backend_device(None).type in types
+            return _backend_device(None).type in self._param_device_types
         return True
 
     def _nonfinite_everywhere(self, norm: Tensor) -> bool:
