@@ -317,3 +317,24 @@ def test_fused_optimizer_on_the_host_path_still_skips(monkeypatch: pytest.Monkey
     assert results[1]._pending is None  # decided on the host
     for a, b in zip(engine.module.parameters(), clean.module.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_loading_state_drops_an_unread_device_skip() -> None:
+    """A loaded state replaces the pending (device-decided) update: reading its flag afterwards
+    must not roll the freshly loaded scheduler back to the pre-skip snapshot."""
+    engine, _ = _fused_run([(1, 1.0)], nonfinite="skip")
+    # The state after the first window (as a checkpoint would hold it)...
+    saved_engine = engine.state_dict()
+    saved_sched = engine.lr_scheduler.state_dict()  # type: ignore[union-attr]
+    saved_lr = engine.optimizer.param_groups[0]["lr"]
+    # ...then one more update and a window skipped on the device, its flag not read yet.
+    for seed, factor in ((2, 1.0), (9, math.inf)):
+        ids, labels = global_batch(seed, 4)
+        engine.backward(token_loss_mean(engine(ids), labels) * factor)
+        engine.step()
+    engine.lr_scheduler.load_state_dict(saved_sched)  # type: ignore[union-attr]
+    engine.optimizer.param_groups[0]["lr"] = saved_lr
+    engine.load_state_dict(saved_engine)
+    assert engine.state_dict() == saved_engine
+    assert engine.lr_scheduler.state_dict() == saved_sched  # type: ignore[union-attr]
+    assert engine.optimizer.param_groups[0]["lr"] == saved_lr

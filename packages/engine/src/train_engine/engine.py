@@ -603,7 +603,9 @@ class Engine:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Restore counters saved by :meth:`state_dict`; only between windows."""
         self._require_between_windows("load_state_dict")
-        self._settle()
+        # The loaded state replaces the last update's unread skip flag. Reading it would roll
+        # the scheduler back to its pre-update snapshot, over whatever was just loaded.
+        self._pending = None
         expected = set(self.state_dict())
         if set(state) != expected:
             raise ValueError(
@@ -660,7 +662,6 @@ class Engine:
 
         self._check_usable()
         self._require_between_windows("load_checkpoint")
-        self._settle()
         loaded = load_checkpoint(
             directory, model=self.module, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler
         )
