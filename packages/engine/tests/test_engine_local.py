@@ -331,10 +331,14 @@ def test_loading_state_drops_an_unread_device_skip() -> None:
     for seed, factor in ((2, 1.0), (9, math.inf)):
         ids, labels = global_batch(seed, 4)
         engine.backward(token_loss_mean(engine(ids), labels) * factor)
-        engine.step()
+        result = engine.step()
     engine.lr_scheduler.load_state_dict(saved_sched)  # type: ignore[union-attr]
     engine.optimizer.param_groups[0]["lr"] = saved_lr
     engine.load_state_dict(saved_engine)
     assert engine.state_dict() == saved_engine
+    assert engine.lr_scheduler.state_dict() == saved_sched  # type: ignore[union-attr]
+    assert engine.optimizer.param_groups[0]["lr"] == saved_lr
+    # The old step's result still reports the skip, and reading it restores nothing.
+    assert result.skipped
     assert engine.lr_scheduler.state_dict() == saved_sched  # type: ignore[union-attr]
     assert engine.optimizer.param_groups[0]["lr"] == saved_lr

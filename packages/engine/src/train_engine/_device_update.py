@@ -61,6 +61,7 @@ class PendingUpdate:
     """
 
     __slots__ = (
+        "_detached",
         "_event",
         "_flag",
         "_group_settings",
@@ -90,7 +91,13 @@ class PendingUpdate:
         self._scheduler_state = None if lr_scheduler is None else lr_scheduler.state_dict()
         self._optimizer = optimizer
         self._lr_scheduler = lr_scheduler
+        self._detached = False
         self.skipped: bool | None = None
+
+    def detach(self) -> None:
+        """The optimizer and scheduler were replaced (a loaded state): a later read of the flag
+        must not restore the snapshot over them."""
+        self._detached = True
 
     def resolve(self) -> bool:
         """Read the flag (waits only for the flag's copy); on a skip, undo the scheduler step."""
@@ -99,7 +106,7 @@ class PendingUpdate:
         if self._event is not None:
             self._event.synchronize()
         self.skipped = bool(self._flag.item())
-        if self.skipped:
+        if self.skipped and not self._detached:
             if self._lr_scheduler is not None:
                 self._lr_scheduler.load_state_dict(self._scheduler_state)
             for group, settings in zip(

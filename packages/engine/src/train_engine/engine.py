@@ -604,8 +604,11 @@ class Engine:
         """Restore counters saved by :meth:`state_dict`; only between windows."""
         self._require_between_windows("load_state_dict")
         # The loaded state replaces the last update's unread skip flag. Reading it would roll
-        # the scheduler back to its pre-update snapshot, over whatever was just loaded.
-        self._pending = None
+        # the scheduler back to its pre-update snapshot, over whatever was just loaded (also
+        # when a StepResult still holding it is read later).
+        if self._pending is not None:
+            self._pending.detach()
+            self._pending = None
         expected = set(self.state_dict())
         if set(state) != expected:
             raise ValueError(
