@@ -8,7 +8,9 @@ Variants (all compute log p(label) for T tokens over V entries and backpropagate
     ours             vocab_parallel.token_log_probs (backend "auto": Triton on CUDA, else torch)
     ours_torch       the pure-PyTorch chunked path (CUDA only; on CPU it is "ours")
     naive_linear     hidden @ weight.T, then naive                    (baseline of the fused form)
-    fused_linear     vocab_parallel.linear_token_log_probs
+    fused_linear     vocab_parallel.linear_token_log_probs (Triton matmul epilogues on CUDA)
+    fused_linear_cublas  the same with fuse_matmul=False: cuBLAS matmuls + Triton softmax kernels
+    fused_linear_bN  fused_linear with N vocabulary rows per backward block (--linear-blocks)
 
 Peak extra memory (CUDA only) is the peak allocated during forward+backward above what was
 allocated before (the inputs); it includes the gradients the call returns. The floor is the time
@@ -106,6 +108,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CI smoke run)")
     parser.add_argument("--no-linear", action="store_true", help="skip the fused linear rows")
+    parser.add_argument(
+        "--linear-blocks",
+        default="",
+        help="comma-separated vocabulary rows per block: extra fused_linear_bN rows (CUDA)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: stdout only)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -152,11 +159,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
         def clear_linear() -> None:
             hidden.grad = weight.grad = None
 
-        def linear_step(fused: bool) -> Callable[[], None]:
+        def linear_step(fused: bool, **options: object) -> Callable[[], None]:
             def step() -> None:
                 clear_linear()
                 if fused:
-                    out = vp.linear_token_log_probs(hidden, weight, labels)
+                    out = vp.linear_token_log_probs(hidden, weight, labels, **options)  # type: ignore[arg-type]
                 else:
                     out = naive_log_probs(hidden @ weight.T, labels)
                 out.sum().backward()
@@ -166,6 +173,20 @@ def main(argv: list[str] | None = None) -> list[Row]:
         leaves = [hidden, weight]
         variants["naive_linear"] = ("naive_linear", linear_step(False), clear_linear, leaves)
         variants["fused_linear"] = ("naive_linear", linear_step(True), clear_linear, leaves)
+        if device.type == "cuda":
+            variants["fused_linear_cublas"] = (
+                "naive_linear",
+                linear_step(True, fuse_matmul=False),
+                clear_linear,
+                leaves,
+            )
+            for rows_text in filter(None, args.linear_blocks.split(",")):
+                variants[f"fused_linear_b{int(rows_text)}"] = (
+                    "naive_linear",
+                    linear_step(True, chunk_size=int(rows_text)),
+                    clear_linear,
+                    leaves,
+                )
 
     rows: dict[str, Row] = {}
     for name, (baseline, step, reset, grad_leaves) in variants.items():

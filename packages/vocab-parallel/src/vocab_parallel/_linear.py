@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from vocab_parallel._logits import CHUNK_ELEMENTS, Plan, locate_targets, raise_invalid
+from vocab_parallel._logits import CHUNK_ELEMENTS, Plan, Targets, locate_targets, raise_invalid
 from vocab_parallel._math import ShardStats, chunk_grad, merge, scaled_target, shard_stats
 from vocab_parallel._reduce import reduce_stats
 
@@ -54,37 +54,115 @@ def _block_targets(index: Tensor, in_shard: Tensor, start: int, stop: int) -> tu
     return in_block, column
 
 
+def _target_columns(index: Tensor, in_shard: Tensor) -> Tensor:
+    """[N] int64 local column of each label, -1 where the label is not on this rank."""
+    return torch.where(in_shard, index, torch.full_like(index, -1))
+
+
+def _blockwise_stats(
+    hidden: Tensor, weight: Tensor, targets: Targets, plan: Plan
+) -> tuple[ShardStats, Tensor]:
+    """Softmax statistics and target logits [N] from one cuBLAS matmul per block of rows."""
+    n = hidden.shape[0]
+    local_vocab = weight.shape[0]
+    inv_t = plan.inv_temperature
+    target = hidden.new_zeros(n, dtype=torch.float32)
+    running: ShardStats | None = None
+    for start in range(0, local_vocab, plan.chunk_size):
+        stop = min(start + plan.chunk_size, local_vocab)
+        logits = hidden @ weight[start:stop].T
+        in_block, column = _block_targets(targets.index, targets.in_shard, start, stop)
+        picked = scaled_target(logits.gather(1, column.unsqueeze(-1)).squeeze(-1), inv_t)
+        target = torch.where(in_block, picked, target)
+        if plan.backend == "triton":
+            from vocab_parallel import _triton
+
+            block = _triton.shard_stats(logits, inv_temperature=inv_t, entropy=False, sum_z=False)
+        else:
+            block = shard_stats(_block_fp32(logits, inv_t), entropy=False, sum_z=False)
+        del logits
+        running = block if running is None else merge(running, block)
+    if running is None:  # this rank holds no vocabulary rows
+        running = shard_stats(
+            hidden.new_zeros((n, 0), dtype=torch.float32), entropy=False, sum_z=False
+        )
+    return running, target
+
+
+def _add_matmul_(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
+    """accumulator (fp32) += a @ b for 16-bit a, b, summed in fp32 inside one matmul on CUDA."""
+    if accumulator.dtype == a.dtype:
+        accumulator.addmm_(a, b)
+    elif accumulator.is_cuda:
+        torch.addmm(accumulator, a, b, out_dtype=accumulator.dtype, out=accumulator)
+    else:
+        accumulator.add_(a @ b)
+
+
+def _matmul_logits_grad(
+    hidden: Tensor,
+    rows: Tensor,
+    *,
+    start: int,
+    index: Tensor,
+    in_shard: Tensor,
+    log_normalizer: Tensor,
+    g_all: Tensor,
+    plan: Plan,
+) -> Tensor:
+    """[N, B] logits gradient of one block (input dtype), from a cuBLAS recomputation."""
+    inv_t = plan.inv_temperature
+    logits = hidden @ rows.T
+    in_block, column = _block_targets(index, in_shard, start, start + rows.shape[0])
+    target_grad = torch.where(in_block, g_all, 0.0)
+    if plan.backend == "triton":
+        from vocab_parallel import _triton
+
+        return _triton.logits_grad(
+            logits,
+            inv_temperature=inv_t,
+            inv_vocab=1.0 / plan.vocab_size,
+            log_normalizer=log_normalizer,
+            entropy=None,
+            grad_all=g_all,
+            grad_entropy=None,
+            grad_uniform=None,
+            target_index=column,
+            target_grad=target_grad,
+        )
+    grad_z = chunk_grad(
+        _block_fp32(logits, inv_t),
+        log_normalizer=log_normalizer,
+        entropy=None,
+        grad_target=g_all,
+        grad_entropy=None,
+        grad_uniform=None,
+        inv_vocab=1.0 / plan.vocab_size,
+        target_index=column,
+        target_grad=target_grad,
+    )
+    return grad_z.to(hidden.dtype)
+
+
 class LinearLogProbs(torch.autograd.Function):
     """log p(label) [N] from hidden [N, H] and the local projection rows [Vl, H]."""
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, plan: Plan) -> Tensor:
-        n = hidden.shape[0]
         local_vocab = weight.shape[0]
         inv_t = plan.inv_temperature
         targets = locate_targets(labels, plan=plan, local_vocab=local_vocab)
-        target = hidden.new_zeros(n, dtype=torch.float32)
-        running: ShardStats | None = None
-        for start in range(0, local_vocab, plan.chunk_size):
-            stop = min(start + plan.chunk_size, local_vocab)
-            logits = hidden @ weight[start:stop].T
-            in_block, column = _block_targets(targets.index, targets.in_shard, start, stop)
-            picked = scaled_target(logits.gather(1, column.unsqueeze(-1)).squeeze(-1), inv_t)
-            target = torch.where(in_block, picked, target)
-            if plan.backend == "triton":
-                from vocab_parallel import _triton
+        if plan.fuse_matmul:
+            from vocab_parallel import _triton_linear
 
-                block = _triton.shard_stats(
-                    logits, inv_temperature=inv_t, entropy=False, sum_z=False
-                )
-            else:
-                block = shard_stats(_block_fp32(logits, inv_t), entropy=False, sum_z=False)
-            del logits
-            running = block if running is None else merge(running, block)
-        if running is None:  # this rank holds no vocabulary rows
-            running = shard_stats(
-                hidden.new_zeros((n, 0), dtype=torch.float32), entropy=False, sum_z=False
+            running, target = _triton_linear.linear_stats(
+                hidden,
+                weight,
+                target_col=_target_columns(targets.index, targets.in_shard),
+                inv_temperature=inv_t,
             )
+        else:
+            running, target = _blockwise_stats(hidden, weight, targets, plan)
         glob = reduce_stats(
             running, target=target, invalid_labels=targets.invalid, group=plan.group
         )
@@ -108,46 +186,44 @@ class LinearLogProbs(torch.autograd.Function):
         local_vocab = weight.shape[0]
         grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32) if need_hidden else None
         grad_weight = torch.empty_like(weight) if need_weight else None
+        if plan.fuse_matmul:
+            target_col = _target_columns(index, in_shard)
+            target_grad = torch.where(in_shard, g_all, 0.0)
+            # One block buffer, reused: each block's gradient is consumed before the next.
+            block_buffer = hidden.new_empty(hidden.shape[0] * min(plan.chunk_size, local_vocab))
         for start in range(0, local_vocab, plan.chunk_size):
             stop = min(start + plan.chunk_size, local_vocab)
             rows = weight[start:stop]
-            logits = hidden @ rows.T
-            in_block, column = _block_targets(index, in_shard, start, stop)
-            target_grad = torch.where(in_block, g_all, 0.0)
-            if plan.backend == "triton":
-                from vocab_parallel import _triton
+            if plan.fuse_matmul:
+                from vocab_parallel import _triton_linear
 
-                grad_logits = _triton.logits_grad(
-                    logits,
+                grad_logits = _triton_linear.linear_logits_grad(
+                    hidden,
+                    rows,
+                    out=block_buffer[: hidden.shape[0] * (stop - start)].view(-1, stop - start),
+                    col_offset=start,
                     inv_temperature=inv_t,
-                    inv_vocab=1.0 / plan.vocab_size,
                     log_normalizer=log_normalizer,
-                    entropy=None,
                     grad_all=g_all,
-                    grad_entropy=None,
-                    grad_uniform=None,
-                    target_index=column,
+                    target_col=target_col,
                     target_grad=target_grad,
                 )
             else:
-                grad_z = chunk_grad(
-                    _block_fp32(logits, inv_t),
+                grad_logits = _matmul_logits_grad(
+                    hidden,
+                    rows,
+                    start=start,
+                    index=index,
+                    in_shard=in_shard,
                     log_normalizer=log_normalizer,
-                    entropy=None,
-                    grad_target=g_all,
-                    grad_entropy=None,
-                    grad_uniform=None,
-                    inv_vocab=1.0 / plan.vocab_size,
-                    target_index=column,
-                    target_grad=target_grad,
+                    g_all=g_all,
+                    plan=plan,
                 )
-                grad_logits = grad_z.to(hidden.dtype)
-                del grad_z
-            del logits
             if grad_hidden is not None:
-                grad_hidden.add_(grad_logits @ rows)
+                _add_matmul_(grad_hidden, grad_logits, rows)
             if grad_weight is not None:
                 torch.mm(grad_logits.T, hidden, out=grad_weight[start:stop])
+            del grad_logits
         if grad_hidden is not None and plan.group is not None:
             # Each rank saw only its vocabulary rows: the hidden gradient is a sum over ranks
             # ([N, H] floats, independent of V).

@@ -318,6 +318,7 @@ def linear_token_log_probs(
     chunk_size: int | None = None,
     validate: bool = False,
     backend: Backend = "auto",
+    fuse_matmul: bool = False,
 ) -> Tensor:
     """log p(label) under softmax(hidden @ weight.T / temperature), never building [N, V].
 
@@ -325,6 +326,11 @@ def linear_token_log_probs(
     logits are recomputed in backward. Extra memory is about one [N, B] block (fp32 on the
     torch backend, the input dtype on Triton) and its gradient, plus an fp32 [N, H]
     hidden-gradient accumulator, besides the gradients themselves.
+
+    With ``fuse_matmul`` (experimental, bf16/fp16 on the Triton backend) the logits are
+    computed by Triton matmul kernels that do the softmax work in their epilogue: forward
+    never writes the logits (no block buffer at all), and backward writes each block only
+    once, as its gradient, which cuBLAS then multiplies into the hidden and weight gradients.
 
     Args:
         hidden: [..., H] float; plain, or a DTensor that is Replicate on every mesh dim.
@@ -338,6 +344,9 @@ def linear_token_log_probs(
         validate: check the label range (one device-to-host sync).
         backend: "auto", "torch" or "triton" for the per-block softmax work around the
             matmuls (see :func:`token_log_probs`).
+        fuse_matmul: True needs bf16/fp16 inputs on the Triton backend (it raises
+            otherwise); False keeps the logits matmuls in cuBLAS, with the softmax work in
+            separate kernels.
 
     Returns:
         [...] float32, identical on every vocabulary rank. The hidden gradient is summed over
@@ -367,6 +376,12 @@ def linear_token_log_probs(
     flat_hidden = local_hidden.reshape(-1, local_hidden.shape[-1])
     resolved = _resolve_backend(backend, flat_hidden)
     low_precision = resolved == "triton" and flat_hidden.dtype in (torch.bfloat16, torch.float16)
+    if fuse_matmul and not low_precision:
+        raise ValueError(
+            f"fuse_matmul=True needs bf16/fp16 inputs on the Triton backend, got "
+            f"{flat_hidden.dtype} on backend {resolved!r} ({flat_hidden.device}); pass "
+            f"fuse_matmul=False"
+        )
     plan = Plan(
         group=shard.group,
         vocab_start=shard.vocab_start,
@@ -379,6 +394,7 @@ def linear_token_log_probs(
         uniform=False,
         validate=validate,
         backend=resolved,
+        fuse_matmul=fuse_matmul,
     )
     log_p = LinearLogProbs.apply(flat_hidden, shard.local, labels.reshape(-1), plan)
     return log_p.view(batch_shape)
