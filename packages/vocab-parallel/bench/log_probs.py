@@ -8,9 +8,12 @@ Variants (all compute log p(label) for T tokens over V entries and backpropagate
     ours             vocab_parallel.token_log_probs (backend "auto": Triton on CUDA, else torch)
     ours_torch       the pure-PyTorch chunked path (CUDA only; on CPU it is "ours")
     naive_linear     hidden @ weight.T, then naive                    (baseline of the fused form)
-    fused_linear     vocab_parallel.linear_token_log_probs (Triton matmul epilogues on CUDA)
-    fused_linear_cublas  the same with fuse_matmul=False: cuBLAS matmuls + Triton softmax kernels
-    fused_linear_bN  fused_linear with N vocabulary rows per backward block (--linear-blocks)
+    fused_linear     vocab_parallel.linear_token_log_probs
+    fused_linear_bN  fused_linear with N vocabulary rows per block (--linear-blocks, CUDA)
+    four_matmuls     not an implementation: the four full-size cuBLAS matmuls that any exact
+                     form under the memory bound must run (logits forward, logits again in
+                     backward, hidden and weight gradients), with no softmax work at all; its
+                     time is a lower bound for such forms (CUDA)
 
 Peak extra memory (CUDA only) is the peak allocated during forward+backward above what was
 allocated before (the inputs); it includes the gradients the call returns. The floor is the time
@@ -174,12 +177,6 @@ def main(argv: list[str] | None = None) -> list[Row]:
         variants["naive_linear"] = ("naive_linear", linear_step(False), clear_linear, leaves)
         variants["fused_linear"] = ("naive_linear", linear_step(True), clear_linear, leaves)
         if device.type == "cuda":
-            variants["fused_linear_cublas"] = (
-                "naive_linear",
-                linear_step(True, fuse_matmul=False),
-                clear_linear,
-                leaves,
-            )
             for rows_text in filter(None, args.linear_blocks.split(",")):
                 variants[f"fused_linear_b{int(rows_text)}"] = (
                     "naive_linear",
@@ -187,6 +184,16 @@ def main(argv: list[str] | None = None) -> list[Row]:
                     clear_linear,
                     leaves,
                 )
+            grad_logits = torch.randn(t, v, device=device, dtype=dtype) / v
+
+            def four_matmuls() -> None:
+                with torch.no_grad():
+                    for _ in range(2):  # forward, and the recomputation in backward
+                        hidden @ weight.T
+                    grad_logits @ weight
+                    grad_logits.T @ hidden
+
+            variants["four_matmuls"] = ("naive_linear", four_matmuls, clear_linear, [])
 
     rows: dict[str, Row] = {}
     for name, (baseline, step, reset, grad_leaves) in variants.items():

@@ -11,7 +11,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from vocab_parallel import _triton as kernels
-from vocab_parallel import _triton_linear as linear
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -75,65 +74,7 @@ def main() -> None:
             }
             src = ASTSource(fn=kernels._grad_kernel, signature=signature, constexprs=constants)
             triton.compile(src, target=TARGET, options={"num_warps": 8})
-    compile_linear_kernels()
     print("ok")
-
-
-def compile_linear_kernels() -> None:
-    """The matmul-epilogue kernels of the fused linear form, at their default tiles."""
-    shared = {
-        "h_ptr": "",
-        "w_ptr": "",
-        "n_rows": "i32",
-        "n_cols": "i32",
-        "k_dim": "i32",
-        "stride_h": "i64",
-        "stride_w": "i64",
-        "inv_t": "fp32",
-    }
-    outputs = {
-        "_stats_kernel": {
-            "target_col_ptr": "*i64",
-            "part_max_ptr": "*fp32",
-            "part_sum_ptr": "*fp32",
-            "target_ptr": "*fp32",
-        },
-        "_grad_kernel": {
-            "out_ptr": "",
-            "log_z_ptr": "*fp32",
-            "g_all_ptr": "*fp32",
-            "target_col_ptr": "*i64",
-            "target_grad_ptr": "*fp32",
-            "col_offset": "i32",
-        },
-    }
-    for name, config in (
-        ("_stats_kernel", linear.FORWARD_CONFIG),
-        ("_grad_kernel", linear.BACKWARD_CONFIG),
-    ):
-        fn = getattr(linear, name)
-        for dtype in ("*bf16", "*fp16"):
-            for even_k in (True, False):
-                types = {**shared, **outputs[name]}
-                # The kernel's own argument order; 16-bit pointers take the dtype under test.
-                signature = {
-                    arg: (types[arg] or dtype) if arg in types else "constexpr"
-                    for arg in fn.arg_names
-                }
-                constants = {
-                    "BM": config.block_m,
-                    "BN": config.block_n,
-                    "BK": config.block_k,
-                    "GROUP_M": config.group_m,
-                    "EVEN_K": even_k,
-                    "UPCAST": False,
-                }
-                src = ASTSource(fn=fn, signature=signature, constexprs=constants)
-                triton.compile(
-                    src,
-                    target=TARGET,
-                    options={"num_warps": config.warps, "num_stages": config.stages},
-                )
 
 
 if __name__ == "__main__":

@@ -48,9 +48,7 @@ class Plan:
         entropy: compute the entropy.
         uniform: compute mean_v log p_v (label smoothing).
         validate: count labels outside [0, V) and raise if any.
-        backend: "torch" (chunked PyTorch) or "triton" (fused kernels).
-        fuse_matmul: linear form only: compute the logits in Triton matmul kernels whose
-            epilogue does the softmax work (16-bit inputs on the Triton backend).
+        backend: "torch" (chunked PyTorch) or "triton" (fused kernels, logits path only).
     """
 
     group: dist.ProcessGroup | None
@@ -63,7 +61,6 @@ class Plan:
     uniform: bool
     validate: bool
     backend: str = "torch"
-    fuse_matmul: bool = False
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

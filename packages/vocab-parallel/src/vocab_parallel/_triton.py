@@ -218,14 +218,16 @@ def logits_grad(
     grad_uniform: Tensor | None,
     target_index: Tensor | None,
     target_grad: Tensor | None,
+    in_place: bool = False,
 ) -> Tensor:
     """Gradient w.r.t. the logits ([B, R, V] or [N, V]) in their dtype and shape, contiguous
     (see :func:`_math.chunk_grad`); the ``grad_*`` inputs are [N] fp32 already multiplied by
-    ``inv_temperature``."""
+    ``inv_temperature``. ``in_place`` overwrites contiguous logits with their gradient (each
+    program reads a stretch of its row before writing it back), saving one buffer."""
     x = _slabs(logits)
     slabs, rows, v = x.shape
     n = slabs * rows
-    grad = x.new_empty(x.shape)
+    grad = x if in_place and logits.is_contiguous() else x.new_empty(x.shape)
     if n == 0 or v == 0:
         return grad.view(logits.shape)
     dummy = log_normalizer
