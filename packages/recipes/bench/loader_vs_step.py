@@ -88,6 +88,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# Qwen2-VL's spatial merge: one image placeholder token per 2 x 2 patches.
+MERGE_SIZE = 2
+
 _WORD_TEXT = (
     "the a an of in on at to with and or is are was there this that what which where how many "
     "color colour red green blue yellow white black small large left right top bottom middle "
@@ -243,7 +246,7 @@ def build_processor(image_size: int) -> Any:
         min_pixels=56 * 56,
         max_pixels=1280 * 28 * 28,
         patch_size=14,
-        merge_size=2,
+        merge_size=MERGE_SIZE,
         temporal_patch_size=2,
     )
     return LocalProcessor(build_char_tokenizer(), image_processor)
@@ -438,7 +441,7 @@ def measure_step(
     for b in cpu_batches:
         _sync(device)
         t0 = time.perf_counter()
-        batches.append(data_api.batch_tensors(b, device))
+        batches.append(data_api.batch_tensors(b, device, spatial_merge_size=MERGE_SIZE))
         _sync(device)
         h2d.append(time.perf_counter() - t0)
     samples = [len(b.sample_weights) for b in cpu_batches]

@@ -26,6 +26,7 @@ from energon_sft.families import (
 from energon_sft.loader import LoaderOptions, SFTLoader, build_sft_loader
 from energon_sft.loss import global_trainable_tokens, token_mean_loss
 from energon_sft.render import render_conversation
+from energon_sft.rope import mrope_position_ids
 from energon_sft.schema import ChatSample, MediaItem
 from energon_sft.state import StateMismatchError
 from energon_sft.topology import (
@@ -69,6 +70,7 @@ __all__ = [
     "known_model_families",
     "logical_shards_for",
     "make_stateless_cooker",
+    "mrope_position_ids",
     "prepare_dataset",
     "register_model_family",
     "render_conversation",

@@ -82,11 +82,16 @@ def build_loader(
     )
 
 
-def batch_tensors(batch: Any, device: torch.device) -> dict[str, Tensor]:
+def batch_tensors(
+    batch: Any, device: torch.device, *, spatial_merge_size: int | None = None
+) -> dict[str, Tensor]:
     """The text fields of an energon-sft batch as a dict on ``device``.
 
     ``labels`` are already shifted (``labels[:, t]`` is the target of position t, -100 where
     untrained), which is what cp-sharder expects and what the token-sum loss uses directly.
+    With ``spatial_merge_size`` (image-text models), the dict also holds
+    ``mrope_position_ids`` [3, B, S]: Qwen2-VL's (time, height, width) ids, restarting for
+    every packed part (computed on the host from the batch's image mask and grids).
     """
     out: dict[str, Tensor] = {}
     for name in _TEXT_FIELDS:
@@ -97,8 +102,33 @@ def batch_tensors(batch: Any, device: torch.device) -> dict[str, Tensor]:
     pixels = (
         batch["pixel_values"] if isinstance(batch, dict) else getattr(batch, "pixel_values", None)
     )
+    grids = batch["image_grid_thw"] if isinstance(batch, dict) else batch.image_grid_thw
     if pixels is not None:
-        grids = batch["image_grid_thw"] if isinstance(batch, dict) else batch.image_grid_thw
         out["pixel_values"] = pixels.to(device)
         out["image_grid_thw"] = grids.to(device)
+    if spatial_merge_size is not None:
+        from energon_sft import mrope_position_ids
+
+        image_mask = batch["image_mask"] if isinstance(batch, dict) else batch.image_mask
+        position_ids = batch["position_ids"] if isinstance(batch, dict) else batch.position_ids
+        out["mrope_position_ids"] = mrope_position_ids(
+            position_ids.cpu(),
+            image_mask.cpu(),
+            grids.cpu(),
+            spatial_merge_size=spatial_merge_size,
+        ).to(device)
     return out
+
+
+def mrope_positions_for_prompts(
+    input_ids: Tensor, image_mask: Tensor, image_grid_thw: Tensor, *, spatial_merge_size: int
+) -> Tensor:
+    """[4, B, S] position ids (1-D text ids, then M-RoPE) of unpacked, left-aligned rows."""
+    from energon_sft import mrope_position_ids
+
+    rows, width = input_ids.shape
+    text = torch.arange(width).expand(rows, width)
+    mrope = mrope_position_ids(
+        text, image_mask.cpu(), image_grid_thw.cpu(), spatial_merge_size=spatial_merge_size
+    )
+    return torch.cat([text.unsqueeze(0), mrope]).to(input_ids.device)

@@ -399,7 +399,7 @@ def greedy_answers(
 
     With ``images`` (one list of PIL images per prompt) and a Qwen2-VL ``image_processor``, each
     ``<|image_pad|>`` placeholder is expanded to its image's token count and the pixels are
-    passed with every forward.
+    passed with every forward, with the same [4, B, S] M-RoPE position ids as in training.
 
     Returns:
         The decoded answer text of each prompt (up to the end-of-turn token).
@@ -447,14 +447,25 @@ def greedy_answers(
         ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
         for i, x in enumerate(chunk):
             ids[i, : len(x)] = torch.tensor(x)
+        positions = None
+        if images is not None:
+            from train_recipes import _integrations as data_api
+
+            positions = data_api.mrope_positions_for_prompts(
+                ids,
+                ids == image_pad,
+                extra["image_grid_thw"] if extra else torch.zeros((0, 3), dtype=torch.long),
+                spatial_merge_size=int(image_processor.merge_size),
+            ).to(device)
         ids = ids.to(device)
         cur = lengths.clone().to(device)
         done = torch.zeros(len(chunk), dtype=torch.bool, device=device)
         rows = torch.arange(len(chunk), device=device)
         for _ in range(max_new_tokens):
-            logits = _full(
-                model(input_ids=ids[:, : int(cur.max())], use_cache=False, **extra).logits
-            )
+            width_now = int(cur.max())
+            if positions is not None:
+                extra["position_ids"] = positions[..., :width_now]
+            logits = _full(model(input_ids=ids[:, :width_now], use_cache=False, **extra).logits)
             nxt = logits[rows, cur - 1].argmax(-1)
             nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
             ids[rows, cur] = nxt

@@ -160,14 +160,17 @@ def token_sum_loss(
     Text batches pass ``position_ids`` and no attention mask: right padding never reaches a
     real token under causal attention, and for packed rows transformers derives the document
     boundaries from the restarting position ids (no attention across packed samples). VLM
-    batches pass the padding mask and the images; the model builds its M-RoPE positions.
+    batches do the same with [4, B, S] position ids (the 1-D ids, from which transformers
+    derives the packed-document mask, then the M-RoPE ids built per packed part) and the
+    images; the model's own M-RoPE builder would treat a packed row as one sequence.
     With a ``sharder`` (cp > 1) the batch is cp-sharded and the forward runs in its context.
 
     Args:
         model: the (wrapped) model or the Engine.
         batch: ``input_ids`` [B, S], ``labels`` [B, S] (already shifted, -100 untrained),
-            ``position_ids`` [B, S], ``attention_mask`` [B, S] (+ ``pixel_values`` [P, D],
-            ``image_grid_thw`` [N, 3] for VLM).
+            ``position_ids`` [B, S], ``attention_mask`` [B, S] (+ ``mrope_position_ids``
+            [3, B, S] and, when the batch has images, ``pixel_values`` [P, D] and
+            ``image_grid_thw`` [N, 3] for VLM; see ``batch_tensors``).
 
     Returns:
         0-dim float32 tensor.
@@ -176,9 +179,17 @@ def token_sum_loss(
 
     inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
     if vlm:
-        inputs["attention_mask"] = batch["attention_mask"]
-        inputs["pixel_values"] = batch["pixel_values"]
-        inputs["image_grid_thw"] = batch["image_grid_thw"]
+        if "mrope_position_ids" not in batch:
+            raise ValueError(
+                "a VLM batch needs mrope_position_ids [3, B, S]; build the batch with "
+                "batch_tensors(batch, device, spatial_merge_size=...)"
+            )
+        inputs["position_ids"] = torch.cat(
+            [batch["position_ids"].unsqueeze(0), batch["mrope_position_ids"]]
+        )
+        for name in ("pixel_values", "image_grid_thw"):  # absent for a text-only batch
+            if name in batch:
+                inputs[name] = batch[name]
     elif "position_ids" in batch:
         inputs["position_ids"] = batch["position_ids"]
     # No KV cache: transformers only derives packed-document masks from position ids when
@@ -317,6 +328,9 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         run_log.log(0, {"eval/exact_match": accuracy_before})
 
     vlm = is_vlm(config)
+    # One placeholder token per merge x merge patches (the image processor's setting, which
+    # also decided how many placeholders the loader wrote).
+    merge = int(processor.image_processor.merge_size) if vlm else None
     # Text without cp: unpacked batches skip transformers' device-side packing check.
     fast_path = CausalFastPath(model) if not vlm and sharder is None else None
     window = LossWindow(train.loss_window)
@@ -328,7 +342,10 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
     t_last = time.perf_counter()
     for step in range(start_step + 1, train.steps + 1):
         # Counted on the host copies: reading device tensors would stall the GPU's queue.
-        host = [data_api.batch_tensors(next(batches), torch.device("cpu")) for _ in range(accum)]
+        host = [
+            data_api.batch_tensors(next(batches), torch.device("cpu"), spatial_merge_size=merge)
+            for _ in range(accum)
+        ]
         local_tokens = sum(int((m["labels"] != -100).sum()) for m in host)
         micro = [{k: v.to(ctx.device, non_blocking=True) for k, v in m.items()} for m in host]
         # Contract (b): the window's loss tokens over all data-parallel replicas (counted before
