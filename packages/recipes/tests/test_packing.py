@@ -16,22 +16,20 @@ from train_recipes.modeling import build_model, load_processor, tokenizer_of
 from train_recipes.sft import token_sum_loss
 
 
-@pytest.mark.timeout(120)
-def test_packed_loss_equals_per_sample_reference(demo_data: DemoSplit) -> None:
-    tokenizer = build_char_tokenizer()
-    config = load_config(SFTConfig, None, ["data.max_length=64"])
-    torch.manual_seed(0)
-    model = build_model(config, tokenizer).double().eval()
+def _first_batch(
+    split: DemoSplit, processor: Any, *, model_family: str, max_length: int, packing: bool
+) -> Any:
+    """The first energon-sft batch (2 rows) of a demo split, in order."""
     encoder = data_api.build_encoder(
-        tokenizer,
-        model_family="text",
-        max_length=64,
+        processor,
+        model_family=model_family,
+        max_length=max_length,
         train_on="all_assistant",
         pad_to_multiple_of=1,
-        packing=True,
+        packing=packing,
     )
     loader = data_api.build_loader(
-        demo_data.energon_dir,
+        split.energon_dir,
         encoder=encoder,
         batch_size=2,
         dp_rank=0,
@@ -41,7 +39,17 @@ def test_packed_loss_equals_per_sample_reference(demo_data: DemoSplit) -> None:
         shuffle=False,
         num_logical_shards=None,
     )
-    batch = data_api.batch_tensors(next(iter(loader)), torch.device("cpu"))
+    return next(iter(loader))
+
+
+@pytest.mark.timeout(120)
+def test_packed_loss_equals_per_sample_reference(demo_data: DemoSplit) -> None:
+    tokenizer = build_char_tokenizer()
+    config = load_config(SFTConfig, None, ["data.max_length=64"])
+    torch.manual_seed(0)
+    model = build_model(config, tokenizer).double().eval()
+    raw = _first_batch(demo_data, tokenizer, model_family="text", max_length=64, packing=True)
+    batch = data_api.batch_tensors(raw, torch.device("cpu"))
     pos = batch["position_ids"]
     starts = [(r, c) for r in range(pos.shape[0]) for c in range(pos.shape[1]) if pos[r, c] == 0]
     assert len(starts) > 2 * pos.shape[0], "rows are not packed"
@@ -74,26 +82,9 @@ def _vlm_setup(shapes_data: DemoSplit, *, packing: bool) -> tuple[Any, Any, dict
     processor = load_processor(config)
     torch.manual_seed(0)
     model = build_model(config, tokenizer_of(processor)).double().eval()
-    encoder = data_api.build_encoder(
-        processor,
-        model_family="qwen2_5_vl",
-        max_length=128,
-        train_on="all_assistant",
-        pad_to_multiple_of=1,
-        packing=packing,
+    raw = _first_batch(
+        shapes_data, processor, model_family="qwen2_5_vl", max_length=128, packing=packing
     )
-    loader = data_api.build_loader(
-        shapes_data.energon_dir,
-        encoder=encoder,
-        batch_size=2,
-        dp_rank=0,
-        dp_world_size=1,
-        num_workers=0,
-        seed=0,
-        shuffle=False,
-        num_logical_shards=None,
-    )
-    raw = next(iter(loader))
     merge = int(processor.image_processor.merge_size)
     batch = data_api.batch_tensors(raw, torch.device("cpu"), spatial_merge_size=merge)
     batch["image_mask"] = raw.image_mask
