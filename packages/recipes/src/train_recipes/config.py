@@ -147,7 +147,9 @@ class OptimConfig:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class DDPKnobs:
-    """DistributedDataParallel knobs (forwarded to train_engine.DDPConfig)."""
+    """DistributedDataParallel knobs: train_engine.DDPConfig's fields, by the same names and
+    defaults (a test keeps them in step), declared here so that loading a config needs no torch.
+    """
 
     broadcast_buffers: bool = False
     find_unused_parameters: bool = False
@@ -158,17 +160,19 @@ class DDPKnobs:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class FSDPKnobs:
-    """FSDP2 knobs (forwarded to train_engine.FSDP2Config).
+    """FSDP2 knobs: fields of train_engine.FSDP2Config by the same names, with dtypes by name.
 
     Attributes:
         reshard_after_forward: None keeps FSDP2's default.
         param_dtype: mixed-precision parameter dtype ("bfloat16") or None for full precision.
         reduce_dtype: gradient reduction dtype or None.
+        cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU.
     """
 
     reshard_after_forward: bool | None = None
     param_dtype: Literal["float32", "bfloat16"] | None = None
     reduce_dtype: Literal["float32", "bfloat16"] | None = None
+    cpu_offload: bool = False
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -711,6 +715,12 @@ def validate_retrieval(config: RetrievalConfig, *, world_size: int) -> None:
     if config.parallel.cp != 1 or config.parallel.tp != 1:
         raise ConfigError(
             "parallel.cp", "the retrieval recipe is data-parallel only; set cp=1, tp=1"
+        )
+    if config.parallel.data_parallel != "ddp":
+        raise ConfigError(
+            "parallel.data_parallel",
+            f"the retrieval recipe wraps its (small) encoder with DDP; got "
+            f"{config.parallel.data_parallel!r}, set parallel.data_parallel=ddp",
         )
     if config.train.gradient_accumulation_steps != 1:
         raise ConfigError(

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import yaml
 from torch import Tensor, nn
 
-from train_recipes._dist import init_distributed
+from train_recipes._dist import engine_dp_config, init_distributed
 from train_recipes.config import RetrievalConfig, to_dict
 from train_recipes.metrics import RunLogger, plot_loss
 
@@ -221,7 +221,7 @@ def run_retrieval(config: RetrievalConfig) -> RetrievalResult:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModel, AutoTokenizer
 
-    from train_engine import DDPConfig, Engine, LossWindow, apply_data_parallel, param_groups
+    from train_engine import Engine, LossWindow, apply_data_parallel, param_groups
 
     train = config.train
     ctx = init_distributed(device_preference=train.device, cp=1)
@@ -256,17 +256,10 @@ def run_retrieval(config: RetrievalConfig) -> RetrievalResult:
         pooling=config.model.pooling,
         device=ctx.device,
     )
-    knobs = config.parallel.ddp
     wrapped = apply_data_parallel(
         model,
         mesh=ctx.mesh["dp"],
-        config=DDPConfig(
-            broadcast_buffers=knobs.broadcast_buffers,
-            find_unused_parameters=knobs.find_unused_parameters,
-            static_graph=knobs.static_graph,
-            bucket_cap_mb=knobs.bucket_cap_mb,
-            gradient_as_bucket_view=knobs.gradient_as_bucket_view,
-        ),
+        config=engine_dp_config(config.parallel),
     )
     optimizer = torch.optim.AdamW(
         param_groups(wrapped, weight_decay=config.optim.weight_decay),

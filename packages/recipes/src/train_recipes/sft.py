@@ -23,7 +23,7 @@ import yaml
 from torch import Tensor
 
 from train_recipes import _integrations as data_api
-from train_recipes._dist import RankContext, init_distributed
+from train_recipes._dist import RankContext, engine_dp_config, init_distributed
 from train_recipes.config import SFTConfig, to_dict
 from train_recipes.metrics import RunLogger, plot_loss
 from train_recipes.modeling import (
@@ -126,27 +126,6 @@ def _prepare_data(config: SFTConfig, ctx: RankContext, out_dir: Path) -> tuple[P
     return data_dir / "energon", data_dir / "eval.jsonl"
 
 
-def _dp_config(config: SFTConfig) -> Any:
-    from train_engine import DDPConfig, FSDP2Config
-
-    p = config.parallel
-    if p.data_parallel == "ddp":
-        k = p.ddp
-        return DDPConfig(
-            broadcast_buffers=k.broadcast_buffers,
-            find_unused_parameters=k.find_unused_parameters,
-            static_graph=k.static_graph,
-            bucket_cap_mb=k.bucket_cap_mb,
-            gradient_as_bucket_view=k.gradient_as_bucket_view,
-        )
-    dtypes = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16}
-    return FSDP2Config(
-        reshard_after_forward=p.fsdp.reshard_after_forward,
-        param_dtype=dtypes[p.fsdp.param_dtype],
-        reduce_dtype=dtypes[p.fsdp.reduce_dtype],
-    )
-
-
 def _forever(loader: Any) -> Iterator[Any]:
     while True:
         yield from loader
@@ -242,7 +221,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
     model = apply_data_parallel(
         model,
         mesh=ctx.grad_mesh(),
-        config=_dp_config(config),
+        config=engine_dp_config(config.parallel),
         gradient_accumulation_steps=train.gradient_accumulation_steps,
     )
     optimizer = torch.optim.AdamW(
