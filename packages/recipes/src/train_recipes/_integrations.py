@@ -93,28 +93,28 @@ def batch_tensors(
     ``mrope_position_ids`` [3, B, S]: Qwen2-VL's (time, height, width) ids, restarting for
     every packed part (computed on the host from the batch's image mask and grids).
     """
-    out: dict[str, Tensor] = {}
-    for name in _TEXT_FIELDS:
-        value = batch[name] if isinstance(batch, dict) else getattr(batch, name)
-        out[name] = value.to(device)
+
+    def get(name: str) -> Any:
+        return batch[name] if isinstance(batch, dict) else getattr(batch, name)
+
+    out: dict[str, Tensor] = {name: get(name).to(device) for name in _TEXT_FIELDS}
     out["attention_mask"] = out["attention_mask"].to(torch.long)
     # Image batches: patches of all images concatenated [P, D] and one (t, h, w) grid per image.
     pixels = (
-        batch["pixel_values"] if isinstance(batch, dict) else getattr(batch, "pixel_values", None)
+        batch.get("pixel_values")
+        if isinstance(batch, dict)
+        else getattr(batch, "pixel_values", None)
     )
-    grids = batch["image_grid_thw"] if isinstance(batch, dict) else batch.image_grid_thw
     if pixels is not None:
         out["pixel_values"] = pixels.to(device)
-        out["image_grid_thw"] = grids.to(device)
+        out["image_grid_thw"] = get("image_grid_thw").to(device)
     if spatial_merge_size is not None:
         from energon_sft import mrope_position_ids
 
-        image_mask = batch["image_mask"] if isinstance(batch, dict) else batch.image_mask
-        position_ids = batch["position_ids"] if isinstance(batch, dict) else batch.position_ids
         out["mrope_position_ids"] = mrope_position_ids(
-            position_ids.cpu(),
-            image_mask.cpu(),
-            grids.cpu(),
+            get("position_ids").cpu(),
+            get("image_mask").cpu(),
+            get("image_grid_thw").cpu(),
             spatial_merge_size=spatial_merge_size,
         ).to(device)
     return out
