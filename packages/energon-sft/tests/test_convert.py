@@ -414,6 +414,12 @@ def test_user_mistakes_print_one_line_and_exit_2(
     assert main(["convert", str(jsonl), out, "--media-root", str(tmp_path / "nope")]) == 2
     assert "is not a folder" in capsys.readouterr().err
     assert not Path(out).exists()
+    # inspect / bench: a folder that was never prepared, a JSONL that bench cannot read.
+    assert main(["inspect", str(tmp_path), "--tokenizer", "unused"]) == 2
+    assert "is not a prepared Energon dataset" in capsys.readouterr().err
+    assert main(["bench", str(jsonl), "--tokenizer", "unused"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "inspect reads JSONL directly" in err[0]
     # A real process: exit status 2, one line, no traceback.
     script = Path(sys.executable).parent / "energon-sft"
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "energon_sft.cli"]

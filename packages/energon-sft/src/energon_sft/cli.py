@@ -24,8 +24,6 @@ from typing import Any, NoReturn
 
 __all__ = ["main"]
 
-_GREEN, _RESET = "\x1b[32m", "\x1b[0m"
-
 
 def _out(text: str) -> None:
     sys.stdout.write(text + "\n")
@@ -59,11 +57,10 @@ class _Processor:
 def _load_processor(args: argparse.Namespace) -> Any:
     try:
         from transformers import AutoImageProcessor, AutoTokenizer
-    except ImportError as exc:
-        raise SystemExit(
-            "energon-sft inspect/bench load tokenizers with transformers: "
-            "pip install 'energon-sft[hf]'"
-        ) from exc
+    except ImportError:
+        raise UsageError(
+            "inspect and bench load tokenizers with transformers: pip install 'energon-sft[hf]'"
+        ) from None
     try:
         tok = AutoTokenizer.from_pretrained(args.tokenizer)
     except (OSError, ValueError) as exc:
@@ -108,38 +105,6 @@ def _subflavors(pairs: Sequence[str]) -> dict[str, str] | None:
             raise UsageError(f"--subflavor {pair!r} must look like key=value")
         out[key] = value
     return out or None
-
-
-def render_trained(tokenizer: Any, input_ids: list[int], labels: list[int], *, color: bool) -> str:
-    """Decode a row, marking target tokens (green, or [[...]] without color).
-
-    Token t is a target when `labels[t - 1] != -100` (labels are shifted). Runs of more than
-    three identical special tokens (image placeholders) collapse to `<tok>xN`.
-    """
-    targets = [False] + [lab != -100 for lab in labels[:-1]]
-    special = set(getattr(tokenizer, "all_special_ids", []))
-    segments: list[tuple[str, bool]] = []
-    i = 0
-    while i < len(input_ids):
-        j = i + 1
-        while j < len(input_ids) and input_ids[j] == input_ids[i] and targets[j] == targets[i]:
-            j += 1
-        if j - i > 3 and input_ids[i] in special:
-            text = f"{tokenizer.convert_ids_to_tokens(input_ids[i])}x{j - i}"
-        else:
-            text = tokenizer.decode(input_ids[i:j])
-        if segments and segments[-1][1] == targets[i]:
-            segments[-1] = (segments[-1][0] + text, targets[i])
-        else:
-            segments.append((text, targets[i]))
-        i = j
-    return "".join(_wrap(text, trained, color) for text, trained in segments)
-
-
-def _wrap(text: str, trained: bool, color: bool) -> str:
-    if not trained:
-        return text
-    return f"{_GREEN}{text}{_RESET}" if color else f"[[{text}]]"
 
 
 class _Progress:
@@ -246,84 +211,27 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _header(source_id: str, where: str, n_tokens: int, trained: int, images: int, w: float) -> str:
-    return (
-        f"=== {source_id} ({where}): {n_tokens} tokens, {trained} trained, "
-        f"{images} image(s), weight {w}"
-    )
-
-
-def _inspect_jsonl(args: argparse.Namespace, path: Path) -> int:
-    """Read a chat JSONL directly (no index): check every row, encode and show the first n."""
-    from energon_sft.convert import ConvertReport, RowChecker, iter_checked_rows
-    from energon_sft.errors import BadSampleError
-
-    enc = _encoder(args)
-    root = Path(args.media_root) if args.media_root else path.parent
-    if not root.is_dir():
-        raise UsageError(f"--media-root {root} is not a folder")
-    checker = RowChecker(row_format=args.format or "messages", media_root=root)
-    report = ConvertReport(files=[path], out_dir=path, row_format=checker.row_format)
-    encoder_rejects: dict[str, int] = {}
-    shown = 0
-
-    # Keys as convert would give them (rows that passed before this one), so a row without an
-    # id shows the same name here and in the converted dataset.
-    def next_key(f: Path, n: int) -> str:
-        return f"{report.rows_read - 1 - report.rows_rejected:09d}"
-
-    rows = iter_checked_rows([path], checker, report, next_key=next_key)
-    for f, n, checked in rows:
-        if shown == args.num_samples:
-            continue  # keep validating the rest for the summary
-        shown += 1
-        where = f"{f.name}:{n}"
-        try:
-            sample = enc.encode_chat(checked.sample)
-        except BadSampleError as exc:
-            encoder_rejects[exc.reason] = encoder_rejects.get(exc.reason, 0) + 1
-            _out(f"=== {checked.sample.source_id} ({where}): rejected by the encoder: {exc}")
-            continue
-        ids = sample.input_ids.tolist()
-        labels = sample.labels.tolist()
-        trained = sum(lab != -100 for lab in labels)
-        images = int(sample.image_grid_thw.shape[0])
-        _out(
-            _header(
-                checked.sample.source_id,
-                where,
-                len(ids),
-                trained,
-                images,
-                float(sample.sample_weights[0]),
-            )
-        )
-        _out(render_trained(enc.tokenizer, ids, labels, color=args.color))
-    report.rows_written = report.rows_read - report.rows_rejected
-    _out(
-        f"{path.name}: {report.rows_read} rows ({checker.row_format}), "
-        f"{report.rows_written} pass the schema, {report.rows_rejected} rejected"
-        + (
-            " (" + ", ".join(f"{r} {c}" for r, c in report.rejected.most_common()) + ")"
-            if report.rejected
-            else ""
-        )
-    )
-    for ex in report.examples:
-        _out(f"  {ex}")
-    if encoder_rejects:
-        _out(f"of the {shown} shown, rejected by the encoder: {json.dumps(encoder_rejects)}")
-    return 0
-
-
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from energon_sft.inspection import show_jsonl, show_loader
     from energon_sft.loader import build_sft_loader
 
     path = Path(args.dataset)
     if not path.exists():
         raise UsageError(f"dataset {path} does not exist")
     if path.suffix == ".jsonl":
-        return _inspect_jsonl(args, path)
+        root = Path(args.media_root) if args.media_root else path.parent
+        if not root.is_dir():
+            raise UsageError(f"--media-root {root} is not a folder")
+        show_jsonl(
+            path,
+            _encoder(args),
+            row_format=args.format or "messages",
+            media_root=root,
+            num_samples=args.num_samples,
+            color=args.color,
+            out=_out,
+        )
+        return 0
     if args.format is not None:
         raise UsageError(
             "--format applies to a JSONL file; a prepared dataset of ShareGPT rows is read "
@@ -342,26 +250,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         shuffle=False,
         subflavors=_subflavors(args.subflavor),
     )
-    for n, batch in enumerate(loader):
-        if n == args.num_samples:
-            break
-        length = int(batch.attention_mask[0].sum())
-        ids = batch.input_ids[0, :length].tolist()
-        labels = batch.labels[0, :length].tolist()
-        _out(
-            _header(
-                batch.source_ids[0],
-                f"key {batch.__key__[0]}",
-                length,
-                int(batch.num_trainable_tokens),
-                int(batch.image_grid_thw.shape[0]),
-                float(batch.sample_weights[0]),
-            )
-        )
-        _out(render_trained(enc.tokenizer, ids, labels, color=args.color))
-    stats = loader.data_stats()
-    if stats:
-        _out(f"data stats: {json.dumps(stats, sort_keys=True)}")
+    show_loader(loader, enc.tokenizer, num_samples=args.num_samples, color=args.color, out=_out)
     return 0
 
 
