@@ -328,10 +328,13 @@ def test_nothing_usable_fails_even_with_every_row_allowed_bad(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     bad = _write_jsonl(tmp_path / "bad.jsonl", [row for row, _ in BAD_ROWS[:3]])
+    with bad.open("ab") as fh:
+        fh.write(b'{"messages": "\xff\xfe"}\n')  # not UTF-8
     rc, stdout, stderr = _convert(capsys, bad, tmp_path / "ds", "--max-bad-fraction", "1")
     assert rc == 1
-    assert stdout[0].startswith("rows read 3, written 0, rejected 3 ")
-    assert len(stderr) == 1 and "none of the 3 rows is usable; the first: bad.jsonl:1:" in stderr[0]
+    assert stdout[0].startswith("rows read 4, written 0, rejected 4 ")
+    assert stdout[-1].startswith("  bad.jsonl:4: [bad_json] the line is not UTF-8")
+    assert len(stderr) == 1 and "none of the 4 rows is usable; the first: bad.jsonl:1:" in stderr[0]
     empty = _write_jsonl(tmp_path / "empty.jsonl", ["", "  "])
     rc, stdout, stderr = _convert(capsys, empty, tmp_path / "ds", "--max-bad-fraction", "1")
     assert rc == 1 and len(stderr) == 1 and "no rows in" in stderr[0]

@@ -211,12 +211,16 @@ def count_lines(files: Sequence[Path]) -> int:
 def _read(files: Sequence[Path]) -> Iterator[tuple[Path, int, Any]]:
     """(file, line number, parsed row or BadSampleError) for every non-blank line."""
     for f in files:
-        with f.open(encoding="utf-8", errors="surrogateescape") as fh:
-            for n, line in enumerate(fh, 1):
-                if not line.strip():
+        with f.open("rb") as fh:
+            for n, raw in enumerate(fh, 1):
+                if n == 1:
+                    raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
+                if not raw.strip():
                     continue
                 try:
-                    yield f, n, json.loads(line)
+                    yield f, n, json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError as exc:
+                    yield f, n, BadSampleError("bad_json", f"the line is not UTF-8: {exc}")
                 except json.JSONDecodeError as exc:
                     yield f, n, BadSampleError("bad_json", f"not valid JSON: {exc}")
 

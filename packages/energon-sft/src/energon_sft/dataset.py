@@ -82,7 +82,10 @@ def resolve_media(
             )
         path = _media_file(entry, j, media_root)
         member = f"m{j}{path.suffix.lower()}"
-        members.append((member, path.read_bytes()))
+        try:
+            members.append((member, path.read_bytes()))
+        except OSError as exc:
+            raise BadSampleError("missing_media", f"media[{j}]: cannot read {path}: {exc}") from exc
         extra = {k: v for k, v in entry.items() if k != "path"}
         media.append({"member": member, **extra} if extra else member)
     return media, members
