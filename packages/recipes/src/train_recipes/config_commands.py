@@ -1,0 +1,305 @@
+"""Discoverable configs: the YAML files shipped in the wheel, ``config ls|cp|show``, key help.
+
+The example configs live in the package (``train_recipes/configs/*.yaml``), so they are there
+after ``pip install``; ``--config NAME`` accepts a shipped name where no such file exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import textwrap
+import types
+import typing
+from collections.abc import Iterator, Sequence
+from importlib.resources import files
+from importlib.resources.abc import Traversable
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from train_recipes.config import (
+    ConfigError,
+    RetrievalConfig,
+    RetrievalTrainConfig,
+    SFTConfig,
+    TrainConfig,
+    load_config,
+    to_dict,
+)
+from train_recipes.preflight import DevicePlan
+
+Recipe = Literal["sft", "retrieval"]
+
+
+class UsageError(ValueError):
+    """A command-line mistake outside the config (a missing run folder, an unknown name): the
+    CLI prints it as one line and exits 2."""
+
+
+RECIPES: dict[Recipe, type[SFTConfig] | type[RetrievalConfig]] = {
+    "sft": SFTConfig,
+    "retrieval": RetrievalConfig,
+}
+
+
+# ----------------------------------------------------------------------------- shipped files
+
+
+def shipped_configs() -> dict[str, Traversable]:
+    """The example configs in the installed package, by file name (``demo-cpu.yaml``, ...)."""
+    folder = files("train_recipes") / "configs"
+    return {
+        p.name: p
+        for p in sorted(folder.iterdir(), key=lambda p: p.name)
+        if p.name.endswith(".yaml")
+    }
+
+
+def _shipped(name: str) -> Traversable | None:
+    shipped = shipped_configs()
+    return shipped.get(name) or shipped.get(f"{name}.yaml")
+
+
+def resolve_config_path(path: Path) -> Path:
+    """``path`` itself when it exists, else the shipped config of that name (``demo-cpu``).
+
+    Raises:
+        ConfigError: neither a file nor a shipped name (key ``--config``), listing the names.
+    """
+    if path.is_file():
+        return path
+    found = _shipped(str(path)) if path.parent == Path(".") else None
+    if found is not None:
+        return Path(str(found))
+    names = ", ".join(n.removesuffix(".yaml") for n in shipped_configs())
+    raise ConfigError(
+        "--config",
+        f"{path} does not exist and is not a shipped config ({names}); "
+        "see `train-recipes config ls`",
+    )
+
+
+def header(text: str) -> str:
+    """The first sentence of a config's leading comment: what the config is for.
+
+    The comment's first paragraph runs until a blank comment line or an indented one (the
+    example command lines).
+    """
+    words: list[str] = []
+    for line in text.splitlines():
+        body = line[1:] if line.startswith("#") else None
+        if body is None or not body.strip() or body.startswith("   "):
+            break
+        words.extend(body.split())
+    paragraph = " ".join(words)
+    end = paragraph.find(". ")
+    return paragraph if end < 0 else paragraph[: end + 1]
+
+
+def infer_recipe(path: Path | None) -> Recipe:
+    """The recipe a YAML file is for: the one whose schema accepts its keys (sft when both do)."""
+    if path is None:
+        return "sft"
+    try:
+        load_config(SFTConfig, path)
+    except ConfigError as sft_error:
+        try:
+            load_config(RetrievalConfig, path)
+        except ConfigError:
+            raise sft_error from None
+        return "retrieval"
+    return "sft"
+
+
+def load_recipe_config(
+    recipe: Recipe | None, path: Path | None, overrides: Sequence[str]
+) -> tuple[Recipe, SFTConfig | RetrievalConfig]:
+    """Resolve ``--config`` (a file or a shipped name), pick the recipe, load with overrides.
+
+    Raises:
+        ConfigError: naming the key or option at fault.
+    """
+    resolved = None if path is None else resolve_config_path(path)
+    chosen = recipe or infer_recipe(resolved)
+    return chosen, load_config(RECIPES[chosen], resolved, overrides)
+
+
+# ----------------------------------------------------------------------------------- key help
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        return " | ".join("null" if a is type(None) else _type_name(a) for a in args)
+    if origin is Literal:
+        return "|".join(str(a) for a in args)
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"list[{_type_name(args[0])}]"
+        return "[" + ", ".join(_type_name(a) for a in args) + "]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _yaml_value(value: Any, limit: int = 48) -> str:
+    text = yaml.safe_dump(to_dict_value(value), default_flow_style=True, width=10_000).strip()
+    text = text.removesuffix("\n...").removesuffix("...").strip()
+    if len(text) > limit:
+        count = len(value) if isinstance(value, tuple) else None
+        text = text[: limit - 5].rstrip(", ") + ", ...]" + (f" ({count} items)" if count else "")
+    return text
+
+
+def to_dict_value(value: Any) -> Any:
+    """A field value as plain YAML data (tuples become lists)."""
+    return [to_dict_value(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """``name -> description`` from a Google-style ``Attributes:`` docstring section."""
+    docs: dict[str, str] = {}
+    lines = (cls.__doc__ or "").splitlines()
+    inside, current, indent = False, None, 0
+    for line in lines:
+        stripped = line.strip()
+        if stripped == "Attributes:":
+            inside = True
+            continue
+        if not inside:
+            continue
+        if not stripped:
+            current = None
+            continue
+        lead = len(line) - len(line.lstrip())
+        name, sep, rest = stripped.partition(":")
+        if sep and name.isidentifier() and (current is None or lead <= indent):
+            current, indent = name, lead
+            docs[name] = rest.strip()
+        elif current is not None:
+            docs[current] += " " + stripped
+    return docs
+
+
+# A section documented by another one's docstring (same field names, same meaning).
+_DOCS_FROM: dict[type, type] = {RetrievalTrainConfig: TrainConfig}
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class KeyDoc:
+    """One config key for ``--help``: dotted name, YAML type, default, description."""
+
+    key: str
+    type: str
+    default: str
+    description: str
+
+
+def config_keys(cls: type, prefix: str = "", defaults: Any = None) -> Iterator[KeyDoc]:
+    """Every leaf key of a config class, depth first, in field order.
+
+    Args:
+        cls: a config dataclass.
+        prefix: the dotted path of ``cls`` in the root config.
+        defaults: the instance whose values are the defaults (a parent's default differs
+            from the section's own, e.g. RetrievalConfig's optim); None builds ``cls()``.
+    """
+    hints = typing.get_type_hints(cls)
+    docs = _attribute_docs(_DOCS_FROM.get(cls, cls)) | _attribute_docs(cls)
+    default_obj = cls() if defaults is None else defaults
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        key = f"{prefix}{f.name}"
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            yield from config_keys(tp, f"{key}.", getattr(default_obj, f.name))
+            continue
+        yield KeyDoc(
+            key=key,
+            type=_type_name(tp),
+            default=_yaml_value(getattr(default_obj, f.name)),
+            description=docs.get(f.name, ""),
+        )
+
+
+def keys_help(cls: type) -> str:
+    """The text ``sft --help`` / ``retrieval --help`` ends with: every key, type and default."""
+    out = [
+        f"config keys ({cls.__name__}; set them in the YAML file or with --set KEY=VALUE; "
+        "`train-recipes config show` prints a resolved config):"
+    ]
+    for doc in config_keys(cls):
+        out.append(f"  {doc.key}  ({doc.type}, default {doc.default})")
+        if doc.description:
+            out.extend(
+                textwrap.wrap(
+                    doc.description, 96, initial_indent="      ", subsequent_indent="      "
+                )
+            )
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------- commands
+
+
+def list_configs() -> str:
+    """``config ls``: one line per shipped config (name, recipe, what it is for)."""
+    rows = []
+    for name, item in shipped_configs().items():
+        recipe = infer_recipe(Path(str(item)))
+        rows.append(f"  {name:<22} {recipe:<10} {header(item.read_text())}")
+    return "\n".join(
+        ["shipped configs (copy one with `train-recipes config cp NAME DEST`):", *rows]
+    )
+
+
+def copy_config(name: str, dest: Path, *, force: bool = False) -> Path:
+    """``config cp``: write a shipped config to ``dest`` (a file, or a folder to put it in).
+
+    Raises:
+        UsageError: an unknown name (listing the known ones) or an existing target.
+    """
+    found = _shipped(name)
+    if found is None:
+        names = ", ".join(shipped_configs())
+        raise UsageError(f"{name!r} is not a shipped config; choose one of: {names}")
+    target = dest / found.name if dest.is_dir() else dest
+    if target.exists() and not force:
+        raise UsageError(f"{target} exists; pick another path or pass --force")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with found.open("rb") as src, target.open("wb") as out:
+        shutil.copyfileobj(src, out)
+    return target
+
+
+def describe_plan(recipe: Recipe, plan: DevicePlan) -> str:
+    """The device plan as ``config show`` and the dry run print it."""
+    where = (
+        f"{plan.local_ranks} local (torch's elastic launcher)"
+        if plan.local_ranks > 1
+        else "1 (this process)"
+    )
+    if plan.ranks != plan.local_ranks:
+        where = f"{plan.ranks} in all, {plan.local_ranks} on this node"
+    rows = [
+        ("recipe", recipe),
+        ("ranks", where),
+        ("mesh", f"dp={plan.dp} x cp={plan.cp} x tp={plan.tp}"),
+        ("wrapping", plan.data_parallel),
+        (
+            "device",
+            f"{plan.device} ({plan.backend}); {plan.cuda_devices} CUDA device(s) visible here",
+        ),
+        ("attention", plan.attention),
+    ]
+    return "\n".join(f"{name:<12} {value}" for name, value in rows)
+
+
+def show_config(recipe: Recipe, config: SFTConfig | RetrievalConfig, plan: DevicePlan) -> str:
+    """``config show``: the resolved config as YAML, then the device plan."""
+    text = yaml.safe_dump(to_dict(config), sort_keys=False, default_flow_style=None, width=100)
+    plan_lines = describe_plan(recipe, plan).splitlines()
+    # Comments, so that the output is itself a config file (`config show > my.yaml`).
+    return "\n".join(
+        [text.rstrip(), "", "# plan (validated; nothing was started):"]
+        + [f"#   {line}" for line in plan_lines]
+    )
