@@ -99,18 +99,39 @@ def header(text: str) -> str:
 
 
 def infer_recipe(path: Path | None) -> Recipe:
-    """The recipe a YAML file is for: the one whose schema accepts its keys (sft when both do)."""
+    """The recipe a YAML file is for: the one whose schema accepts its keys (sft when both do).
+
+    Raises:
+        ConfigError: neither schema accepts the file; the error is the one of the recipe that
+            knows more of its keys (the likelier intent).
+    """
     if path is None:
         return "sft"
-    try:
-        load_config(SFTConfig, path)
-    except ConfigError as sft_error:
+    errors: dict[Recipe, ConfigError] = {}
+    for recipe, cls in RECIPES.items():
         try:
-            load_config(RetrievalConfig, path)
-        except ConfigError:
-            raise sft_error from None
-        return "retrieval"
-    return "sft"
+            load_config(cls, path)
+        except ConfigError as err:
+            if err.key == "--config":  # unreadable: the same for both
+                raise
+            errors[recipe] = err
+            continue
+        return recipe
+    tree = yaml.safe_load(path.read_text()) or {}
+    known = {
+        recipe: len(_flat_keys(tree) & {doc.key for doc in config_keys(RECIPES[recipe])})
+        for recipe in RECIPES
+    }
+    raise errors["retrieval" if known["retrieval"] > known["sft"] else "sft"]
+
+
+def _flat_keys(tree: Any, prefix: str = "") -> set[str]:
+    if not isinstance(tree, dict):
+        return {prefix.rstrip(".")} if prefix else set()
+    out: set[str] = set()
+    for key, value in tree.items():
+        out |= _flat_keys(value, f"{prefix}{key}.")
+    return out
 
 
 def load_recipe_config(
