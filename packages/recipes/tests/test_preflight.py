@@ -154,6 +154,48 @@ def test_existing_paths_with_the_wrong_contents_are_rejected(tmp_path: Path) -> 
         assert info.value.key == key
 
 
+def test_files_are_read_for_what_the_recipe_needs(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{not json")
+    train_rows = tmp_path / "train.jsonl"
+    train_rows.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    text = tmp_path / "notes.txt"
+    text.write_text("just text\n")
+    cases = [
+        (SFTConfig, [f"model.path={model}"], "model.path", "not valid JSON"),
+        (SFTConfig, [f"data.eval_path={train_rows}"], "data.eval_path", "['messages']"),
+        (SFTConfig, [f"data.eval_path={text}"], "data.eval_path", "not a JSONL file"),
+        (
+            RetrievalConfig,
+            ["data.source=jsonl", f"data.path={train_rows}", f"model.path={tmp_path}"],
+            "data.path",
+            "['query', 'passage']",
+        ),
+    ]
+    (tmp_path / "config.json").write_text("{}")  # tmp_path doubles as a valid model folder
+    for cls, overrides, key, message in cases:
+        with pytest.raises(ConfigError, match=message) as info:
+            run_preflight(load_config(cls, None, overrides), world_size=1, local_world_size=1)
+        assert info.value.key == key
+    good = tmp_path / "eval.jsonl"
+    good.write_text(json.dumps({"messages": [{"role": "user", "content": "1+1="}]}) + "\n")
+    run_preflight(
+        load_config(SFTConfig, None, [f"data.eval_path={good}"]), world_size=1, local_world_size=1
+    )
+
+
+@pytest.mark.usefixtures("no_launch")
+def test_plot_without_matplotlib_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    _hide(monkeypatch, "matplotlib")
+    assert cli.main(["plot", str(tmp_path)]) == 2
+    assert "train-recipes[plot]" in _one_line_error(capsys)
+    assert not (tmp_path / "loss.png").exists()
+
+
 def test_strip_nproc_removes_both_spellings() -> None:
     argv = ["sft", "--nproc_per_node", "2", "--set", "a=1", "--nproc-per-node=4", "--resume"]
     assert cli._strip_nproc(argv) == ["sft", "--set", "a=1", "--resume"]

@@ -2,14 +2,17 @@
 
 A user mistake found here costs a second and one line instead of a minute of rank start-up and a
 traceback per rank. :func:`run_preflight` validates the config (keys, values, paths, world size:
-``config.validate_*``), checks that the optional packages the config needs are importable, plans
-the devices and collects warnings for settings that are legal but probably not meant.
+``config.validate_*``), reads the start of the files it names, checks that the optional packages
+the config needs are importable, plans the devices and collects warnings for settings that are
+legal but probably not meant.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from train_recipes.config import (
     ConfigError,
@@ -114,6 +117,51 @@ def check_extras(config: SFTConfig | RetrievalConfig) -> None:
             )
 
 
+def _first_row(path: Path) -> object:
+    """The first non-empty line of a JSONL file, parsed (ValueError when it is not JSON)."""
+    with path.open(encoding="utf-8") as lines:
+        for line in lines:
+            if line.strip():
+                return json.loads(line)
+    raise ValueError("the file is empty")
+
+
+def _check_jsonl(key: str, path: Path, fields: tuple[str, ...], what: str) -> None:
+    try:
+        row = _first_row(path)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(key, f"{path} is not a JSONL file of {what} ({err})") from None
+    if not isinstance(row, dict) or any(f not in row for f in fields):
+        got = sorted(row) if isinstance(row, dict) else type(row).__name__
+        raise ConfigError(
+            key, f"the first row of {path} has {got}; expected {what} with keys {list(fields)}"
+        )
+
+
+def check_contents(config: SFTConfig | RetrievalConfig) -> None:
+    """Read the start of the files the config names (validation checked that they exist).
+
+    Raises:
+        ConfigError: a model folder whose config.json is not JSON, or a JSONL whose first row
+            lacks the fields the recipe reads.
+    """
+    if config.model.path is not None:
+        hf_config = Path(config.model.path) / "config.json"
+        try:
+            json.loads(hf_config.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ConfigError("model.path", f"{hf_config} is not valid JSON ({err})") from None
+    if isinstance(config, SFTConfig) and config.data.eval_path is not None:
+        _check_jsonl(
+            "data.eval_path",
+            Path(config.data.eval_path),
+            ("messages",),
+            "held-out chats (the last message is the reference answer)",
+        )
+    if isinstance(config, RetrievalConfig) and config.data.source == "jsonl":
+        _check_jsonl("data.path", Path(str(config.data.path)), ("query", "passage"), "pairs")
+
+
 def _attention(config: SFTConfig | RetrievalConfig) -> str:
     if isinstance(config, RetrievalConfig):
         parts = ["the encoder's default (transformers)"]
@@ -208,6 +256,7 @@ def run_preflight(
         validate_sft(config, world_size=world_size)
     else:
         validate_retrieval(config, world_size=world_size)
+    check_contents(config)
     check_extras(config)
     plan = plan_devices(config, world_size=world_size, local_world_size=local_world_size)
     return Preflight(plan=plan, warnings=tuple(config_warnings(config, plan)))
