@@ -11,7 +11,8 @@ import yaml
 
 from train_recipes.cli import main
 from train_recipes.config import RetrievalConfig, SFTConfig, load_config, to_dict
-from train_recipes.config_commands import config_keys, header, shipped_configs
+from train_recipes.config_commands import header, shipped_configs
+from train_recipes.config_help import config_keys
 
 SHIPPED = Path(str(files("train_recipes") / "configs"))
 # World sizes the shipped configs are written for (their header commands say so).

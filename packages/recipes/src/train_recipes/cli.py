@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(handler=_versions)
 
     from train_recipes.config import RetrievalConfig, SFTConfig
-    from train_recipes.config_commands import keys_help
+    from train_recipes.config_help import keys_help
 
     sft = commands.add_parser(
         "sft",
