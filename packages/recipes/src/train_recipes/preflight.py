@@ -162,7 +162,7 @@ def check_contents(config: SFTConfig | RetrievalConfig) -> None:
         _check_jsonl("data.path", Path(str(config.data.path)), ("query", "passage"), "pairs")
 
 
-def _attention(config: SFTConfig | RetrievalConfig) -> str:
+def _attention(config: SFTConfig | RetrievalConfig, device_type: str) -> str:
     if isinstance(config, RetrievalConfig):
         parts = ["the encoder's default (transformers)"]
         if config.model.autocast_dtype is not None:
@@ -172,7 +172,13 @@ def _attention(config: SFTConfig | RetrievalConfig) -> str:
         return ", ".join(parts)
     model, data = config.model, config.data
     if config.parallel.cp > 1:
-        text = f"cp-sharder context parallel over cp={config.parallel.cp} ranks"
+        # cp-sharder decides per batch; this is what it picks for the recipe's batches.
+        backend = (
+            "torch's ring attention for unpadded rows of aligned length, else its portable one"
+            if device_type == "cuda"
+            else "its portable backend"
+        )
+        text = f"cp-sharder context parallel over cp={config.parallel.cp} ranks ({backend})"
     elif data.model_family in _VISION_FAMILIES:
         text = f"{model.attn_implementation} with transformers' masks (vision-language)"
     elif data.packing:
@@ -213,7 +219,7 @@ def plan_devices(
         backend="nccl" if device.type == "cuda" else "gloo",
         cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
         data_parallel=parallel.data_parallel,
-        attention=_attention(config),
+        attention=_attention(config, device.type),
     )
 
 
