@@ -227,7 +227,7 @@ def config_warnings(config: SFTConfig | RetrievalConfig, plan: DevicePlan) -> li
     """Settings that are valid but probably not what the user meant."""
     found = []
     optim, train = config.optim, config.train
-    if optim.warmup_steps > train.steps:
+    if isinstance(train.steps, int) and 0 < train.steps < optim.warmup_steps:
         found.append(
             f"optim.warmup_steps={optim.warmup_steps} is longer than train.steps={train.steps}: "
             f"the learning rate never reaches optim.lr={optim.lr:g}; lower optim.warmup_steps"
