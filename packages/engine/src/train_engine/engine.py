@@ -664,7 +664,9 @@ class Engine:
         share). See :func:`train_engine.checkpoint.save_checkpoint`.
 
         Args:
-            directory: the checkpoint directory; replaced atomically if it exists.
+            directory: the checkpoint directory; an earlier checkpoint there is replaced
+                atomically. A file or a non-empty directory that is not a checkpoint is
+                refused (FileExistsError on every rank), never moved aside.
             extra_state: any picklable per-rank object (e.g. a data loader's state), returned
                 on this rank by :meth:`load_checkpoint`.
         """
@@ -683,14 +685,30 @@ class Engine:
             extra_state=extra_state,
         )
 
-    def load_checkpoint(self, directory: str | os.PathLike[str]) -> Any:
-        """Restore a checkpoint written by :meth:`save_checkpoint`; returns this rank's extra state."""
+    def load_checkpoint(self, directory: str | os.PathLike[str], *, verify: bool = True) -> Any:
+        """Restore a checkpoint written by :meth:`save_checkpoint`; returns this rank's extra state.
+
+        Collective. See :func:`train_engine.checkpoint.load_checkpoint`.
+
+        Args:
+            directory: the checkpoint directory (:func:`train_engine.complete_checkpoints`).
+            verify: check the recorded file checksums before anything is loaded.
+
+        Raises:
+            CheckpointCorruptError: on every rank, with the model, optimizer, scheduler,
+                counters and RNG unchanged: load an earlier checkpoint instead.
+            FileNotFoundError: no complete checkpoint at ``directory``.
+        """
         from train_engine.checkpoint import load_checkpoint
 
         self._check_usable()
         self._require_between_windows("load_checkpoint")
         loaded = load_checkpoint(
-            directory, model=self.module, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler
+            directory,
+            model=self.module,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            verify=verify,
         )
         self.load_state_dict(loaded.engine_state)
         self._last_norm = None
