@@ -199,3 +199,12 @@ def test_two_ranks_agree_on_a_corrupt_checkpoint(rank_pool, tmp_path: Path, dama
     for rank, r in enumerate(results):
         assert r["unchanged"] and r["rng_unchanged"], f"rank {rank} changed state: {r}"
         assert r["optimizer_steps"] == 0
+
+
+def test_an_unknown_format_is_refused_with_a_value_error(saved) -> None:
+    _, ckpt = saved
+    meta = torch.load(ckpt / "meta.pt", weights_only=False)
+    torch.save({**meta, "format": 99}, ckpt / "meta.pt")
+    fresh = _engine(seed=5)
+    with pytest.raises(ValueError, match=r"checkpoint format 99 .* not one of the supported"):
+        fresh.load_checkpoint(ckpt, verify=False)
