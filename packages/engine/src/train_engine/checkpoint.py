@@ -140,8 +140,7 @@ def _raise_agreed(failures: list[_Failure]) -> None:
         # Every rank verified its own share: report all bad files, once each.
         problems = [line for _, f in failed if f[0] == "corrupt" for line in f[2]]
         raise CheckpointCorruptError(Path(checkpoint), list(dict.fromkeys(problems)))
-    where = f" [rank {rank}; {len(failed)} of {len(failures)} ranks failed]"
-    message = lines[0] + (where if len(failures) > 1 else "")
+    message = lines[0] + (f" [found by rank {rank}]" if len(failures) > 1 else "")
     errors: dict[str, type[Exception]] = {
         "missing": FileNotFoundError,
         "exists": FileExistsError,
