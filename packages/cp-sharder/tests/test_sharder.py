@@ -233,7 +233,7 @@ def test_portable_mask_matches_dense_reference() -> None:
 
 
 def test_packed_cp1_matches_per_document_forward() -> None:
-    """cp=1 packed batch: the portable backend's document masking against separate documents."""
+    """cp=1 packed batch: the varlen backend's per-document attention against separate documents."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -250,7 +250,7 @@ def test_packed_cp1_matches_per_document_forward() -> None:
     ids = torch.randint(1, 64, (1, 12))
     sharder = ContextParallelSharder(model)
     ctx, local = sharder.shard({"input_ids": ids, "qkv_format": "thd", "seq_lens": [[5, 4]]})
-    assert sharder.layout.backend is Backend.PORTABLE
+    assert sharder.layout.backend is Backend.VARLEN  # was PORTABLE (dense mask) before issue 15
     assert sharder.layout.input_row_shape == (1, 12)
     with ctx():
         logits = model(**local).logits
