@@ -311,3 +311,20 @@ def test_attention_override_leaves_vision_configs_alone_and_restores() -> None:
     assert "cp_test_key" not in ALL_ATTENTION_FUNCTIONS
     assert model.config._attn_implementation_internal == "sdpa"
     assert text._attn_implementation_internal == "sdpa"
+
+
+def test_shard_result_unpacks_and_verbs_take_an_explicit_layout() -> None:
+    """Verbs given a result's layout never read a later shard()'s state."""
+    sharder = ContextParallelSharder(_IdsOnly())
+    first = sharder.shard(_batch(seq=7))
+    train_ctx, local = first  # the seed usage still unpacks
+    assert train_ctx is first.train_ctx and local is first.batch
+    assert first.layout.original_seq_len == 7
+    second = sharder.shard(_batch(seq=5))
+    x = torch.randn(2, 7, 3)
+    assert torch.equal(sharder.gather_token_tensor(x, layout=first, trim=True), x)
+    assert torch.equal(sharder.shard_token_tensor(x, layout=first.layout), x)
+    assert sharder.layout is second.layout  # the implicit form follows the last shard()
+    with pytest.raises(ValueError, match="expected the local length 5"):
+        sharder.gather_token_tensor(x)
+    assert int(sharder.num_label_tokens(layout=first)) == 12
