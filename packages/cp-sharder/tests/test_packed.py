@@ -57,21 +57,29 @@ def test_dense_mask_guard_fires_on_the_portable_path() -> None:
         model(input_ids=ids, position_ids=positions)
 
 
+# The tiny random vision tower's backward is ill-conditioned: splitting its upstream gradient in
+# two (as two CP ranks do) and summing already moves patch_embed's float64 gradient by ~1e-9
+# relative, in a single process. Logic errors show up at 1e-2.
+VLM_GRAD_TOL = 1e-7
+
+
 def _check_vlm(r: dict[str, Any], label: str) -> None:
-    assert r["loss_rel_err"] < TOL and r["grad_rel_err"] < TOL, f"{label}: {r}"
+    assert r["loss_rel_err"] < TOL and r["grad_rel_err"] < VLM_GRAD_TOL, f"{label}: {r}"
     assert not r["missing_grads"] and r["backend"] == "varlen", f"{label}: {r}"
     assert r["vision_grads"] > 0, f"{label}: the vision tower got no gradient: {r}"
 
 
 def test_packed_vlm_rows_at_cp1_equal_documents_alone() -> None:
     """Qwen2.5-VL: images, [4, B, S] M-RoPE ids and packed documents, varlen at cp=1."""
-    _check_vlm(workers.vlm_parity(0, 1), "qwen2.5-vl cp=1")
+    _check_vlm(workers.vlm_parity(0, 1)["thd"], "qwen2.5-vl cp=1")
 
 
 @pytest.mark.timeout(300)
 def test_packed_vlm_rows_at_cp2_equal_documents_alone(rank_pool: Any) -> None:
     """At cp=2 the sharder embeds the images before sharding, so no placeholder token is cut
-    from its features; M-RoPE ids follow the token layout."""
+    from its features; M-RoPE ids follow the token layout. Also as [B, S] rows whose documents
+    are marked by restarting position ids only (the loader's collate today)."""
     for rank, r in enumerate(rank_pool.run(2, workers.vlm_parity, timeout_s=240)):
-        _check_vlm(r, f"qwen2.5-vl cp=2 rank {rank}")
-        assert r["layout"] == "head_tail", r
+        for case in ("thd", "bshd"):
+            _check_vlm(r[case], f"qwen2.5-vl cp=2 rank {rank} {case}")
+            assert r[case]["layout"] == "head_tail", r
