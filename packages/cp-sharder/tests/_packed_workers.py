@@ -134,10 +134,9 @@ def no_dense_masks() -> Iterator[None]:
 
 
 def token_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum over labelled tokens of -log p(label)."""
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
-    )
+    """Sum over labelled tokens of -log p(label), in float64."""
+    flat = logits.reshape(-1, logits.shape[-1]).double()
+    return F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="sum")
 
 
 def packed_step(
@@ -339,4 +338,25 @@ def vlm_parity(rank: int, world_size: int) -> dict[str, Any]:
             "layout": kind,
             "vision_grads": sum(1 for n in grads if n.startswith("model.visual")),
         }
+    return out
+
+
+def cuda_packed_parity(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
+    """CUDA bf16 (torch's varlen_attn kernel) packed rows vs the CPU float64 documents alone."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    mesh = None
+    if world_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cuda", (world_size,), mesh_dim_names=("cp",))
+    cpu_model = tiny_model("llama")
+    model = copy.deepcopy(cpu_model).to(device=device, dtype=torch.bfloat16)
+    out: dict[str, dict[str, Any]] = {}
+    for seed, (name, real, padded, seq) in enumerate(CASES):
+        batch, docs = packed_batch(real, padded, seq, seed=100 + seed)
+        ref_loss, ref = reference(cpu_model, docs)
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        loss, grads, backend, kind = packed_step(model, mesh, batch)
+        grads = {n: g.double().cpu() for n, g in grads.items()}
+        out[name] = compare(loss, grads, ref_loss, ref) | {"backend": backend, "layout": kind}
     return out
