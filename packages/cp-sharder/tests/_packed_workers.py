@@ -325,11 +325,9 @@ def vlm_parity(rank: int, world_size: int) -> dict[str, Any]:
         "qkv_format": "thd",
     }
     out: dict[str, Any] = {}
-    cases: dict[str, dict[str, Any]] = {}
-    if world_size > 1:
-        # The same rows as [B, S] with documents marked only by restarting position ids and
-        # zero-padded positions (energon-sft's collate); at cp=1 the model itself handles those.
-        cases["bshd"] = {k: v for k, v in batch.items() if k not in ("seq_lens", "qkv_format")}
+    # The same rows as [B, S] with documents marked only by restarting position ids and
+    # zero-padded positions (energon-sft's collate).
+    cases = {"bshd": {k: v for k, v in batch.items() if k not in ("seq_lens", "qkv_format")}}
     cases["thd"] = batch
     for name, case in cases.items():
         loss, grads, backend, kind = packed_step(model, mesh, case)

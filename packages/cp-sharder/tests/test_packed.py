@@ -6,9 +6,12 @@ The token-sum loss and every parameter gradient must equal each document run alo
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 import _packed_workers as workers
 
@@ -43,8 +46,6 @@ def test_packed_rows_at_cp2_equal_documents_alone(rank_pool: Any) -> None:
 
 def test_dense_mask_guard_fires_on_the_portable_path() -> None:
     """The guard is real: the old dense-mask path trips it."""
-    import torch
-
     from cp_sharder.attention import portable
 
     spec = portable.MaskSpec(q_index=torch.arange(4), k_index=torch.arange(4))
@@ -70,8 +71,10 @@ def _check_vlm(r: dict[str, Any], label: str) -> None:
 
 
 def test_packed_vlm_rows_at_cp1_equal_documents_alone() -> None:
-    """Qwen2.5-VL: images, [4, B, S] M-RoPE ids and packed documents, varlen at cp=1."""
-    _check_vlm(workers.vlm_parity(0, 1)["thd"], "qwen2.5-vl cp=1")
+    """Qwen2.5-VL: images, [4, B, S] M-RoPE ids and packed documents, varlen at cp=1, as THD
+    and as [B, S] rows packed by position restarts."""
+    for case, r in workers.vlm_parity(0, 1).items():
+        _check_vlm(r, f"qwen2.5-vl cp=1 {case}")
 
 
 @pytest.mark.timeout(300)
@@ -83,3 +86,49 @@ def test_packed_vlm_rows_at_cp2_equal_documents_alone(rank_pool: Any) -> None:
         for case in ("thd", "bshd"):
             _check_vlm(r[case], f"qwen2.5-vl cp=2 rank {rank} {case}")
             assert r[case]["layout"] == "head_tail", r
+
+
+class _PlainAttention(torch.nn.Module):
+    """A plain PyTorch causal self-attention LM calling SDPA (no transformers), GQA 2/1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb = torch.nn.Embedding(workers.VOCAB, 16)
+        self.q = torch.nn.Linear(16, 16)
+        self.kv = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, workers.VOCAB)
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = self.emb(input_ids)
+        b, s, _ = h.shape
+        q = self.q(h).view(b, s, 2, 8).transpose(1, 2)
+        k, v = self.kv(h).view(b, s, 2, 1, 8).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.out(a.transpose(1, 2).reshape(b, s, 16) + h)
+
+
+def test_plain_pytorch_model_on_packed_rows_through_the_sdpa_override() -> None:
+    from cp_sharder import ContextParallelSharder
+
+    model = _PlainAttention().double()
+    batch, docs = workers.packed_batch([[5, 7], [9]], None, 12, seed=3)
+    result = ContextParallelSharder(model).shard(batch)
+    local = dict(result.batch)
+    labels = local.pop("labels")
+    original = F.scaled_dot_product_attention
+    with workers.no_dense_masks(), result.train_ctx():
+        logits = model(**local)
+    assert F.scaled_dot_product_attention is original
+    assert result.layout.backend.value == "varlen"
+    loss = workers.token_sum(logits, labels)
+    loss.backward()
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    ref_loss = sum(F.cross_entropy(ref(d[None])[0, :-1], d[1:], reduction="sum") for d in docs)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
