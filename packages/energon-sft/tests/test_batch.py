@@ -198,3 +198,34 @@ def test_worker_mrope_ids_equal_the_host_computation(tmp_path: Path, packing: bo
     assert torch.equal(ours, host_new)
     # Teeth: after an image the M-RoPE ids differ from the 1-D ids.
     assert not torch.equal(ours[0][real], batch.position_ids[real])
+
+
+def test_image_tokens_that_do_not_match_the_images_are_refused_with_the_fix() -> None:
+    from energon_sft import BadSampleError
+
+    proc = build_processor()
+    enc = SFTTaskEncoder(proc, model_family="qwen2_5_vl", max_length=256)
+    literal = ChatSample(
+        __key__="lit",
+        __restore_key__=(),
+        messages=[
+            {"role": "user", "content": "What is <|image_pad|> here?"},
+            {"role": "assistant", "content": "Nothing."},
+        ],
+        media=[],
+        tools=None,
+        source_id="src",
+    )
+    with pytest.raises(BadSampleError, match=r"more image placeholders than the 0 image\(s\)"):
+        enc.encode_chat(literal)
+    with pytest.raises(BadSampleError, match="remove it from the text"):
+        enc.encode_chat(literal)
+    # Grids that do not fill the image tokens (a collated batch built elsewhere): the M-RoPE
+    # builder names the image, its grid and the tokens left.
+    with pytest.raises(ValueError, match=r"image 0 \(grid \(1, 4, 4\), merge 2\) has 4 tokens"):
+        mrope_position_ids(
+            torch.arange(6)[None],
+            torch.tensor([[False, True, True, True, False, False]]),
+            torch.tensor([[1, 4, 4]]),
+            spatial_merge_size=2,
+        )

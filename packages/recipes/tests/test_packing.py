@@ -198,3 +198,15 @@ def test_packed_vlm_loss_equals_per_sample_reference(
 def _image_runs(mask: torch.Tensor) -> list[int]:
     """Start index of every run of image tokens (one image each in the demo data)."""
     return [i for i in range(mask.numel()) if mask[i] and (i == 0 or not mask[i - 1])]
+
+
+def test_rows_that_do_not_fit_the_cp_chunks_name_the_fix() -> None:
+    from _packing_workers import packed_batch
+
+    batch, _ = packed_batch("llama", pad_to_multiple_of=1)  # S = 19: padded for no cp
+    assert batch["input_ids"].shape[1] == 19
+    with pytest.raises(ValueError, match=r"rows of 19 tokens .* 2\*cp=4 .* pad_to_multiple_of=4"):
+        data_api.batch_tensors(batch, cp=2)
+    # Padded for cp=2 (a multiple of 4): accepted, with the packed layout keys.
+    fitted, _ = packed_batch("llama", pad_to_multiple_of=4)
+    assert data_api.batch_tensors(fitted, cp=2)["seq_lens"].tolist() == [[5, 11, 3], [13, -1, -1]]

@@ -99,7 +99,7 @@ def build_loader(
     )
 
 
-def batch_tensors(batch: Any, *, vlm: bool = False) -> dict[str, Any]:
+def batch_tensors(batch: Any, *, vlm: bool = False, cp: int = 1) -> dict[str, Any]:
     """The keys of an energon-sft batch that the recipe's model path takes (host tensors).
 
     ``labels`` are already shifted (``labels[:, t]`` is the target of position t, -100 where
@@ -111,13 +111,23 @@ def batch_tensors(batch: Any, *, vlm: bool = False) -> dict[str, Any]:
     ``image_grid_thw`` [N, 3].
 
     Raises:
-        ValueError: a VLM batch without M-RoPE ids (the family adapter builds none).
+        ValueError: a VLM batch without M-RoPE ids (the family adapter builds none), or rows
+            whose padded length does not split into the 2*cp chunks of context parallelism.
     """
 
     def get(name: str) -> Any:
         return batch.get(name) if isinstance(batch, dict) else getattr(batch, name, None)
 
     out: dict[str, Any] = {name: get(name) for name in _TOKEN_KEYS}
+    seq = int(out["input_ids"].shape[-1])
+    if cp > 1 and seq % (2 * cp):
+        # The recipe's loader pads for its own cp; a loader built (or resumed) for another
+        # cp would leave the sharder to re-pad every batch.
+        raise ValueError(
+            f"rows of {seq} tokens do not split into 2*cp={2 * cp} chunks: the loader was built "
+            f"for another cp; build it with energon-sft pad_to_multiple_of={2 * cp} (the recipe "
+            f"passes 2 * parallel.cp)"
+        )
     out["attention_mask"] = out["attention_mask"].to(torch.long)
     if get("qkv_format") == "thd":
         out["qkv_format"] = "thd"

@@ -333,7 +333,9 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
     t_last = time.perf_counter()
     for step in range(start_step + 1, train.steps + 1):
         # Counted on the host copies: reading device tensors would stall the GPU's queue.
-        host = [data_api.batch_tensors(next(batches), vlm=vlm) for _ in range(accum)]
+        host = [
+            data_api.batch_tensors(next(batches), vlm=vlm, cp=ctx.cp_size) for _ in range(accum)
+        ]
         local_tokens = sum(int((m["labels"] != -100).sum()) for m in host)
         micro = [data_api.to_device(m, ctx.device) for m in host]
         # Contract (b): the window's loss tokens over all data-parallel replicas (counted before
