@@ -313,3 +313,25 @@ def packed_token_sum_loss(
     sharder = ContextParallelSharder(model, init_device_mesh("cpu", (1,)), padding_token_id=0)
     with torch.no_grad():
         return token_sum_loss(model, batch, sharder=sharder, vlm=vlm)
+
+
+def run_packed_sft_without_dense_masks(
+    rank: int, world_size: int, overrides: list[str], max_mask_side: int
+) -> dict[int, float]:
+    """Run the SFT recipe with every dense-mask builder made to raise; rank 0 returns the
+    logged losses by step."""
+    import json
+    from pathlib import Path
+
+    from train_recipes.config import SFTConfig, load_config, validate_sft
+    from train_recipes.sft import run_sft
+
+    config = load_config(SFTConfig, None, overrides)
+    validate_sft(config, world_size=world_size)
+    with forbid_dense_masks(max_mask_side):
+        run_sft(config)
+    if rank != 0:
+        return {}
+    metrics = Path(config.train.output_dir) / "metrics.jsonl"
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
