@@ -52,6 +52,8 @@ def test_zero_padded_positions_are_not_documents_so_the_ring_is_chosen() -> None
     packed["position_ids"] = torch.cat([torch.arange(60), torch.arange(68)]).expand(2, 128)
     packed["labels"] = torch.full((2, 128), -100)
     assert _backend(packed) is Backend.VARLEN
+    assert _backend(packed, cp=1) is Backend.VARLEN  # no dense packed mask at cp=1 either
+    assert _backend(batch, cp=1) is Backend.NONE  # one document per row: the model as is
     left = dict(batch)
     left["attention_mask"] = batch["attention_mask"].flip(-1)
     assert _backend(left) is Backend.PORTABLE

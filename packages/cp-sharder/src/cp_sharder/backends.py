@@ -7,9 +7,9 @@ PyTorch models calling ``F.scaled_dot_product_attention``):
 batch                                       backend
 ==========================================  ==============================================
 packed THD (any cp)                         VARLEN (varlen attention, all-gather K/V at cp>1)
-cp=1, [B, S]                                NONE (the model runs unchanged)
-cp>1, [B, S] packed rows (position          VARLEN
-restarts), right padding only
+[B, S] rows packed by position restarts,    VARLEN (any cp)
+right padding only
+cp=1, other [B, S] batches                  NONE (the model runs unchanged)
 cp>1, plain causal (no documents, padding   TORCH_RING on a CUDA mesh for transformers models
 only after the last real token, no          when each head/tail chunk is a multiple of 32
 sliding window)                             tokens; else PORTABLE
@@ -49,12 +49,10 @@ def pick_backend(
     """The backend of this step (see the module table)."""
     if family is not Backend.PORTABLE:
         return family
-    if plan.thd:
+    if plan.thd or (plan.segment_ids is not None and plan.right_padded):
         return Backend.VARLEN
     if cp.size == 1:
         return Backend.NONE
-    if plan.segment_ids is not None and plan.right_padded:
-        return Backend.VARLEN
     plain_causal = plan.doc_ids is None and plan.right_padded and not sliding_window
     mesh_type = getattr(cp.mesh, "device_type", "cpu")
     # Only transformers models: their attention call goes through torch_ring's autograd

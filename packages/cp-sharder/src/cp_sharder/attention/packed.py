@@ -240,8 +240,13 @@ class PackedAttention:
 
 
 def make_hf_attention(packed: PackedAttention) -> Any:
-    """A transformers attention function (the registry signature) bound to this step."""
+    """A transformers attention function (the registry signature) bound to this step.
 
+    It is excluded from ``torch.compile`` (a graph break around the kernel call): it closes over
+    this step's plan, and tracing it would recompile every layer at every step.
+    """
+
+    @torch.compiler.disable
     def attention(
         module: torch.nn.Module,
         query: Tensor,
@@ -278,8 +283,10 @@ def make_hf_attention(packed: PackedAttention) -> Any:
 
 
 def sdpa_attention(packed: PackedAttention) -> Any:
-    """A stand-in for ``F.scaled_dot_product_attention`` ([B, H, n, D]) for plain models."""
+    """A stand-in for ``F.scaled_dot_product_attention`` ([B, H, n, D]) for plain models
+    (excluded from ``torch.compile`` like :func:`make_hf_attention`)."""
 
+    @torch.compiler.disable
     def attention(
         query: Tensor,
         key: Tensor,
