@@ -417,8 +417,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.checkpoint is None:
         args.checkpoint = args.long
     if args.quick:
-        args.seq = 256 if args.long else 64
-        args.min_doc, args.max_doc = (16, 96) if args.long else (4, 24)
+        args.seq = 128 if args.long else 64
+        args.min_doc, args.max_doc = (8, 48) if args.long else (4, 24)
         args.steps, args.warmup = 2, 1
     elif args.device != "cuda":
         raise SystemExit("the full-size benchmark needs --device cuda; use --quick on the CPU")
