@@ -24,7 +24,8 @@ variant trains the same tokens. Variants, in one process one after the other:
 the step runs forward and backward inside the sharder's attention context (``token_sum_loss``
 leaves it after the forward, and the recomputation must see the same attention).
 
-Reported per variant: ms/step (median), tokens/s, peak GiB (CUDA), ratio of tokens/s to
+Step times as in ``sft_step.py``: CUDA events between steps, read after the last one (the host
+never waits between steps, as in training). Reported per variant: ms/step (median), tokens/s, peak GiB (CUDA), ratio of tokens/s to
 ``unpacked`` (or to ``varlen-direct`` with ``--long``) and to ``varlen-direct``, the first
 step's mean loss (packed, dense-mask and varlen-direct must agree), the attention kernel. JSON
 with the device name and the torch / transformers versions.
@@ -46,7 +47,6 @@ import platform
 import random
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 # The shared bench helpers live beside this script (run as a script: its folder is on the path).
 sys.path.insert(0, str(Path(__file__).parent))
-from sft_step import FULL, TINY, device_name, free_memory, init_process_group, sync
+from sft_step import FULL, TINY, device_name, free_memory, init_process_group, sync, timed_steps
 
 from train_engine import Engine, FSDP2Config, apply_data_parallel, param_groups
 from train_recipes.modeling import CausalFastPath
@@ -118,6 +118,7 @@ def make_batches(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
                 "cu_seqlens": cu,
                 "max_seqlen": int(flat.max()),
                 "documents": int(flat.numel()),
+                "num_tokens": int((labels != -100).sum()),
             }
         )
     return out
@@ -259,7 +260,7 @@ def setup(name: str, args: argparse.Namespace) -> tuple[Callable[[dict[str, Any]
             sharder = _BackwardInContext(sharder)
 
     def step(batch: dict[str, Any]) -> float:
-        num_tokens = int((batch["labels"] != -100).sum())
+        num_tokens = batch["num_tokens"]  # counted on the host: no device read per step
         inputs: dict[str, Any] = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
         if name == "unpacked":
             inputs["position_ids"] = batch["causal_position_ids"]
@@ -339,22 +340,6 @@ def _maybe(sharder: Any) -> Iterator[None]:
             sharder._stack = None
 
 
-# ----------------------------------------------------------------------------- timing
-def timed(
-    step: Callable[[dict[str, Any]], float], data: list[dict], args: argparse.Namespace
-) -> list[float]:
-    """Per-step seconds (the host syncs after each step: the packed paths read the layout on
-    the host anyway, and the comparison stays like for like)."""
-    times = []
-    for i in range(args.steps):
-        sync(args.device)
-        t0 = time.perf_counter()
-        step(data[i % 2])
-        sync(args.device)
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     step, kernel = setup(name, args)
     data = [
@@ -372,7 +357,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     sync(args.device)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = timed(step, data, args)
+    times = timed_steps(step, data, args)
     seconds = statistics.median(times)
     return {
         "variant": name,
