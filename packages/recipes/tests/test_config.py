@@ -104,12 +104,11 @@ def test_overrides_are_typed() -> None:
         (["data.path=/nonexistent/energon"], 2, "data.path"),
         (["model.path=/nonexistent/model"], 2, "model.path"),
         (["model.tiny.num_heads=3"], 2, "model.tiny.num_heads"),
-        (["parallel.cp=2", "data.packing=true"], 2, "data.packing"),
         (["parallel.tp=2"], 2, "parallel.tp"),
         (["parallel.tp=2", "parallel.data_parallel=fsdp2"], 2, "model.tiny.tie_word_embeddings"),
         (["parallel.tp=2", "parallel.cp=2"], 2, "parallel.tp"),
         (["data.demo=shapes"], 2, "data.model_family"),
-        (["data.demo=shapes", "data.model_family=qwen2_5_vl", "parallel.cp=2"], 2, "parallel.cp"),
+        (["data.model_family=no_such_family"], 2, "data.model_family"),
         (["data.num_logical_shards=3"], 2, "data.num_logical_shards"),
     ],
 )
