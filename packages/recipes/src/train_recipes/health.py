@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import sys
 import threading
 import time
@@ -33,7 +32,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
@@ -169,8 +167,8 @@ def default_store() -> Any:
 class HangWatchdog:
     """Names the ranks that do not reach a step the others wait in (see the module docstring).
 
-    Construct and :meth:`start` it on every rank at the same point (the constructor runs one
-    all-reduce, agreeing on a key prefix, so runs sharing a store never read each other's keys).
+    Construct and :meth:`start` it on every rank of a run (runs sharing a store get their own
+    keys).
 
     Args:
         store: the process group's store (``default_store()``); shared by all ranks.
@@ -199,12 +197,10 @@ class HangWatchdog:
         self._min_step_limit_s = min_step_limit_s
         self._interval = interval_s
         self._on_hang = on_hang
-        tag = torch.tensor([random.getrandbits(62)], dtype=torch.int64)
-        if world_size > 1:
-            backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-            tag = tag.to(backend_device)
-            dist.all_reduce(tag, op=dist.ReduceOp.MAX)
-        self._store = dist.PrefixStore(f"train_recipes/watchdog/{int(tag)}", store)
+        # Every rank counts itself in; runs of one group are sequential, so the ranks of one run
+        # draw the same generation and a later run never reads an earlier one's keys.
+        generation = (int(store.add("train_recipes/watchdog/arrivals", 1)) - 1) // world_size
+        self._store = dist.PrefixStore(f"train_recipes/watchdog/{generation}", store)
         self._step = 0
         self._entered = time.monotonic()
         self._step_times: list[float] = []
