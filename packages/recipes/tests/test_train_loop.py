@@ -148,13 +148,15 @@ def test_retrieval_and_sft_share_the_schedule() -> None:
 # ----------------------------------------------------------------------------- held-out loss
 
 
+@pytest.mark.parametrize("layout", ["parallel.cp=1", "parallel.cp=2"])
 @pytest.mark.timeout(240)
 def test_logged_eval_loss_equals_a_float64_forward(
-    rank_pool: Any, demo_data: DemoSplit, tmp_path: Path
+    rank_pool: Any, demo_data: DemoSplit, tmp_path: Path, layout: str
 ) -> None:
-    """2 ranks, 13 held-out chats in batches of 4 (uneven: filler rows on one rank): the
-    eval/loss logged at the last step equals the float64 token-mean loss of the final model,
-    each chat run alone (no padding) through the unmodified HF model."""
+    """2 ranks, 13 held-out chats in batches of 4 (dp=2: uneven, filler rows on one rank;
+    cp=2: every chat sharded over both ranks): the eval/loss logged at the last step equals the
+    float64 token-mean loss of the final model, each chat run alone (no padding) through the
+    unmodified HF model."""
     from energon_sft import IGNORE_INDEX, SFTTaskEncoder, cook_chat
     from train_recipes.demo import build_char_tokenizer
 
@@ -165,6 +167,7 @@ def test_logged_eval_loss_equals_a_float64_forward(
         "train.eval_every=2",
         "train.eval_loss_samples=13",
         "data.micro_batch_size=4",
+        layout,
     )
     out = rank_pool.run(2, eval_loss_run, overrides, timeout_s=200)[0]
     logged = {r["step"]: r["eval/loss"] for r in out["rows"] if "eval/loss" in r}
