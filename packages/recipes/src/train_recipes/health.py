@@ -12,9 +12,12 @@ Hung ranks. torch.distributed fixes a process group's timeout at creation (chang
 needs private API, and re-creating groups would invalidate the DDP/FSDP2 wrappers built on
 them), and a timed-out collective names no culprit. So the recipe keeps the group's timeout as a
 backstop and runs :class:`HangWatchdog`: a thread per rank that publishes the rank's current
-step and a heartbeat in the process group's store and reads everybody else's. A rank that has
-waited in its step longer than the limit while another rank is still at an earlier step (or its
-heartbeat froze, e.g. under SIGSTOP) ends the run with one line naming those ranks. The limit is
+step and the time in the process group's store (one small write per rank per interval). Only a
+rank that has waited in its step longer than the limit reads the others' entries (one
+``multi_get``); if another rank is still at an earlier step, or has not written for longer than
+the limit (a frozen process, e.g. under SIGSTOP), it ends the run with one line naming those
+ranks. Timestamps are wall-clock, compared across hosts: clock skew must stay well below the
+limit (NTP keeps it far below the 30 s floor). The limit is
 ``train.collective_timeout_s`` until the warm-up steps are measured, then
 ``min(collective_timeout_s, max(MIN_STEP_LIMIT_S, STEP_LIMIT_FACTOR * slowest warm-up step))``.
 Phases that every rank runs together (evaluation, checkpoints) never trigger it: all ranks are
@@ -204,8 +207,6 @@ class HangWatchdog:
         self._step = 0
         self._entered = time.monotonic()
         self._step_times: list[float] = []
-        self._beat = 0
-        self._seen: dict[int, tuple[str, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
         self.fired: str | None = None
@@ -236,8 +237,25 @@ class HangWatchdog:
     # ------------------------------------------------------------------------ the thread
 
     def _publish(self) -> None:
-        self._beat += 1
-        self._store.set(str(self.rank), f"{self._step},{self._beat}")
+        # Wall-clock time: other hosts compare it with theirs (NTP skew is far below the limit).
+        self._store.set(str(self.rank), f"{self._step},{time.time():.3f}")
+
+    def _others(self) -> dict[int, tuple[int, float]]:
+        """(published step, publication time) of every other rank; one store request when
+        every rank has published (the usual case), else one per rank."""
+        ranks = [r for r in range(self.world_size) if r != self.rank]
+        keys = [str(r) for r in ranks]
+        if self._store.check(keys):
+            values = [v.decode() for v in self._store.multi_get(keys)]
+        else:
+            values = [
+                self._store.get(k).decode() if self._store.check([k]) else "0,0" for k in keys
+            ]
+        out = {}
+        for rank, value in zip(ranks, values, strict=True):
+            step, stamp = value.split(",")
+            out[rank] = (int(step), float(stamp))
+        return out
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval or min(5.0, max(0.2, self.limit_s / 10))):
@@ -253,24 +271,17 @@ class HangWatchdog:
                 return
 
     def _check(self) -> str | None:
-        now = time.monotonic()
-        step, waited = self._step, now - self._entered
+        step, waited = self._step, time.monotonic() - self._entered
+        if waited <= self.limit_s:
+            return None  # not waiting for anybody: no need to read the others' keys
+        now = time.time()
         behind, frozen = [], []
-        for other in range(self.world_size):
-            if other == self.rank:
-                continue
-            key = str(other)
-            value = self._store.get(key).decode() if self._store.check([key]) else "0,0"
-            last = self._seen.get(other)
-            if last is None or last[0] != value:
-                self._seen[other] = (value, now)
-                last = self._seen[other]
-            other_step = int(value.split(",")[0])
+        for other, (other_step, stamp) in self._others().items():
             if other_step < step:
                 behind.append((other, other_step))
-            elif now - last[1] > self.limit_s:
+            elif now - stamp > self.limit_s:
                 frozen.append(other)
-        if waited <= self.limit_s or not (behind or frozen):
+        if not (behind or frozen):
             return None
         parts = []
         if behind:
