@@ -275,6 +275,7 @@ def hide(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def test_missing_tracker_extra_is_a_one_line_config_error(hide: Any, demo_data: DemoSplit) -> None:
+    from train_recipes.preflight import check_extras
     from train_recipes.trackers import open_trackers
 
     hide("wandb", "mlflow")
@@ -282,8 +283,9 @@ def test_missing_tracker_extra_is_a_one_line_config_error(hide: Any, demo_data: 
         config = load_config(
             SFTConfig, None, [*data_overrides(demo_data), f"train.loggers=[{name}]"]
         )
+        validate_sft(config, world_size=1)
         with pytest.raises(ConfigError, match=rf"train-recipes\[{name}\]") as err:
-            validate_sft(config, world_size=1)
+            check_extras(config)  # the preflight, before any rank starts
         assert err.value.key == "train.loggers" and "\n" not in str(err.value)
         with pytest.raises(
             ImportError, match=rf"^train.loggers lists '{name}'.*train-recipes\[{name}\]"
@@ -475,7 +477,7 @@ def test_consecutive_skips_abort_with_one_line_after_clean_startup_output(
     assert "train.max_consecutive_skips=10" in errors[0]
     assert "step 2: optimizer update skipped" in done.stdout
     assert "step 12: optimizer" not in done.stdout
-    assert "skipping optimizer step" not in done.stderr  # the engine's own count is replaced
+    assert "skipped the update of step" not in done.stderr  # the engine's per-rank warning
 
     lines = done.stdout.splitlines()
     assert lines[0].startswith("sft: 1 ranks (dp=1, cp=1, tp=1, ddp) on cpu (gloo); attention sdpa")

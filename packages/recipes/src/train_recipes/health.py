@@ -2,8 +2,8 @@
 
 Skips. The Engine skips an optimizer update whose global gradient norm is non-finite (the
 decision is agreed over all ranks). A run whose every update is skipped still "finishes", so
-the recipe counts skips per optimizer step, reports them with the recipe's step number (the
-Engine only knows its update counter, which skipped windows do not advance) and aborts after
+the recipe records which steps were skipped (for metrics.jsonl and the summary), prints one line
+per skip on rank 0 (in place of the Engine's warning, which every rank logs) and aborts after
 ``train.max_consecutive_skips`` in a row. With a fused optimizer the skip flag is decided on the
 device: :class:`SkipTracker` reads each step's flag one step late, when the Engine has already
 settled it, so tracking adds no host synchronisation.
@@ -126,15 +126,15 @@ class SkipTracker:
 
 class _DropEngineSkipWarnings(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(("skipping optimizer step", "skipped optimizer step"))
+        return not str(record.msg).startswith("skipped the update of step")
 
 
 @contextmanager
 def engine_skip_warnings_replaced() -> Iterator[None]:
     """Drop train-engine's skip warnings while the recipe reports skips itself.
 
-    The Engine's warning numbers the skip by its update counter (which skipped windows do not
-    advance, so a run of skips all say "step 1"); the recipe's says the real step.
+    The Engine logs each skip on every rank (a 64-rank job prints 64 lines per skip, around the
+    progress bar); the recipe prints one line on rank 0, above the bar, with the same step.
     """
     engine_logger = logging.getLogger("train_engine.engine")
     drop = _DropEngineSkipWarnings()

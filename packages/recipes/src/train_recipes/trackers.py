@@ -4,7 +4,7 @@ None is required. Each is imported when a run asks for it: TensorBoard (``train.
 extra ``train-recipes[tensorboard]``) is skipped with a one-line notice when missing, since it
 is on by default; W&B and MLflow (``train.loggers``, extras ``train-recipes[wandb]`` and
 ``train-recipes[mlflow]``) were asked for by name, so a missing one is an error naming the
-extra (checked before launch by the config validation, see :func:`missing_extras`).
+extra (checked before launch by ``train_recipes.preflight.check_extras``).
 
 Only finite numbers are sent; strings and lists (e.g. the skipped step numbers) stay in
 ``metrics.jsonl``.
@@ -13,20 +13,18 @@ Only finite numbers are sent; strings and lists (e.g. the skipped step numbers) 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 import math
 import os
 import re
-import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXTRAS", "Tracker", "missing_extras", "open_trackers"]
+__all__ = ["EXTRAS", "Tracker", "import_extra", "open_trackers"]
 
 #: Module imported for each tracker name, and the train-recipes extra that installs it.
 EXTRAS = {
@@ -46,20 +44,6 @@ class Tracker(Protocol):
 
     def close(self) -> None:
         """Flush and finish the run."""
-
-
-def _missing(module: str) -> bool:
-    if module in sys.modules:
-        return sys.modules[module] is None
-    try:
-        return importlib.util.find_spec(module) is None
-    except (ImportError, ValueError):
-        return True
-
-
-def missing_extras(names: Iterable[str]) -> list[tuple[str, str]]:
-    """``(tracker name, extra)`` of the trackers in ``names`` whose module is not importable."""
-    return [(name, EXTRAS[name][1]) for name in names if _missing(EXTRAS[name][0])]
 
 
 def import_extra(name: str) -> ModuleType:
@@ -162,9 +146,11 @@ def open_trackers(
     Raises:
         ImportError: a tracker of ``loggers`` is not installed (one line, naming the extra).
     """
+    from train_recipes.preflight import module_available
+
     trackers: list[Tracker] = []
     if tensorboard:
-        if missing_extras(["tensorboard"]):
+        if not module_available("tensorboard"):
             notice(
                 "tensorboard is not installed: no TensorBoard events (install "
                 "`train-recipes[tensorboard]`, or set train.tensorboard=false to silence this)"
