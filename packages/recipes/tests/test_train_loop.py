@@ -495,7 +495,7 @@ def test_consecutive_skips_abort_with_one_line_after_clean_startup_output(
 
 
 def test_summary_names_device_attention_startup_and_skips(tmp_path: Path) -> None:
-    from train_recipes.sft import _summary_table
+    from train_recipes.summary import summary_table
 
     summary = {
         "accuracy_before": None,
@@ -514,7 +514,7 @@ def test_summary_names_device_attention_startup_and_skips(tmp_path: Path) -> Non
         "eval_loss_first": 2.5,
         "eval_loss_last": 2.25,
     }
-    table = _summary_table(summary, tmp_path, None, None).splitlines()
+    table = summary_table(summary, tmp_path, None, None).splitlines()
     assert "device         cuda:0 (NVIDIA H200, nccl)" in table
     assert "attention      sdpa (backends cudnn, flash), bfloat16" in table
     assert "start-up       building data 1.2 s, first step 3.0 s" in table

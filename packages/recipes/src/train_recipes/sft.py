@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import re
 import shutil
 import time
@@ -56,6 +55,7 @@ from train_recipes.modeling import (
     unwrap,
 )
 from train_recipes.schedule import build_lr_scheduler, resolve_length
+from train_recipes.summary import attention_line, header_line, summary_table
 
 logger = logging.getLogger(__name__)
 
@@ -218,14 +218,9 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
     config = resolve_length(config, dp=ctx.dp_size)  # train.epochs -> train.steps
     train = config.train
     clock = StartupClock(enabled=ctx.is_main)
-    device_line = describe_device(ctx.device)
-    attention_line = _attention_line(config)
+    device_line, attention = describe_device(ctx.device), attention_line(config)
     if ctx.is_main:
-        print(
-            f"sft: {ctx.world_size} ranks (dp={ctx.dp_size}, cp={ctx.cp_size}, tp={ctx.tp_size}, "
-            f"{config.parallel.data_parallel}) on {device_line}; attention {attention_line}",
-            flush=True,
-        )
+        print(header_line(ctx, config, device_line, attention), flush=True)
     clock.start("building data")
     out_dir = Path(train.output_dir)
     if ctx.is_main:
@@ -546,59 +541,10 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
             "eval_loss_first": eval_loss[0] if eval_loss else None,
             "eval_loss_last": eval_loss[-1] if eval_loss else None,
             "device": device_line,
-            "attention": attention_line,
+            "attention": attention,
             "startup_s": clock.phases,
         }
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(_summary_table(summary, out_dir, png, export_dir), flush=True)
+        print(summary_table(summary, out_dir, png, export_dir), flush=True)
     dist.barrier()
     return result
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4f}" if math.isfinite(value) else str(value)
-    return str(value)
-
-
-def _attention_line(config: SFTConfig) -> str:
-    """``sdpa (backends cudnn, flash)``: the attention implementation and SDPA backend order."""
-    backends = config.model.sdpa_backends
-    order = ", ".join(backends) if backends else "torch's default order"
-    return f"{config.model.attn_implementation} (backends {order}), {config.model.dtype}"
-
-
-def _skipped_text(steps: list[int]) -> str:
-    shown = ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
-    return f"{len(steps)} (steps {shown})" if steps else "0"
-
-
-def _summary_table(
-    summary: dict[str, Any], out_dir: Path, png: Path | None, export_dir: Path | None
-) -> str:
-    acc0, acc1 = summary["accuracy_before"], summary["accuracy_after"]
-    lines = [
-        "",
-        f"run            {out_dir}",
-        f"ranks          {summary['world_size']} "
-        f"(dp={summary['dp']}, cp={summary['cp']}, tp={summary['tp']})",
-        f"device         {summary['device']}",
-        f"attention      {summary['attention']}",
-        "start-up       " + ", ".join(f"{k} {v:.1f} s" for k, v in summary["startup_s"].items()),
-        f"steps          {summary['steps']}",
-        f"skipped        {_skipped_text(summary['skipped_steps'])}",
-        f"loss           {_fmt(summary['first_loss'])} -> {_fmt(summary['last_loss'])}",
-    ]
-    if summary["eval_loss_last"] is not None:
-        lines.append(
-            f"eval loss      {_fmt(summary['eval_loss_first'])} -> "
-            f"{_fmt(summary['eval_loss_last'])} (held-out)"
-        )
-    if acc0 is not None and acc1 is not None:
-        lines.append(f"exact match    {acc0:.1%} -> {acc1:.1%} (held-out, greedy)")
-    lines.append(f"loss curve     {png if png is not None else '-'}")
-    if export_dir is not None:
-        lines.append(f"HF export      {export_dir}")
-    return "\n".join(lines)
