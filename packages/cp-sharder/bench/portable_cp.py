@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from train_testing.bench import device_name, times_ms, versions, write_json
 
 
 class _Out:
@@ -121,17 +121,6 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor, count: int) -> torch.Tenso
     )
 
 
-def _time(step: Any, warmup: int, iters: int) -> list[float]:
-    for _ in range(warmup):
-        step()
-    out = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        step()
-        out.append((time.perf_counter() - start) * 1e3)
-    return out
-
-
 def _bench_no_cp(args: argparse.Namespace) -> list[float]:
     model, batch = _model(args), _batch(args)
     count = int((batch["labels"] != -100).sum())
@@ -141,7 +130,7 @@ def _bench_no_cp(args: argparse.Namespace) -> list[float]:
         logits = model(input_ids=batch["input_ids"]).logits
         _loss(logits, batch["labels"], count).backward()
 
-    return _time(step, args.warmup, args.iters)
+    return times_ms(step, "cpu", warmup=args.warmup, iters=args.iters)
 
 
 def _sharded_step(model: torch.nn.Module, sharder: Any, batch: dict[str, torch.Tensor]) -> None:
@@ -158,7 +147,9 @@ def _bench_cp1(args: argparse.Namespace) -> list[float]:
 
     model, batch = _model(args), _batch(args)
     sharder = ContextParallelSharder(model, None, batch)
-    return _time(lambda: _sharded_step(model, sharder, batch), args.warmup, args.iters)
+    return times_ms(
+        lambda: _sharded_step(model, sharder, batch), "cpu", warmup=args.warmup, iters=args.iters
+    )
 
 
 def _cp_rank(rank: int, world: int, init_file: str, args: argparse.Namespace, out: str) -> None:
@@ -183,7 +174,7 @@ def _cp_rank(rank: int, world: int, init_file: str, args: argparse.Namespace, ou
             _sharded_step(model, sharder, batch)
             dist.barrier()
 
-        times = _time(step, args.warmup, args.iters)
+        times = times_ms(step, "cpu", warmup=args.warmup, iters=args.iters)
         Path(out, f"rank{rank}.json").write_text(json.dumps(times))
     finally:
         dist.destroy_process_group()
@@ -236,9 +227,8 @@ def main() -> None:
     for row in rows:
         print(f"{row['variant']:<14} {row['median_ms']:>10.2f} {row['ratio_to_no_cp']:>7.3f}")
     report = {
-        "device": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+        "device": device_name("cpu"),
+        **versions(),
         "model": args.model,
         "sizes": {
             k: getattr(args, k) for k in ("batch", "seq", "hidden", "heads", "layers", "vocab")
@@ -246,7 +236,7 @@ def main() -> None:
         "iters": args.iters,
         "rows": rows,
     }
-    args.out.write_text(json.dumps(report, indent=2))
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

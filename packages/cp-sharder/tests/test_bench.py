@@ -2,34 +2,25 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from train_testing.bench.quick import run_quick
 
 BENCH = Path(__file__).parents[1] / "bench" / "portable_cp.py"
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(not BENCH.exists(), reason="bench folder not present (installed wheel)")
 def test_bench_quick_runs_and_writes_json(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        # The plain model keeps the subprocesses free of the transformers import (CI time); the
-        # transformers path is covered by the parity tests.
-        [sys.executable, str(BENCH), "--quick", "--model", "plain", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    # The plain model keeps the subprocesses free of the transformers import (CI time); the
+    # transformers path is covered by the parity tests.
+    run = run_quick(BENCH, tmp_path, "--model", "plain", timeout_s=280)
+    report = run.report
     assert [r["variant"] for r in report["rows"]] == ["no_cp", "cp1", "cp2_portable"]
     assert all(r["median_ms"] > 0 for r in report["rows"])
     assert report["model"] == "plain"
+<<<<<<< HEAD
     assert "cp2_portable" in proc.stdout
 
 
@@ -53,3 +44,6 @@ def test_packed_bench_quick_runs_and_its_variants_agree(tmp_path: Path) -> None:
     # The same documents in every variant: the same token-sum loss (fp32).
     losses = [r["loss"] for r in rows]
     assert max(losses) - min(losses) < 1e-4 * abs(losses[0]), losses
+=======
+    assert "cp2_portable" in run.stdout
+>>>>>>> bench

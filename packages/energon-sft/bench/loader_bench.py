@@ -16,14 +16,14 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from train_testing.bench import device_name, print_lines, versions, write_json
 
 SPECIAL = [
     "<|endoftext|>",
@@ -251,7 +251,6 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_resume(args, ds, proc)
 
     import megatron.energon
-    import torch
 
     base = {r["workers"]: r["samples_per_s"] for r in thr if r["loader"] == "torch DataLoader"}
     print(f"\nthroughput: {args.samples} rows, {args.image_side}px JPEG, batch {args.batch_size}, "
@@ -269,16 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "device": "cpu",
-        "cpu": platform.processor() or platform.machine(),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
+        "cpu": device_name("cpu"),
+        **versions(),
         "energon": megatron.energon.__version__,
         "convert_s": convert_s,
         "throughput": thr,
         "resume": res,
     }
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {args.out}")
+    print_lines(f"\nwrote {write_json(args.out, report)}")
     return 0
 
 

@@ -10,11 +10,17 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _bench_util import environment, init_single_process_group, median, report, time_ms
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from train_engine import DDPConfig, apply_data_parallel, clip_grads_with_norm_, global_grad_norm
+from train_testing.bench import (
+    alternating_medians,
+    environment,
+    init_process_group,
+    report,
+    time_ms,
+)
 
 
 def main() -> None:
@@ -30,7 +36,7 @@ def main() -> None:
     if args.quick:
         args.hidden, args.layers, args.iters, args.repeats = 32, 4, 3, 2
     device = args.device
-    init_single_process_group(device)
+    init_process_group(device)
     mesh = init_device_mesh(device, (1,))
     torch.manual_seed(0)
     layers = [nn.Linear(args.hidden, args.hidden) for _ in range(args.layers)]
@@ -60,17 +66,14 @@ def main() -> None:
         "torch clip_grad_norm_(foreach=True)": torch_foreach,
         "torch clip_grad_norm_(foreach=False)": torch_loop,
     }
-    for fn in variants.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.repeats):
-        for name, fn in variants.items():
-            times[name].append(time_ms(fn, device, iters=args.iters))
-    base = median(times["Engine fast path (foreach, no collective)"])
+    medians = alternating_medians(
+        variants, repeats=args.repeats, measure=lambda fn: time_ms(fn, device, iters=args.iters)
+    )
+    base = medians["Engine fast path (foreach, no collective)"]
     n_params = sum(p.numel() for p in params)
     rows = [
-        {"variant": name, "median ms": median(t), "ratio to fast path": median(t) / base}
-        for name, t in times.items()
+        {"variant": name, "median ms": ms, "ratio to fast path": ms / base}
+        for name, ms in medians.items()
     ]
     meta = {**environment(device), "parameters": n_params, "tensors": len(params), **vars(args)}
     report(

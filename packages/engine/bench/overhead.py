@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _bench_util import environment, median, report, sync, time_ms
 from torch import nn
 
 from train_engine import Engine
+from train_testing.bench import alternating_medians, environment, report, time_ms
 
 
 def build(
@@ -86,17 +86,12 @@ def main() -> None:
             nonfinite=policy,  # type: ignore[arg-type]
         )
         variants[f"Engine (nonfinite={policy!r})"] = lambda e=engine: engine_loop(e)
-    for fn in variants.values():  # warm-up (allocator, kernels)
-        fn()
-    sync(device)
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.repeats):
-        for name, fn in variants.items():
-            times[name].append(time_ms(fn, device, iters=1) / args.steps)
-    base = median(times["hand-written loop"])
+    medians = alternating_medians(
+        variants, repeats=args.repeats, measure=lambda fn: time_ms(fn, device, iters=1) / args.steps
+    )
+    base = medians["hand-written loop"]
     rows = [
-        {"variant": name, "median ms/step": median(t), "ratio": median(t) / base}
-        for name, t in times.items()
+        {"variant": name, "median ms/step": ms, "ratio": ms / base} for name, ms in medians.items()
     ]
     meta = {**environment(device), **{k: v for k, v in vars(args).items() if k != "out"}}
     report(

@@ -15,53 +15,35 @@ weights, no FSDP, no Engine) in the same run.
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 from typing import Any
 
 import torch
-from _bench_util import environment, init_single_process_group, report, sync
 from torch.distributed.device_mesh import init_device_mesh
 
 from train_engine import Engine, FSDP2Config, apply_data_parallel, param_groups
+from train_testing.bench import (
+    add_sft_step_arguments,
+    environment,
+    flops_per_token,
+    free_memory,
+    init_process_group,
+    llama_config,
+    llama_dims,
+    peak_gib,
+    report,
+    resolve_sft_step_sizes,
+    sync,
+)
 
 REFERENCE = {"device": "H100", "setup": "plain bf16 loop", "tokens_per_s": 45.0e3, "tflops": 441}
 
 
 def build_config(args: argparse.Namespace) -> Any:
     try:
-        from transformers import LlamaConfig
+        return llama_config(llama_dims(quick=args.quick), max_len=args.seq)
     except ImportError as err:
-        raise SystemExit("this benchmark needs `transformers` (pip install transformers)") from err
-    if args.quick:
-        dims = {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "vocab_size": 512,
-        }
-    else:
-        dims = {
-            "hidden_size": 2048,
-            "intermediate_size": 8192,
-            "num_hidden_layers": 16,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "vocab_size": 128256,
-        }
-    return LlamaConfig(
-        **dims,
-        max_position_embeddings=args.seq,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-        use_cache=False,
-    )
-
-
-def flops_per_token(n_params: int, config: Any, seq: int) -> float:
-    return 6.0 * n_params + 6.0 * config.num_hidden_layers * config.hidden_size * seq
+        raise SystemExit(str(err)) from err
 
 
 def batches(args: argparse.Namespace, vocab: int, device: str) -> list[dict[str, torch.Tensor]]:
@@ -128,36 +110,22 @@ def run(args: argparse.Namespace, *, engine_mode: bool) -> dict[str, Any]:
         "ms/step": seconds * 1e3,
         "tokens/s": tokens_per_s,
         "model TFLOP/s": tokens_per_s * flops_per_token(n_params, config, args.seq) / 1e12,
-        "peak GiB": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "peak GiB": peak_gib(device),
         "params (B)": n_params / 1e9,
     }
     return row
 
 
-def free_memory(device: str) -> None:
-    """Release the previous variant's model and optimizer before building the next."""
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    add_sft_step_arguments(parser)
     parser.add_argument("--baseline", action="store_true", help="also time the plain bf16 loop")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--quick", action="store_true", help="tiny config, CPU is fine")
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args()
-    if args.quick:
-        args.batch, args.seq, args.steps, args.warmup = 2, 32, 2, 1
-    elif args.device != "cuda":
-        raise SystemExit("the full-size benchmark needs --device cuda; use --quick on the CPU")
-    init_single_process_group(args.device)
+    resolve_sft_step_sizes(args)
+    init_process_group(args.device)
     rows = []
     if args.baseline:
         rows.append(run(args, engine_mode=False))

@@ -2,39 +2,19 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from train_testing import requires_module
+from train_testing.bench.quick import run_quick
 
 BENCH = Path(__file__).parents[1] / "bench"
 
 
-def _run(script: str, tmp_path: Path, *extra: str) -> dict:
-    if not (BENCH / script).is_file():
-        pytest.skip(f"bench folder not shipped here ({BENCH}); the scripts live in the repository")
-    out = tmp_path / f"{script}.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH / script),
-            "--quick",
-            "--device",
-            "cpu",
-            "--out",
-            str(out),
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads(out.read_text())
+def _run(script: str, tmp_path: Path, *extra: str) -> dict[str, Any]:
+    result = run_quick(BENCH / script, tmp_path, "--device", "cpu", *extra).report
     assert result["rows"], result
     return result
 

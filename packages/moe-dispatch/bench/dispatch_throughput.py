@@ -16,11 +16,7 @@ Multi-GPU bandwidth is out of scope here (one process); see the multi-GPU valida
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,24 +31,14 @@ from moe_dispatch import (
     GroupedExperts,
     equalize_token_counts,
 )
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time(fn: Callable[[], None], *, warmup: int, iters: int, device: torch.device) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
+from train_testing.bench import (
+    device_name,
+    init_process_group,
+    print_lines,
+    times_ms,
+    versions,
+    write_json,
+)
 
 
 def _naive_loop(
@@ -91,24 +77,18 @@ def main() -> None:
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            init_method=f"file://{tmp}/rendezvous",
-            rank=0,
-            world_size=1,
-        )
-        try:
-            rows = _run(args, device, dtype)
-        finally:
-            dist.destroy_process_group()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    init_process_group(device)
+    try:
+        rows = _run(args, device, dtype)
+    finally:
+        dist.destroy_process_group()
 
     baseline = rows[0]["median_ms"]
     step = next(r["median_ms"] for r in rows if r["variant"] == "all-to-all+equal")
     print(
-        f"device={device} ({_device_name(device)}) dtype={dtype_name} tokens={args.tokens} "
+        f"device={device} ({device_name(device)}) dtype={dtype_name} tokens={args.tokens} "
         f"hidden={args.hidden} ffn={args.ffn} experts={args.experts} top_k={args.top_k}"
     )
     print(f"{'variant':<18}{'median ms':>12}{'tokens/s':>14}{'vs naive':>10}{'% of step':>11}")
@@ -121,24 +101,13 @@ def main() -> None:
         )
     report = {
         "device": str(device),
-        "device_name": _device_name(device),
+        "device_name": device_name(device),
         "dtype": dtype_name,
         "config": {k: v for k, v in vars(args).items() if k != "json"},
-        "versions": {
-            "torch": torch.__version__,
-            "moe_dispatch": moe_dispatch.__version__,
-            "python": platform.python_version(),
-        },
+        "versions": {**versions(), "moe_dispatch": moe_dispatch.__version__},
         "rows": rows,
     }
-    args.json.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.json}")
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
+    print_lines(f"wrote {write_json(args.json, report)}")
 
 
 def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict]:
@@ -173,7 +142,7 @@ def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
     ]
     rows = []
     for name, fn in timed:
-        times = _time(fn, warmup=args.warmup, iters=args.iters, device=device)
+        times = times_ms(fn, device, warmup=args.warmup, iters=args.iters)
         median = statistics.median(times)
         rows.append(
             {

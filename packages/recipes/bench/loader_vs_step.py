@@ -33,12 +33,8 @@ first ids only), so the vision tower, lm_head and loss cost what they cost in th
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import logging
 import os
-import platform
-import random
 import statistics
 import sys
 import tempfile
@@ -51,6 +47,19 @@ from typing import Any
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch
+from _vlm_data import MERGE_SIZE, build_processor, write_dataset
+
+from train_testing.bench import (
+    device_name,
+    free_memory,
+    init_process_group,
+    peak_gib,
+    print_lines,
+    print_table,
+    sync,
+    versions,
+    write_json,
+)
 
 logger = logging.getLogger("loader_vs_step")
 
@@ -87,170 +96,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "vocab_size": None,  # the tokenizer's own size
     },
 }
-
-# Qwen2-VL's spatial merge: one image placeholder token per 2 x 2 patches.
-MERGE_SIZE = 2
-
-_WORD_TEXT = (
-    "the a an of in on at to with and or is are was there this that what which where how many "
-    "color colour red green blue yellow white black small large left right top bottom middle "
-    "picture image photo shows contains object objects shape circle square triangle line text "
-    "person people car tree house sky water road sign table chair window door light dark near "
-    "far behind front next between both first second describe explain compare count read"
-)
-WORDS = _WORD_TEXT.split()
-
-
-# ------------------------------------------------------------------------------------ data
-
-
-def make_image(rng: Any, size: int) -> Any:
-    """A photo-like RGB picture: a smooth colour field, a few shapes, sensor-like noise.
-
-    The noise keeps JPEG/PNG files at realistic sizes (flat drawings compress to almost
-    nothing and decode unrealistically fast).
-    """
-    import numpy as np
-    from PIL import Image, ImageDraw
-
-    coarse = rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8)
-    img = Image.fromarray(coarse).resize((size, size), Image.Resampling.BICUBIC)
-    draw = ImageDraw.Draw(img)
-    for _ in range(int(rng.integers(2, 6))):
-        x0, y0 = (int(v) for v in rng.integers(0, size * 3 // 4, size=2))
-        w, h = (int(v) for v in rng.integers(size // 10, size // 3, size=2))
-        fill = tuple(int(v) for v in rng.integers(0, 256, size=3))
-        box = (x0, y0, x0 + w, y0 + h)
-        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=fill)
-    arr = np.asarray(img, dtype=np.int16) + rng.normal(0, 10, size=(size, size, 3)).astype(np.int16)
-    return Image.fromarray(arr.clip(0, 255).astype(np.uint8))
-
-
-def _words(rng: random.Random, lo: int, hi: int) -> str:
-    text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
-    return text[0].upper() + text[1:]
-
-
-def make_chat(rng: random.Random, n_images: int) -> list[dict[str, Any]]:
-    """1-3 turns; the images open the first user message. About 100-450 characters of text."""
-    messages: list[dict[str, Any]] = []
-    for turn in range(rng.randint(1, 3)):
-        question = _words(rng, 4, 12) + "?"
-        if turn == 0:
-            parts: list[dict[str, Any]] = [
-                {"type": "image", "media_index": j} for j in range(n_images)
-            ]
-            parts.append({"type": "text", "text": question})
-            messages.append({"role": "user", "content": parts})
-        else:
-            messages.append({"role": "user", "content": question})
-        messages.append({"role": "assistant", "content": _words(rng, 6, 24) + "."})
-    return messages
-
-
-def write_dataset(
-    out_dir: Path,
-    *,
-    num_samples: int,
-    image_size: int,
-    image_format: str,
-    two_image_fraction: float,
-    seed: int,
-) -> tuple[Path, dict[str, Any]]:
-    """Chat JSONL + image files -> a prepared Energon dataset (the VLM demo's path).
-
-    Reused when ``out_dir`` already holds one written with the same settings.
-
-    Returns:
-        (the Energon dataset folder, dataset statistics).
-    """
-    import numpy as np
-
-    from train_recipes._integrations import convert_chat_jsonl
-
-    settings = {
-        "num_samples": num_samples,
-        "image_size": image_size,
-        "image_format": image_format,
-        "two_image_fraction": two_image_fraction,
-        "seed": seed,
-    }
-    energon_dir = out_dir / "energon"
-    stamp = out_dir / "settings.json"
-    if stamp.is_file() and (energon_dir / ".nv-meta").is_dir():
-        saved = json.loads(stamp.read_text())
-        if saved.get("settings") == settings:
-            logger.info("reusing the dataset in %s", out_dir)
-            return energon_dir, saved["stats"]
-    t0 = time.perf_counter()
-    (out_dir / "images").mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
-    np_rng = np.random.default_rng(seed)
-    suffix = {"jpeg": ".jpg", "png": ".png"}[image_format]
-    n_images = 0
-    image_bytes = 0
-    text_chars = 0
-    jsonl = out_dir / "train.jsonl"
-    with jsonl.open("w") as f:
-        for i in range(num_samples):
-            k = 2 if rng.random() < two_image_fraction else 1
-            media = []
-            for j in range(k):
-                name = f"images/{i:07d}_{j}{suffix}"
-                img = make_image(np_rng, image_size)
-                if image_format == "jpeg":
-                    img.save(out_dir / name, quality=90)
-                else:
-                    img.save(out_dir / name)
-                image_bytes += (out_dir / name).stat().st_size
-                media.append(name)
-            messages = make_chat(rng, k)
-            text_chars += sum(
-                len(m["content"])
-                if isinstance(m["content"], str)
-                else sum(len(p.get("text", "")) for p in m["content"])
-                for m in messages
-            )
-            n_images += k
-            f.write(json.dumps({"messages": messages, "media": media}) + "\n")
-    convert_chat_jsonl(jsonl, energon_dir)
-    stats = {
-        "samples": num_samples,
-        "images": n_images,
-        "images_per_sample": n_images / num_samples,
-        "mean_image_kib": image_bytes / max(n_images, 1) / 1024,
-        "mean_text_chars_per_sample": text_chars / num_samples,
-        "write_s": time.perf_counter() - t0,
-    }
-    stamp.write_text(json.dumps({"settings": settings, "stats": stats}))
-    logger.info("wrote %d samples (%d images) in %.1f s", num_samples, n_images, stats["write_s"])
-    return energon_dir, stats
-
-
-def build_processor(image_size: int) -> Any:
-    """The recipes' local processor: character tokenizer + PIL Qwen2-VL image processor.
-
-    Pixel bounds are Qwen2.5-VL's usual ones (56^2 .. 1280 * 28^2), so an image keeps its size
-    (a multiple of 28) and gives (side / 28)^2 tokens.
-    """
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
-    from train_recipes.demo import build_char_tokenizer
-    from train_recipes.modeling import LocalProcessor
-
-    if image_size % 28:
-        raise SystemExit(f"--image-size {image_size} must be a multiple of 28 (patch 14 x merge 2)")
-    image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=56 * 56,
-        max_pixels=1280 * 28 * 28,
-        patch_size=14,
-        merge_size=MERGE_SIZE,
-        temporal_patch_size=2,
-    )
-    return LocalProcessor(build_char_tokenizer(), image_processor)
-
 
 # ---------------------------------------------------------------------------------- loader
 
@@ -363,21 +208,6 @@ def build_vlm(config: Any, tokenizer: Any, preset: dict[str, Any], device: torch
     return model.to(dtype=dtype)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _init_single_process_group(device: torch.device) -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    store = Path(tempfile.mkdtemp(prefix="loader-vs-step-")) / "store"
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
-
-
 def measure_step(
     config: Any,
     processor: Any,
@@ -422,7 +252,7 @@ def measure_step(
     if wrap == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
 
-        _init_single_process_group(device)
+        init_process_group(device)
         model = apply_data_parallel(
             model,
             mesh=init_device_mesh(device.type, (1,)),
@@ -439,10 +269,10 @@ def measure_step(
     h2d: list[float] = []
     batches = []
     for b in cpu_batches:
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         batches.append(data_api.to_device(data_api.batch_tensors(b, vlm=True), device))
-        _sync(device)
+        sync(device)
         h2d.append(time.perf_counter() - t0)
     samples = [len(b.sample_weights) for b in cpu_batches]
     tokens = [int(b.attention_mask.sum()) for b in cpu_batches]
@@ -472,10 +302,10 @@ def measure_step(
         torch.cuda.reset_peak_memory_stats(device)
     for i in range(warmup + steps):
         batch = batches[i % len(batches)]
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         loss = step(batch)
-        _sync(device)
+        sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
         losses.append(float(loss) / max(1, int((batch["labels"] != -100).sum())))
@@ -503,9 +333,7 @@ def measure_step(
         "min ms/step": min(times) * 1e3,
         "max ms/step": max(times) * 1e3,
         "h2d ms/batch": statistics.fmean(h2d) * 1e3,
-        "peak GiB": (
-            torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        ),
+        "peak GiB": peak_gib(device),
         "params (B)": n_params / 1e9,
         "loss/token first, last": [losses[0], losses[-1]],
     }
@@ -524,35 +352,17 @@ def environment(device: torch.device, num_workers: int) -> dict[str, Any]:
         energon_version = None
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     return {
-        "torch": torch.__version__,
+        **versions(),
         "transformers": transformers.__version__,
         "megatron_energon": str(energon_version),
-        "python": platform.python_version(),
         "device": str(device),
-        "device_name": (
-            torch.cuda.get_device_name(device)
-            if device.type == "cuda"
-            else platform.processor() or platform.machine()
-        ),
+        "device_name": device_name(device),
         "num_workers": num_workers,
         "cpu_count": os.cpu_count(),
         "cpu_affinity": affinity,
         "torch_threads": torch.get_num_threads(),
         "argv": sys.argv[1:],
     }
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return "" if value is None else str(value)
-
-
-def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
-    for r in rows:
-        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths, strict=True)))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -714,8 +524,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise
             oom = True
         if oom:  # outside the except block, so the failed attempt's frames are released
-            gc.collect()
-            torch.cuda.empty_cache()
+            free_memory(device)
             note = "out of memory without activation checkpointing; measured with it"
             logger.warning("step: %s", note)
             checkpointing = True
@@ -739,22 +548,17 @@ def main(argv: list[str] | None = None) -> None:
         "sft_config": to_dict(config),
         "args": vars(args),
     }
-    print(
-        f"\nenergon-sft loader vs SFT step: {args.model}, micro batch {args.micro_batch_size} "
-        f"packed rows of <= {args.max_length} tokens, {args.image_size}px {args.image_format}, "
-        f"{args.num_workers} workers, {meta['device_name']}"
-    )
     print_table(
         rows,
         ["variant", "samples/s", "tokens/s", "ms/batch", "samples/batch", "tokens/batch"],
+        title=f"energon-sft loader vs SFT step: {args.model}, micro batch "
+        f"{args.micro_batch_size} packed rows of <= {args.max_length} tokens, {args.image_size}px "
+        f"{args.image_format}, {args.num_workers} workers, {meta['device_name']}",
     )
     verdict = "keeps the GPU fed" if ratio["keeps_gpu_fed"] else "does NOT keep the GPU fed"
     print(f"loader / step samples/s = {ratio['samples_per_s']:.3g}: the loader {verdict}")
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"meta": meta, "rows": rows, "ratio": ratio}, indent=2))
-        print(f"wrote {out}")
+        print_lines(f"wrote {write_json(args.out, {'meta': meta, 'rows': rows, 'ratio': ratio})}")
 
 
 if __name__ == "__main__":

@@ -26,13 +26,9 @@ MFU is against the dense bf16 peak given by ``--peak-tflops`` (989 for H100/H200
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import json
-import os
-import platform
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -48,22 +44,28 @@ from train_engine import Engine, FSDP2Config, apply_data_parallel, param_groups
 from train_recipes.modeling import CausalFastPath, compile_decoder_layers, sdpa_backends
 from train_recipes.sft import token_sum_loss
 
-FULL = {
-    "hidden_size": 2048,
-    "intermediate_size": 8192,
-    "num_hidden_layers": 16,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-}
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-}
+# `device_name`, `free_memory`, `init_process_group`, `sync`, FULL and TINY stay importable from
+# here for the benchmarks next to this one.
+from train_testing.bench import (
+    LLAMA_1P5B,
+    LLAMA_TINY,
+    add_sft_step_arguments,
+    device_name,
+    flops_per_token,
+    fmt,
+    free_memory,
+    init_process_group,
+    llama_config,
+    peak_gib,
+    print_lines,
+    resolve_sft_step_sizes,
+    sync,
+    versions,
+    write_json,
+)
+
+FULL = LLAMA_1P5B
+TINY = LLAMA_TINY
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -110,29 +112,10 @@ def variants(args: argparse.Namespace) -> dict[str, Variant]:
     return {v.name: v for v in out}
 
 
-def init_process_group(device: str) -> None:
-    if dist.is_initialized():
-        return
-    backend = "nccl" if device == "cuda" else "gloo"
-    if "RANK" in os.environ:
-        dist.init_process_group(backend)
-    else:
-        store = Path(tempfile.mkdtemp(prefix="sft-step-")) / "store"
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
-    if device == "cuda":
-        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-
-
 def build_model(args: argparse.Namespace) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        **(TINY if args.quick else FULL),
-        max_position_embeddings=args.seq,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-        use_cache=False,
-    )
+    config = llama_config(TINY if args.quick else FULL, max_len=args.seq)
     torch.manual_seed(0)
     with torch.device(args.device):
         return LlamaForCausalLM(config)
@@ -212,11 +195,6 @@ def setup(variant: Variant, args: argparse.Namespace) -> tuple[Callable[[dict], 
     return step, n_params, config
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed_steps(
     step: Callable[[dict], None], data: list[dict], args: argparse.Namespace
 ) -> list[float]:
@@ -254,15 +232,14 @@ def run_variant(variant: Variant, args: argparse.Namespace, out_dir: Path | None
             profile(step, data, args, out_dir / f"profile_{variant.name}.txt")
     seconds = statistics.median(times)
     tokens_per_s = args.batch * args.seq / seconds
-    flops = 6.0 * n_params + 6.0 * config.num_hidden_layers * config.hidden_size * args.seq
-    tflops = tokens_per_s * flops / 1e12
+    tflops = tokens_per_s * flops_per_token(n_params, config, args.seq) / 1e12
     return {
         "variant": variant.name,
         "ms/step": seconds * 1e3,
         "tokens/s": tokens_per_s,
         "model TFLOP/s": tflops,
         "MFU %": 100 * tflops / args.peak_tflops,
-        "peak GiB": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None,
+        "peak GiB": peak_gib(args.device),
         "warm-up s": warmup_s,
         "params (B)": n_params / 1e9,
     }
@@ -337,19 +314,9 @@ def idle_gaps(trace: dict[str, Any], top: int = 25) -> str:
     return "\n".join(lines)
 
 
-def free_memory(device: str) -> None:
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    add_sft_step_arguments(parser)
     parser.add_argument("--variants", default="fsdp2,fsdp2+compile,recipes")
     parser.add_argument(
         "--sdpa", default="cudnn,flash", help="SDPA backend order of the recipes step"
@@ -363,10 +330,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, CPU is fine (no compile)")
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args()
-    if args.quick:
-        args.batch, args.seq, args.steps, args.warmup = 2, 32, 2, 1
-    elif args.device != "cuda":
-        raise SystemExit("the full-size benchmark needs --device cuda; use --quick on the CPU")
+    resolve_sft_step_sizes(args)
     init_process_group(args.device)
     table = variants(args)
     chosen = [table[name] for name in args.variants.split(",")]
@@ -397,27 +361,18 @@ def main() -> None:
         "peak GiB",
         "warm-up s",
     ]
-    print(f"\nSFT step, batch {args.batch} x {args.seq} ({device_name(args.device)})")
-    for r in rows:
-        print("  ".join(f"{c}={_fmt(r.get(c))}" for c in columns))
+    print_lines(
+        f"\nSFT step, batch {args.batch} x {args.seq} ({device_name(args.device)})",
+        *("  ".join(f"{c}={fmt(r.get(c), none='None')}" for c in columns) for r in rows),
+    )
     if args.out:
         meta = {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
+            **versions(),
             "device_name": device_name(args.device),
             **{k: v for k, v in vars(args).items() if k != "out"},
         }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        write_json(args.out, {"meta": meta, "rows": rows})
     dist.destroy_process_group()
-
-
-def device_name(device: str) -> str:
-    return torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
-
-
-def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 if __name__ == "__main__":

@@ -2,32 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).parents[1] / "bench"
+from train_testing.bench.quick import run_quick
+
+BENCH = Path(__file__).parents[1] / "bench" / "loader_vs_step.py"
 
 
 @pytest.mark.timeout(300)
 def test_loader_vs_step_quick(tmp_path: Path) -> None:
-    script = BENCH / "loader_vs_step.py"
-    if not script.is_file():
-        pytest.skip(f"bench folder not shipped here ({BENCH}); the scripts live in the repository")
-    out = tmp_path / "loader_vs_step.json"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--quick", "--device", "cpu", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "loader / step samples/s" in proc.stdout, proc.stdout
-    result = json.loads(out.read_text())
+    run = run_quick(BENCH, tmp_path, "--device", "cpu", timeout_s=240)
+    assert "loader / step samples/s" in run.stdout, run.stdout
+    result = run.report
 
     meta = result["meta"]
     for key in ("torch", "transformers", "device_name", "num_workers", "cpu_count", "dataset"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -78,39 +79,37 @@ def test_pool_reuses_processes_and_recovers_after_failure() -> None:
         assert set(third).isdisjoint(first), "a failed pool must restart with fresh processes"
 
 
-def test_exception_on_one_rank_shows_its_traceback_quickly() -> None:
+def _failure(fn: Callable[[int, int], None], *, timeout_s: float) -> tuple[RankError, float]:
+    """The RankError that running ``fn`` on 2 ranks raises, and the seconds it took to come."""
     start = time.monotonic()
     with pytest.raises(RankError) as info:
-        run_on_ranks(2, _raise_on_rank_one, timeout_s=60)
-    elapsed = time.monotonic() - start
-    message = str(info.value)
+        run_on_ranks(2, fn, timeout_s=timeout_s)
+    return info.value, time.monotonic() - start
+
+
+def test_exception_on_one_rank_shows_its_traceback_quickly() -> None:
+    error, elapsed = _failure(_raise_on_rank_one, timeout_s=60)
+    message = str(error)
     assert "failed on ranks [1]" in message
     assert "ValueError: deliberate failure on rank one" in message
     assert "rank 0: blocked" in message, message
-    assert [f.kind for f in info.value.failures] == ["exception", "blocked"]
+    assert [f.kind for f in error.failures] == ["exception", "blocked"]
     # The blocked rank is not waited for until its collective times out (30 s) or the 60 s deadline.
     assert elapsed < 25, f"failure took {elapsed:.1f}s to surface"
 
 
 def test_crashing_rank_is_reported_with_exit_code() -> None:
-    with pytest.raises(RankError) as info:
-        run_on_ranks(2, _exit_on_rank_one, timeout_s=60)
-    message = str(info.value)
+    message = str(_failure(_exit_on_rank_one, timeout_s=60)[0])
     assert "rank 1: died" in message and "code 3" in message, message
 
 
 def test_killed_rank_is_reported_with_signal() -> None:
-    with pytest.raises(RankError) as info:
-        run_on_ranks(2, _sigkill_on_rank_zero, timeout_s=60)
-    assert "code -9" in str(info.value)
+    assert "code -9" in str(_failure(_sigkill_on_rank_zero, timeout_s=60)[0])
 
 
 def test_hanging_rank_fails_at_deadline_with_its_stack() -> None:
-    start = time.monotonic()
-    with pytest.raises(RankError) as info:
-        run_on_ranks(2, _sleep_forever_on_rank_zero, timeout_s=4)
-    elapsed = time.monotonic() - start
-    message = str(info.value)
+    error, elapsed = _failure(_sleep_forever_on_rank_zero, timeout_s=4)
+    message = str(error)
     assert "did not finish within 4s" in message
     assert "_sleep_forever_on_rank_zero" in message, "the blocked rank's stack should be shown"
     assert elapsed < 30, f"the hang took {elapsed:.1f}s to end"

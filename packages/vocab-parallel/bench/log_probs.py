@@ -24,10 +24,7 @@ measured on the same device. Prints one table, writes JSON with device name and 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,8 +32,7 @@ from pathlib import Path
 import torch
 
 import vocab_parallel as vp
-
-GIB = 1024**3
+from train_testing.bench import GIB, device_name, print_lines, sync, times_ms, versions, write_json
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,22 +48,8 @@ class Row:
     over_floor: float | None = None
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time_ms(fn: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return statistics.median(times_ms(fn, device, warmup=warmup, iters=repeats))
 
 
 def _peak_extra(
@@ -76,11 +58,11 @@ def _peak_extra(
     if device.type != "cuda":
         return None
     reset()  # free the previous run's gradients, so that they count in this peak
-    _sync(device)
+    sync(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     fn()
-    _sync(device)
+    sync(device)
     return (torch.cuda.max_memory_allocated(device) - base) / GIB
 
 
@@ -222,7 +204,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         f"{'variant':<16}{'median ms':>11}{'peak extra GiB':>16}{'x logits':>10}"
         f"{'transient':>11}{'speedup':>9}{'x floor':>9}"
     )
-    print(f"T={t} V={v} H={h} {args.dtype} on {device} ({_device_name(device)})")
+    print(f"T={t} V={v} H={h} {args.dtype} on {device} ({device_name(device)})")
     print(
         f"logits {logits_bytes / GIB:.4g} GiB; floor {floor_ms:.4g} ms at "
         f"{bandwidth / 1e9:.3g} GB/s measured copy bandwidth (3 passes over the logits)"
@@ -244,10 +226,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
     report = {
         "device": str(device),
-        "device_name": _device_name(device),
-        "torch": torch.__version__,
+        "device_name": device_name(device),
+        **versions(),
         "vocab_parallel": vp.__version__,
-        "python": platform.python_version(),
         "tokens": t,
         "vocab": v,
         "hidden": h,
@@ -259,15 +240,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
         "rows": [asdict(r) for r in rows.values()],
     }
     if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out}")
+        print_lines(f"wrote {write_json(args.out, report)}")
     return list(rows.values())
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 - :func:`run_on_ranks` / :class:`RankPool`: run a function on N real gloo (or NCCL) processes.
 - ``rank_pool`` pytest fixture: session-wide pools, one per world size.
 - :func:`requires_cuda` / :func:`requires_module`: skip markers that state their reason.
+- :mod:`train_testing.bench`: what the benchmark scripts share (imported on its own, no pytest).
 """
 
 from train_testing.markers import requires_cuda, requires_module

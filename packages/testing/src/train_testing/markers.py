@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
-import pytest
+if TYPE_CHECKING:  # pytest is imported when a marker is made: bench scripts import the package
+    import pytest
 
 
 def _cuda_device_count() -> int:
@@ -21,6 +23,8 @@ def requires_cuda(n_gpus: int = 1) -> pytest.MarkDecorator:
         @requires_cuda(2)
         def test_nccl_parity(): ...
     """
+    import pytest
+
     available = _cuda_device_count()
     return pytest.mark.skipif(
         available < n_gpus,
@@ -31,6 +35,8 @@ def requires_cuda(n_gpus: int = 1) -> pytest.MarkDecorator:
 
 def requires_module(name: str, *, extra: str) -> pytest.MarkDecorator:
     """Skip unless the optional module ``name`` is importable, naming the extra that provides it."""
+    import pytest
+
     present = importlib.util.find_spec(name) is not None
     return pytest.mark.skipif(
         not present,
