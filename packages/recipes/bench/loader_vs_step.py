@@ -284,7 +284,7 @@ def measure_step(
 
         from cp_sharder import ContextParallelSharder
 
-        _init_single_process_group(device)
+        init_process_group(device)
         mesh = init_device_mesh(device.type, (1,))
         sharder = ContextParallelSharder(model, mesh, padding_token_id=0)
 
