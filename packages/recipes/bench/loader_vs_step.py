@@ -47,7 +47,7 @@ from typing import Any
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch
-from _vlm_data import MERGE_SIZE, build_processor, write_dataset
+from _vlm_data import build_processor, write_dataset
 
 from train_testing.bench import (
     device_name,
