@@ -26,9 +26,21 @@ def test_bench_quick_runs_and_writes_json(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "x floor" in result.stdout
     report = json.loads(out.read_text())
-    names = [row["variant"] for row in report["rows"]]
-    assert names == ["naive", "ours", "naive_linear", "fused_linear"], names
+    rows = {row["variant"]: row for row in report["rows"]}
+    ours = ["naive", "ours", "ours_in_place", "naive_linear", "fused_linear", "grads_in_forward"]
+    peers = ["liger_ce", "liger_fused_linear", "cce", "cce_exact"]
+    assert list(rows) == [*ours[:3], "liger_ce", *ours[3:], "grads_in_forward_fast", *peers[1:]]
     assert report["floor_ms"] > 0 and report["device"] == "cpu"
-    for row in report["rows"]:
-        assert row["median_ms"] > 0 and row["speedup"] > 0
+    floors = report["rounding_floor_rel_err"]
+    for name in [*ours, "grads_in_forward_fast"]:
+        row = rows[name]
+        assert row["status"] == "ok" and row["median_ms"] > 0 and row["speedup"] > 0
         assert row["peak_extra_gib"] is None  # memory is reported on CUDA only
+        # Every one of ours is checked against the fp32 reference; bf16 gradients cannot beat
+        # the reference's own rounding to bf16, and ours stay within a few times of it.
+        floor = floors["linear" if "linear" in name or "forward" in name else "logits"]
+        assert floor * 0.99 <= row["grad_rel_err"] <= 4 * floor, (name, row, floor)
+        assert row["loss_rel_err"] < 1e-3, (name, row)
+    for name in peers:  # the peers need CUDA (or are not installed): a row says which
+        assert rows[name]["status"] in ("needs CUDA", "not installed"), rows[name]
+        assert rows[name]["median_ms"] is None
