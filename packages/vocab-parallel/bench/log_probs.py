@@ -18,9 +18,10 @@ On hidden [T, H] and the projection weight [V, H] (baseline: naive_linear):
     fused_linear      vocab_parallel.linear_token_log_probs (recomputes the logits in backward)
     fused_linear_bN   the same with N vocabulary rows per block (--linear-blocks, CUDA)
     grads_in_forward  vocab_parallel.linear_cross_entropy(reduction="sum"): gradients formed
-                      in forward, exact=True (fp32 chunk logits and weight-gradient sum)
-    grads_in_forward_fast  the same with exact=False (bf16 logits and weight-gradient sum)
-    grads_in_forward_cN    grads_in_forward with N tokens per chunk (--fused-chunks, CUDA)
+                      in forward (defaults: bf16 chunk logits, fp32 weight-gradient sum)
+    grads_in_forward_fast   the same with fp32_weight_grad=False (summed in bf16)
+    grads_in_forward_exact  the same with fp32_logits=True (fp32 chunk logits)
+    grads_in_forward[_fast]_cN  with N tokens per chunk (--fused-chunks, CUDA)
     liger_fused_linear     liger_kernel's fused linear cross-entropy (CUDA, optional import)
     cce               cut_cross_entropy.linear_cross_entropy, its default gradient filtering
     cce_exact         the same with filter_eps=None (no filtering)
@@ -310,14 +311,15 @@ def _linear_variants(
         for rows in linear_blocks:
             out[f"fused_linear_b{rows}"] = make(lambda rows=rows: recompute_form(chunk_size=rows))
     out["grads_in_forward"] = make(grads_in_forward)
-    out["grads_in_forward_fast"] = make(lambda: grads_in_forward(exact=False))
+    out["grads_in_forward_fast"] = make(lambda: grads_in_forward(fp32_weight_grad=False))
+    out["grads_in_forward_exact"] = make(lambda: grads_in_forward(fp32_logits=True))
     if device.type == "cuda":
         for tokens in fused_chunks:
             out[f"grads_in_forward_c{tokens}"] = make(
                 lambda tokens=tokens: grads_in_forward(chunk_size=tokens)
             )
             out[f"grads_in_forward_fast_c{tokens}"] = make(
-                lambda tokens=tokens: grads_in_forward(chunk_size=tokens, exact=False)
+                lambda tokens=tokens: grads_in_forward(chunk_size=tokens, fp32_weight_grad=False)
             )
     status = _peer_status("liger_kernel", device)
     if status != "ok":

@@ -201,8 +201,13 @@ def check_fused_float64(
     rw = weight.to(device).double().requires_grad_()
     ref = (ref_log_probs(rh @ rw.T, labels, 0.8, IGNORE) * coef).sum()
     ref_h, ref_w = torch.autograd.grad(ref, [rh, rw])
-    # exact: fp32 logits and weight-gradient sum, so only the final bf16/fp16 rounding remains.
-    for exact, tol in ((True, 4e-3), (False, 1.5e-2)):
+    # (fp32 logits, fp32 weight-gradient sum, relative error allowed): with both, only the
+    # final bf16/fp16 rounding remains.
+    for fp32_logits, fp32_weight_grad, tol in (
+        (True, True, 4e-3),
+        (False, True, 6e-3),
+        (False, False, 1.5e-2),
+    ):
         h = hidden.to(device).clone().requires_grad_()
         w = weight.to(device).clone().requires_grad_()
         loss = vp.fused_linear_token_loss(
@@ -213,14 +218,17 @@ def check_fused_float64(
             temperature=0.8,
             chunk_size=chunk,
             backend="triton",
-            exact=exact,
+            fp32_logits=fp32_logits,
+            fp32_weight_grad=fp32_weight_grad,
         )
         assert abs(loss.item() - ref.item()) <= 5e-3 * max(1.0, abs(ref.item())), (loss, ref)
         loss.backward()
         assert h.grad is not None and w.grad is not None
         for name, got, want in (("hidden", h.grad, ref_h), ("weight", w.grad, ref_w)):
             err = float((got.double() - want).norm() / want.norm())
-            assert err <= tol, f"fused {name} grad {device} {dtype} exact={exact}: {err}"
+            assert err <= tol, (
+                f"fused {name} grad {device} {dtype} {fp32_logits=} {fp32_weight_grad=}: {err}"
+            )
 
 
 def main() -> None:

@@ -208,7 +208,8 @@ def check_fused_linear_sharded(
     labels = make_labels(shape, vocab, seed=31, ignore_index=IGNORE)
     coef = upstream(shape, seed=32)
     valid = labels != IGNORE
-    tol = 2e-6 if dtype == torch.float32 else 4e-3
+    # bf16: the gradients' own rounding (about 1.7e-3) plus that of the bf16 chunk logits.
+    tol = 2e-6 if dtype == torch.float32 else 6e-3
     done = []
     cases = {
         "sum": (-torch.ones(shape, dtype=torch.float64), {"reduction": "sum"}),

@@ -29,10 +29,11 @@ def test_bench_quick_runs_and_writes_json(tmp_path: Path) -> None:
     rows = {row["variant"]: row for row in report["rows"]}
     ours = ["naive", "ours", "ours_in_place", "naive_linear", "fused_linear", "grads_in_forward"]
     peers = ["liger_ce", "liger_fused_linear", "cce", "cce_exact"]
-    assert list(rows) == [*ours[:3], "liger_ce", *ours[3:], "grads_in_forward_fast", *peers[1:]]
+    variants = ["grads_in_forward_fast", "grads_in_forward_exact"]
+    assert list(rows) == [*ours[:3], "liger_ce", *ours[3:], *variants, *peers[1:]]
     assert report["floor_ms"] > 0 and report["device"] == "cpu"
     floors = report["rounding_floor_rel_err"]
-    for name in [*ours, "grads_in_forward_fast"]:
+    for name in [*ours, *variants]:
         row = rows[name]
         assert row["status"] == "ok" and row["median_ms"] > 0 and row["speedup"] > 0
         assert row["peak_extra_gib"] is None  # memory is reported on CUDA only

@@ -43,26 +43,42 @@ def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.double() - expected).norm() / expected.norm().clamp(min=1e-30))
 
 
-# Relative (norm) error allowed. bf16 "exact": fp32 logits, fp32 weight-grad sum; what remains
-# is the rounding of the gradients to bf16 (about 1.7e-3). "fast" adds bf16 logits.
-TOL = {("float32", True): 2e-6, ("bfloat16", True): 4e-3, ("bfloat16", False): 1.5e-2}
+# Relative (norm) error allowed, by (dtype, fp32_logits, fp32_weight_grad). With fp32 logits and
+# an fp32 weight-gradient sum what remains is the rounding of the gradients to bf16 (about
+# 1.7e-3); bf16 logits (the default, as any matmul returns them) add the logits' rounding, a
+# bf16 weight-gradient sum the rounding of every chunk's partial sum.
+TOL = {
+    ("float32", False, True): 2e-6,
+    ("bfloat16", True, True): 4e-3,
+    ("bfloat16", False, True): 6e-3,
+    ("bfloat16", False, False): 1.5e-2,
+}
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean", "coefficients"])
-@pytest.mark.parametrize(
-    ("dtype_name", "exact"), [("float32", True), ("bfloat16", True), ("bfloat16", False)]
-)
+@pytest.mark.parametrize(("dtype_name", "fp32_logits", "fp32_weight_grad"), list(TOL))
 @pytest.mark.parametrize(("temperature", "chunk_size"), [(1.0, None), (0.7, 7)])
 def test_fused_loss_matches_float64(
-    mode: str, dtype_name: str, exact: bool, temperature: float, chunk_size: int | None
+    mode: str,
+    dtype_name: str,
+    fp32_logits: bool,
+    fp32_weight_grad: bool,
+    temperature: float,
+    chunk_size: int | None,
 ) -> None:
     dtype = getattr(torch, dtype_name)
-    seed = hash((mode, dtype_name, exact, temperature)) % 1000
+    exact = fp32_logits or dtype == torch.float32
+    seed = hash((mode, dtype_name, fp32_logits, fp32_weight_grad, temperature)) % 1000
     hidden, weight, labels = _inputs(dtype, seed)
     valid = labels != IGNORE
     h = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
-    options = {"temperature": temperature, "chunk_size": chunk_size, "exact": exact}
+    options = {
+        "temperature": temperature,
+        "chunk_size": chunk_size,
+        "fp32_logits": fp32_logits,
+        "fp32_weight_grad": fp32_weight_grad,
+    }
     if mode == "coefficients":
         coef = upstream(SHAPE, seed=seed).float()
         loss = vp.fused_linear_token_loss(h, w, labels, coef, **options)
@@ -73,12 +89,14 @@ def test_fused_loss_matches_float64(
         loss = vp.linear_cross_entropy(h, w, labels, reduction=mode, **options)  # type: ignore[arg-type]
     ref_loss, ref_h, ref_w = _reference(hidden, weight, labels, coef, temperature)
     assert loss.dtype == torch.float32 and loss.ndim == 0
-    value_tol = 1e-6 if dtype == torch.float32 else (2e-4 if exact else 5e-3)
+    # bf16 logits (as hidden @ weight.T returns them) are each off by up to |z| * 2^-9, and the
+    # loss sums such errors of its target logits: about 1% here, as for the unfused form.
+    value_tol = 1e-6 if dtype == torch.float32 else (2e-4 if exact else 2e-2)
     assert abs(loss.item() - ref_loss.item()) <= value_tol * max(1.0, abs(ref_loss.item()))
     (loss * 1.5).backward()  # backward scales the stored gradients by the upstream gradient
     assert h.grad is not None and w.grad is not None
     assert h.grad.dtype == dtype and w.grad.dtype == dtype
-    tol = TOL[dtype_name, exact]
+    tol = TOL[dtype_name, fp32_logits, fp32_weight_grad]
     assert _rel(h.grad, 1.5 * ref_h) <= tol, _rel(h.grad, 1.5 * ref_h)
     assert _rel(w.grad, 1.5 * ref_w) <= tol, _rel(w.grad, 1.5 * ref_w)
     assert torch.equal(h.grad[~valid], torch.zeros_like(h.grad[~valid]))
@@ -177,11 +195,11 @@ def test_misuse_errors() -> None:
 
 
 def test_default_chunk_is_a_small_fraction_of_the_logits() -> None:
-    # 1/32 of the tokens for large N (a multiple of 64), never more than N.
-    assert fused_chunk_tokens(8192, 151936) == 256
-    assert fused_chunk_tokens(16384, 151936) == 512
+    # At most 1/24 of the tokens for large N (a multiple of 64), never more than N.
+    assert fused_chunk_tokens(8192, 151936) == 320
+    assert fused_chunk_tokens(16384, 151936) == 640
     assert fused_chunk_tokens(10, 151936) == 10
-    assert fused_chunk_tokens(1_000_000, 1000) * 1000 <= 1_000_000 * 1000 / 32
+    assert fused_chunk_tokens(1_000_000, 1000) * 1000 <= 1_000_000 * 1000 / 24
     # Small N: at least 4M logits per chunk, so the matmuls are not cut too thin.
     assert fused_chunk_tokens(2048, 1000) == 2048 and fused_chunk_tokens(8192, 1000) == 4160
 

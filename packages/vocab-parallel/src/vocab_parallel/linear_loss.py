@@ -39,7 +39,8 @@ def _fused_loss(
     chunk_size: int | None,
     validate: bool,
     backend: str,
-    exact: bool,
+    fp32_logits: bool,
+    fp32_weight_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, log_p [...], valid [...]) with loss = sum_t c_t * log p(label_t)."""
     inv_t = _check_temperature(temperature)
@@ -93,7 +94,8 @@ def _fused_loss(
         plan,
         grad_enabled and flat_hidden.requires_grad,
         grad_enabled and local_weight.requires_grad,
-        bool(exact),
+        bool(fp32_logits),
+        bool(fp32_weight_grad),
     )
     return loss, log_p.view(batch_shape), (labels != ignore_index)
 
@@ -109,7 +111,8 @@ def fused_linear_token_loss(
     chunk_size: int | None = None,
     validate: bool = False,
     backend: Backend = "auto",
-    exact: bool = True,
+    fp32_logits: bool = False,
+    fp32_weight_grad: bool = True,
     return_log_probs: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """sum_t coefficients_t * log p(label_t) under softmax(hidden @ weight.T / temperature),
@@ -121,7 +124,9 @@ def fused_linear_token_loss(
     Extra memory, besides the gradients: one chunk's [C, V_local] logits (in the input dtype
     on the Triton backend; on the torch backend an fp32 copy and an fp32 gradient as well),
     an fp32 [C, H] hidden-gradient chunk under vocabulary sharding, and with
-    ``exact=True`` an fp32 weight-sized accumulator during forward and fp32 chunk logits.
+    with ``fp32_weight_grad`` an fp32 weight-sized accumulator during forward (2x a bf16
+    weight; the weight's own gradient exists besides it once formed), and with
+    ``fp32_logits`` fp32 chunk logits plus a separate gradient buffer (3x the chunk's bf16).
 
     Args:
         hidden: [..., H] float; plain, or a DTensor that is Replicate on every mesh dim.
@@ -134,18 +139,21 @@ def fused_linear_token_loss(
             passes, e.g., -advantage_t / num_tokens.
         temperature: > 0; the logits are divided by it.
         ignore_index: label value without a target.
-        chunk_size: tokens per chunk; None picks max(N / 32, 4M / V_local) tokens (rounded
-            down to a multiple of 64): one chunk's logits are at most 1/32 of the full logits
+        chunk_size: tokens per chunk; None picks max(N / 24, 4M / V_local) tokens (rounded
+            down to a multiple of 64): one chunk's logits are at most 1/24 of the full logits
             for large N. Results do not depend on it beyond fp rounding of the weight gradient.
         validate: check the label range (one device-to-host sync).
         backend: "auto", "torch" or "triton" for the per-chunk softmax work between the matmuls
             (see :func:`vocab_parallel.token_log_probs`).
-        exact: for 16-bit inputs, form each chunk's logits as fp32 matmul outputs and sum the
-            weight gradient over the chunks in an fp32 buffer (2x a bf16 weight), so the
-            gradients are within about one bf16 rounding of the fp32 reference. False rounds
-            the logits to the input dtype (their gradient overwrites them in place) and sums
-            the weight gradient in its dtype: the least memory and traffic, at about 2-3x the
-            rounding error (the scheme of other fused cross-entropy libraries).
+        fp32_logits: for 16-bit inputs, keep each chunk's logits as fp32 matmul outputs
+            instead of rounding them to the input dtype (as any matmul, and the unfused
+            ``hidden @ weight.T``, returns them): slightly smaller gradient error, 3x the
+            chunk memory.
+        fp32_weight_grad: for 16-bit weights, sum the weight gradient over the chunks in an
+            fp32 buffer; False sums it in the weight's dtype (no extra buffer and half the
+            accumulator traffic, but each chunk's partial sum is rounded, which roughly
+            triples the weight gradient's error at 24 chunks; the scheme of other fused
+            cross-entropy libraries). The hidden gradient is one matmul per chunk either way.
         return_log_probs: also return log p(label) [...] (fp32, not differentiable, 0 where
             ignored), e.g. for logging.
 
@@ -167,7 +175,8 @@ def fused_linear_token_loss(
         chunk_size=chunk_size,
         validate=validate,
         backend=backend,
-        exact=exact,
+        fp32_logits=fp32_logits,
+        fp32_weight_grad=fp32_weight_grad,
     )
     return (loss, log_p) if return_log_probs else loss
 
@@ -183,7 +192,8 @@ def linear_cross_entropy(
     chunk_size: int | None = None,
     validate: bool = False,
     backend: Backend = "auto",
-    exact: bool = True,
+    fp32_logits: bool = False,
+    fp32_weight_grad: bool = True,
 ) -> Tensor:
     """``F.cross_entropy(hidden @ weight.T / temperature, labels)``, gradients formed in forward.
 
@@ -195,7 +205,7 @@ def linear_cross_entropy(
 
     Args:
         hidden, weight, labels, temperature, ignore_index, chunk_size, validate, backend,
-        exact: as in :func:`fused_linear_token_loss`.
+        fp32_logits, fp32_weight_grad: as in :func:`fused_linear_token_loss`.
         reduction: "mean" or "sum" (per-token losses: use
             :func:`vocab_parallel.linear_token_log_probs`).
 
@@ -225,7 +235,8 @@ def linear_cross_entropy(
         chunk_size=chunk_size,
         validate=validate,
         backend=backend,
-        exact=exact,
+        fp32_logits=fp32_logits,
+        fp32_weight_grad=fp32_weight_grad,
     )
     if valid_count is not None:
         loss = torch.where(valid_count > 0, loss, torch.full_like(loss, float("nan")))
