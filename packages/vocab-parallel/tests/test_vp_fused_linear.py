@@ -202,6 +202,14 @@ def test_default_chunk_is_a_small_fraction_of_the_logits() -> None:
     assert fused_chunk_tokens(1_000_000, 1000) * 1000 <= 1_000_000 * 1000 / 24
     # Small N: at least 4M logits per chunk, so the matmuls are not cut too thin.
     assert fused_chunk_tokens(2048, 1000) == 2048 and fused_chunk_tokens(8192, 1000) == 4160
+    # An fp32 weight-gradient accumulator of H columns: at least H / 2 tokens, so that the
+    # chunk holds at most a quarter of the accumulator's bytes.
+    for tokens, hidden in ((8192, 4096), (16384, 4096), (16384, 1536)):
+        rows = fused_chunk_tokens(tokens, 151936, fp32_accumulator_width=hidden)
+        assert rows == max(hidden // 2 // 64 * 64, fused_chunk_tokens(tokens, 151936)), rows
+        assert rows * 151936 * 2 <= 151936 * hidden * 4 / 4 or rows == fused_chunk_tokens(
+            tokens, 151936
+        )
 
 
 class _NewStorages(TorchDispatchMode):

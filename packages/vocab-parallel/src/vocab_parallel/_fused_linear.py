@@ -37,13 +37,22 @@ FUSED_CHUNKS = 24
 FUSED_MIN_CHUNK_ELEMENTS = 1 << 22
 
 
-def fused_chunk_tokens(tokens: int, local_vocab: int) -> int:
+def fused_chunk_tokens(tokens: int, local_vocab: int, *, fp32_accumulator_width: int = 0) -> int:
     """Default tokens per chunk: max(N / FUSED_CHUNKS, FUSED_MIN_CHUNK_ELEMENTS / Vl), at most N.
 
-    Rounded down to a multiple of 64 tokens when that leaves at least 64 (matmul-friendly tiles).
+    With an fp32 weight-gradient accumulator of H columns (``fp32_accumulator_width``), at
+    least H / 2 tokens: then a bf16 chunk of logits ([C, Vl]) holds at most a quarter of what
+    the accumulator ([Vl, H] fp32) already holds, and the accumulator, read and written once
+    per chunk, is passed over fewer times. Rounded down to a multiple of 64 tokens when that
+    leaves at least 64 (matmul-friendly tiles).
     """
     tokens = max(tokens, 1)
-    rows = max(tokens // FUSED_CHUNKS, FUSED_MIN_CHUNK_ELEMENTS // max(local_vocab, 1), 1)
+    rows = max(
+        tokens // FUSED_CHUNKS,
+        FUSED_MIN_CHUNK_ELEMENTS // max(local_vocab, 1),
+        fp32_accumulator_width // 2,
+        1,
+    )
     if rows >= 64:
         rows -= rows % 64
     return min(rows, tokens)

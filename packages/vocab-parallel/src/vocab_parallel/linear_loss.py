@@ -72,19 +72,28 @@ def _fused_loss(
     else:
         flat_coef = flat_hidden.new_full((n,), float(coefficients), dtype=torch.float32)
     local_weight = shard.local
+    grad_enabled = torch.is_grad_enabled()
+    need_weight = grad_enabled and local_weight.requires_grad
+    fp32_accumulator_width = 0
+    if need_weight and fp32_weight_grad and local_weight.dtype != torch.float32:
+        fp32_accumulator_width = local_weight.shape[1]
     plan = Plan(
         group=shard.group,
         vocab_start=shard.vocab_start,
         vocab_size=shard.vocab_size,
         inv_temperature=inv_t,
         ignore_index=ignore_index,
-        chunk_size=chunk_size or fused_chunk_tokens(n, local_weight.shape[0]),
+        chunk_size=chunk_size
+        or fused_chunk_tokens(
+            n,
+            local_weight.shape[0],
+            fp32_accumulator_width=fp32_accumulator_width,
+        ),
         entropy=False,
         uniform=False,
         validate=validate,
         backend=_resolve_backend(backend, flat_hidden),
     )
-    grad_enabled = torch.is_grad_enabled()
     flat_labels = labels.reshape(-1)
     loss, log_p = FusedLinearLoss.apply(
         flat_hidden,
@@ -93,7 +102,7 @@ def _fused_loss(
         flat_coef,
         plan,
         grad_enabled and flat_hidden.requires_grad,
-        grad_enabled and local_weight.requires_grad,
+        need_weight,
         bool(fp32_logits),
         bool(fp32_weight_grad),
     )
@@ -141,7 +150,10 @@ def fused_linear_token_loss(
         ignore_index: label value without a target.
         chunk_size: tokens per chunk; None picks max(N / 24, 4M / V_local) tokens (rounded
             down to a multiple of 64): one chunk's logits are at most 1/24 of the full logits
-            for large N. Results do not depend on it beyond fp rounding of the weight gradient.
+            for large N. With the fp32 weight-gradient accumulator (16-bit weight that needs
+            a gradient, ``fp32_weight_grad=True``), at least H / 2 tokens: the chunk then
+            holds at most a quarter of the accumulator's bytes, and the accumulator (read and
+            written once per chunk) is passed over fewer times. Results do not depend on it beyond fp rounding of the weight gradient.
         validate: check the label range (one device-to-host sync).
         backend: "auto", "torch" or "triton" for the per-chunk softmax work between the matmuls
             (see :func:`vocab_parallel.token_log_probs`).
