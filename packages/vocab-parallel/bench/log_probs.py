@@ -43,7 +43,6 @@ numbers. Prints one table, writes JSON with device name and versions.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import statistics
@@ -53,11 +52,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from _variants import IGNORE, Variant, linear_variants, logits_variants, naive_loss
 
 import vocab_parallel as vp
 
 GIB = 1024**3
-IGNORE = -100
 
 
 @dataclass(kw_only=True, slots=True)
@@ -74,20 +73,6 @@ class Row:
     status: str = "ok"
     loss_rel_err: float | None = None
     grad_rel_err: float | None = None
-
-
-# A step runs forward+backward once and returns (loss, gradients) for the exactness check.
-Step = Callable[[], tuple[torch.Tensor | None, list[torch.Tensor]]]
-
-
-@dataclass(kw_only=True, slots=True)
-class Variant:
-    baseline: str
-    step: Step
-    reset: Callable[[], None]
-    grad_bytes: int  # memory the returned gradients take (0 when written in place)
-    status: str = "ok"
-    prepare: Callable[[], None] | None = None  # before the exactness run (fresh inputs)
 
 
 def _sync(device: torch.device) -> None:
@@ -134,32 +119,8 @@ def _copy_bandwidth(nbytes: int, device: torch.device, repeats: int) -> float:
     return 2 * src.numel() * 2 / (ms / 1e3)
 
 
-def naive_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-
-
-def naive_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Token-sum cross-entropy; ignored labels read column 0 and are masked out."""
-    valid = labels != IGNORE
-    log_p = naive_log_probs(logits, torch.where(valid, labels, 0))
-    return -(log_p * valid).sum()
-
-
 def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.float() - ref).norm() / ref.norm().clamp(min=1e-30))
-
-
-def _peer_status(module: str, device: torch.device) -> str:
-    if importlib.util.find_spec(module) is None:
-        return "not installed"
-    return "ok" if device.type == "cuda" else "needs CUDA"
-
-
-def _skipped(baseline: str, status: str) -> Variant:
-    def nothing() -> tuple[None, list[torch.Tensor]]:
-        return None, []
-
-    return Variant(baseline=baseline, step=nothing, reset=lambda: None, grad_bytes=0, status=status)
 
 
 def _reference(
@@ -184,193 +145,6 @@ def _check(
     loss_err = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-30)
     variant.reset()
     return loss_err, grad_err
-
-
-def _logits_variants(
-    logits: torch.Tensor, labels: torch.Tensor, device: torch.device
-) -> dict[str, Variant]:
-    """Variants on materialised logits [T, V] (a leaf that requires grad)."""
-    # The in-place forms overwrite their input: they get a buffer of their own. Timed runs
-    # reuse it as overwritten (the arithmetic does not depend on the values); the exactness
-    # run refills it first.
-    buffer = logits.detach().clone().requires_grad_()
-    grad_bytes = logits.numel() * logits.element_size()
-
-    def clear() -> None:
-        logits.grad = None
-        buffer.grad = None
-
-    def refill() -> None:
-        with torch.no_grad():
-            buffer.copy_(logits)
-
-    def on(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> Step:
-        def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
-            clear()
-            loss = fn(x)
-            loss.backward()
-            assert x.grad is not None
-            return loss.detach(), [x.grad]
-
-        return step
-
-    out = {
-        "naive": Variant(
-            baseline="naive",
-            step=on(logits, lambda x: naive_loss(x, labels)),
-            reset=clear,
-            grad_bytes=grad_bytes,
-        )
-    }
-    if device.type == "cuda":
-        compiled = torch.compile(naive_loss, dynamic=False)
-        out["naive_compiled"] = Variant(
-            baseline="naive",
-            step=on(logits, lambda x: compiled(x, labels)),
-            reset=clear,
-            grad_bytes=grad_bytes,
-        )
-    out["ours"] = Variant(
-        baseline="naive",
-        step=on(logits, lambda x: vp.cross_entropy(x, labels, reduction="sum")),
-        reset=clear,
-        grad_bytes=grad_bytes,
-    )
-    if device.type == "cuda":
-        out["ours_torch"] = Variant(
-            baseline="naive",
-            step=on(
-                logits, lambda x: vp.cross_entropy(x, labels, reduction="sum", backend="torch")
-            ),
-            reset=clear,
-            grad_bytes=grad_bytes,
-        )
-    out["ours_in_place"] = Variant(
-        baseline="naive",
-        step=on(buffer, lambda x: vp.cross_entropy(x, labels, reduction="sum", in_place=True)),
-        reset=clear,
-        grad_bytes=0,
-        prepare=refill,
-    )
-    status = _peer_status("liger_kernel", device)
-    if status != "ok":
-        out["liger_ce"] = _skipped("naive", status)
-    else:
-        from liger_kernel.transformers.functional import liger_cross_entropy
-
-        out["liger_ce"] = Variant(
-            baseline="naive",
-            step=on(
-                buffer,
-                lambda x: liger_cross_entropy(x, labels, ignore_index=IGNORE, reduction="sum"),
-            ),
-            reset=clear,
-            grad_bytes=0,
-            prepare=refill,
-        )
-    return out
-
-
-def _linear_variants(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    device: torch.device,
-    *,
-    linear_blocks: list[int],
-    fused_chunks: list[int],
-) -> dict[str, Variant]:
-    """Variants on hidden [T, H] and weight [V, H] (leaves that require grad)."""
-    grad_bytes = sum(x.numel() * x.element_size() for x in (hidden, weight))
-
-    def clear() -> None:
-        hidden.grad = weight.grad = None
-
-    def make(fn: Callable[[], torch.Tensor]) -> Variant:
-        def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
-            clear()
-            loss = fn()
-            loss.backward()
-            assert hidden.grad is not None and weight.grad is not None
-            return loss.detach(), [hidden.grad, weight.grad]
-
-        return Variant(baseline="naive_linear", step=step, reset=clear, grad_bytes=grad_bytes)
-
-    def recompute_form(**options: object) -> torch.Tensor:
-        log_p = vp.linear_token_log_probs(hidden, weight, labels, **options)  # type: ignore[arg-type]
-        return -log_p.sum()
-
-    def grads_in_forward(**options: object) -> torch.Tensor:
-        return vp.linear_cross_entropy(hidden, weight, labels, reduction="sum", **options)  # type: ignore[arg-type]
-
-    out = {
-        "naive_linear": make(lambda: naive_loss(hidden @ weight.T, labels)),
-        "fused_linear": make(recompute_form),
-    }
-    if device.type == "cuda":
-        for rows in linear_blocks:
-            out[f"fused_linear_b{rows}"] = make(lambda rows=rows: recompute_form(chunk_size=rows))
-    out["grads_in_forward"] = make(grads_in_forward)
-    out["grads_in_forward_fast"] = make(lambda: grads_in_forward(fp32_weight_grad=False))
-    out["grads_in_forward_exact"] = make(lambda: grads_in_forward(fp32_logits=True))
-    if device.type == "cuda":
-        for tokens in fused_chunks:
-            out[f"grads_in_forward_c{tokens}"] = make(
-                lambda tokens=tokens: grads_in_forward(chunk_size=tokens)
-            )
-            out[f"grads_in_forward_fast_c{tokens}"] = make(
-                lambda tokens=tokens: grads_in_forward(chunk_size=tokens, fp32_weight_grad=False)
-            )
-    status = _peer_status("liger_kernel", device)
-    if status != "ok":
-        out["liger_fused_linear"] = _skipped("naive_linear", status)
-    else:
-        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-
-        out["liger_fused_linear"] = make(
-            lambda: liger_fused_linear_cross_entropy(
-                hidden, weight, labels, ignore_index=IGNORE, reduction="sum"
-            )
-        )
-    status = _peer_status("cut_cross_entropy", device)
-    for name, filter_eps in (("cce", "high"), ("cce_exact", None)):
-        if status != "ok":
-            out[name] = _skipped("naive_linear", status)
-            continue
-        from cut_cross_entropy import linear_cross_entropy as cce
-
-        out[name] = make(
-            lambda filter_eps=filter_eps: cce(
-                hidden,
-                weight,
-                labels,
-                ignore_index=IGNORE,
-                reduction="sum",
-                filter_eps=filter_eps,
-                impl="cce",
-            )
-        )
-    if device.type == "cuda":
-        grad_logits = torch.randn(
-            labels.numel(), weight.shape[0], device=device, dtype=weight.dtype
-        )
-
-        def matmuls(count: int) -> Variant:
-            def step() -> tuple[None, list[torch.Tensor]]:
-                with torch.no_grad():
-                    for _ in range(count - 2):  # forward (and the recomputation in backward)
-                        hidden @ weight.T
-                    grad_logits @ weight
-                    grad_logits.T @ hidden
-                return None, []
-
-            return Variant(
-                baseline="naive_linear", step=step, reset=clear, grad_bytes=0, status="bound"
-            )
-
-        out["three_matmuls"] = matmuls(3)
-        out["four_matmuls"] = matmuls(4)
-    return out
 
 
 def _measure(
@@ -472,7 +246,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     reference = _reference([logits], loss_of_logits)
     floors = {"logits": _rounding_floor(reference[1], dtype)}
     rows = _measure(
-        _logits_variants(logits, labels, device),
+        logits_variants(logits, labels, device),
         device=device,
         args=args,
         logits_bytes=logits_bytes,
@@ -488,7 +262,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
         reference = _reference([hidden, weight], loss_of_linear)
         floors["linear"] = _rounding_floor(reference[1], dtype)
-        variants = _linear_variants(
+        variants = linear_variants(
             hidden,
             weight,
             labels,
