@@ -1,68 +1,109 @@
-"""Forward+backward time and peak extra memory of token log-prob implementations, side by side.
+"""Forward+backward time, peak extra memory and exactness of token-sum cross-entropy forms,
+ours and their peers side by side in one process.
 
     python packages/vocab-parallel/bench/log_probs.py --device cuda --tokens 8192 --vocab 151936
 
-Variants (all compute log p(label) for T tokens over V entries and backpropagate):
-    naive            log_softmax(logits.float()).gather(...)          (the baseline)
-    naive_compiled   torch.compile of the same (CUDA only)
-    ours             vocab_parallel.token_log_probs (backend "auto": Triton on CUDA, else torch)
-    ours_torch       the pure-PyTorch chunked path (CUDA only; on CPU it is "ours")
-    naive_linear     hidden @ weight.T, then naive                    (baseline of the fused form)
-    fused_linear     vocab_parallel.linear_token_log_probs
-    fused_linear_bN  fused_linear with N vocabulary rows per block (--linear-blocks, CUDA)
-    four_matmuls     not an implementation: the four full-size cuBLAS matmuls that any exact
-                     form under the memory bound must run (logits forward, logits again in
-                     backward, hidden and weight gradients), with no softmax work at all; its
-                     time is a lower bound for such forms (CUDA)
+Every variant computes the token-sum loss sum_t -log p(label_t) (1/16 of the labels are
+ignore_index) for T tokens over V entries and backpropagates it.
 
-Peak extra memory (CUDA only) is the peak allocated during forward+backward above what was
-allocated before (the inputs); it includes the gradients the call returns. The floor is the time
-to move 3 x the bf16 logits (read forward, read backward, write gradient) at the copy bandwidth
-measured on the same device. Prints one table, writes JSON with device name and versions.
+On logits [T, V] (baseline: naive):
+    naive             -log_softmax(logits.float()).gather(...).sum()
+    naive_compiled    torch.compile of the same (CUDA only)
+    ours              vocab_parallel.cross_entropy(reduction="sum") (Triton on CUDA, else torch)
+    ours_torch        the pure-PyTorch chunked path (CUDA only; on CPU it is "ours")
+    ours_in_place     ours with in_place=True: the gradient is written into the logits
+    liger_ce          liger_kernel's cross-entropy (in place too; CUDA, optional import)
+On hidden [T, H] and the projection weight [V, H] (baseline: naive_linear):
+    naive_linear      hidden @ weight.T, then naive
+    fused_linear      vocab_parallel.linear_token_log_probs (recomputes the logits in backward)
+    fused_linear_bN   the same with N vocabulary rows per block (--linear-blocks, CUDA)
+    grads_in_forward  vocab_parallel.linear_cross_entropy(reduction="sum"): gradients formed
+                      in forward (defaults: bf16 chunk logits, fp32 weight-gradient sum)
+    grads_in_forward_fast   the same with fp32_weight_grad=False (summed in bf16)
+    grads_in_forward_exact  the same with fp32_logits=True (fp32 chunk logits)
+    grads_in_forward[_fast]_cN  with N tokens per chunk (--fused-chunks, CUDA)
+    liger_fused_linear     liger_kernel's fused linear cross-entropy (CUDA, optional import)
+    cce               cut_cross_entropy.linear_cross_entropy, its default gradient filtering
+    cce_exact         the same with filter_eps=None (no filtering)
+    three_matmuls / four_matmuls   not implementations: the three (logits, hidden and weight
+                      gradients) or four (plus the recomputation) full-size cuBLAS matmuls with
+                      no softmax work; lower bounds for the two fused designs (CUDA)
+
+Exactness: each variant's loss and gradients against an fp32 reference computed by plain
+PyTorch from the same inputs (relative error, ||got - ref|| / ||ref||, the worst of its
+gradients); "floor" is the error of the reference itself rounded to the input dtype, which no
+gradient returned in that dtype can beat. Peak extra memory (CUDA only) is the peak allocated
+during forward+backward above what was allocated before (the inputs); it includes the
+gradients the call returns ("transient" excludes them; an in-place gradient takes no new
+memory). The floor time is 3 passes over the bf16 logits at the measured copy bandwidth.
+Peers that are not installed, or that need CUDA, appear as rows with that status and no
+numbers. Prints one table, writes JSON with device name and versions.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import platform
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from _variants import IGNORE, Variant, linear_variants, logits_variants, naive_loss
 
 import vocab_parallel as vp
-from train_testing.bench import GIB, device_name, print_lines, sync, times_ms, versions, write_json
+
+GIB = 1024**3
 
 
 @dataclass(kw_only=True, slots=True)
 class Row:
     variant: str
     baseline: str
-    median_ms: float
+    median_ms: float | None
     peak_extra_gib: float | None
     extra_over_logits: float | None
     grad_gib: float
     transient_over_logits: float | None
     speedup: float | None = None
     over_floor: float | None = None
+    status: str = "ok"
+    loss_rel_err: float | None = None
+    grad_rel_err: float | None = None
 
 
-def _time_ms(fn: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> float:
-    return statistics.median(times_ms(fn, device, warmup=warmup, iters=repeats))
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def _peak_extra(
-    fn: Callable[[], None], reset: Callable[[], None], device: torch.device
+    fn: Callable[[], object], reset: Callable[[], None], device: torch.device
 ) -> float | None:
     if device.type != "cuda":
         return None
     reset()  # free the previous run's gradients, so that they count in this peak
-    sync(device)
+    _sync(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     fn()
-    sync(device)
+    _sync(device)
     return (torch.cuda.max_memory_allocated(device) - base) / GIB
 
 
@@ -78,8 +119,89 @@ def _copy_bandwidth(nbytes: int, device: torch.device, repeats: int) -> float:
     return 2 * src.numel() * 2 / (ms / 1e3)
 
 
-def naive_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.float() - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+def _reference(
+    inputs: list[torch.Tensor], loss_fn: Callable[..., torch.Tensor]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """fp32 loss and gradients of ``loss_fn`` at fp32 copies of ``inputs`` (plain PyTorch)."""
+    leaves = [x.detach().float().requires_grad_() for x in inputs]
+    loss = loss_fn(*leaves)
+    grads = list(torch.autograd.grad(loss, leaves))
+    return loss.detach(), grads
+
+
+def _check(
+    variant: Variant, ref_loss: torch.Tensor, ref_grads: list[torch.Tensor]
+) -> tuple[float, float]:
+    variant.reset()
+    if variant.prepare is not None:
+        variant.prepare()
+    loss, grads = variant.step()
+    assert loss is not None and len(grads) == len(ref_grads), (loss, len(grads))
+    grad_err = max(_rel(g, r) for g, r in zip(grads, ref_grads, strict=True))
+    loss_err = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-30)
+    variant.reset()
+    return loss_err, grad_err
+
+
+def _measure(
+    variants: dict[str, Variant],
+    *,
+    device: torch.device,
+    args: argparse.Namespace,
+    logits_bytes: int,
+    reference: tuple[torch.Tensor, list[torch.Tensor]],
+) -> list[Row]:
+    rows = []
+    for name, variant in variants.items():
+        if variant.status not in ("ok", "bound"):
+            rows.append(
+                Row(
+                    variant=name,
+                    baseline=variant.baseline,
+                    median_ms=None,
+                    peak_extra_gib=None,
+                    extra_over_logits=None,
+                    grad_gib=0.0,
+                    transient_over_logits=None,
+                    status=variant.status,
+                )
+            )
+            continue
+        loss_err = grad_err = None
+        if variant.status == "ok":
+            loss_err, grad_err = _check(variant, *reference)
+        ms = _time_ms(variant.step, device, args.warmup, args.repeats)
+        peak = _peak_extra(variant.step, variant.reset, device)
+        rows.append(
+            Row(
+                variant=name,
+                baseline=variant.baseline,
+                median_ms=ms,
+                peak_extra_gib=peak,
+                extra_over_logits=None if peak is None else peak * GIB / logits_bytes,
+                grad_gib=variant.grad_bytes / GIB,
+                transient_over_logits=(
+                    None if peak is None else (peak * GIB - variant.grad_bytes) / logits_bytes
+                ),
+                status="ok",
+                loss_rel_err=loss_err,
+                grad_rel_err=grad_err,
+            )
+        )
+        variant.reset()
+    return rows
+
+
+def _rounding_floor(grads: list[torch.Tensor], dtype: torch.dtype) -> float:
+    return max(_rel(g.to(dtype), g) for g in grads)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in filter(None, text.split(","))]
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
@@ -87,7 +209,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--hidden", type=int, default=4096, help="H of the fused linear form")
+    parser.add_argument("--hidden", type=int, default=4096, help="H of the fused linear forms")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
@@ -97,6 +219,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
         "--linear-blocks",
         default="",
         help="comma-separated vocabulary rows per block: extra fused_linear_bN rows (CUDA)",
+    )
+    parser.add_argument(
+        "--fused-chunks",
+        default="",
+        help="comma-separated tokens per chunk: extra grads_in_forward(_fast)_cN rows (CUDA)",
     )
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: stdout only)")
     args = parser.parse_args(argv)
@@ -108,127 +235,71 @@ def main(argv: list[str] | None = None) -> list[Row]:
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     t, v, h = args.tokens, args.vocab, args.hidden
-    logits = torch.randn(t, v, device=device, dtype=dtype).requires_grad_()
     labels = torch.randint(0, v, (t,), device=device)
+    labels[::16] = IGNORE
+    logits = torch.randn(t, v, device=device, dtype=dtype).requires_grad_()
     logits_bytes = logits.numel() * logits.element_size()
 
-    # name -> (baseline, step, reset, leaves whose gradients the step returns)
-    variants: dict[str, tuple[str, Callable[[], None], Callable[[], None], list]] = {}
+    def loss_of_logits(x: torch.Tensor) -> torch.Tensor:
+        return naive_loss(x, labels)
 
-    def clear_logits() -> None:
-        logits.grad = None
-
-    def logits_step(fn: Callable[..., torch.Tensor]) -> Callable[[], None]:
-        def step() -> None:
-            clear_logits()
-            fn(logits, labels).sum().backward()
-
-        return step
-
-    def logits_variant(fn: Callable[..., torch.Tensor]) -> tuple:
-        return ("naive", logits_step(fn), clear_logits, [logits])
-
-    variants["naive"] = logits_variant(naive_log_probs)
-    if device.type == "cuda":
-        variants["naive_compiled"] = logits_variant(torch.compile(naive_log_probs, dynamic=False))
-    variants["ours"] = logits_variant(lambda x, y: vp.token_log_probs(x, y))
-    if device.type == "cuda":
-        variants["ours_torch"] = logits_variant(
-            lambda x, y: vp.token_log_probs(x, y, backend="torch")
-        )
-
+    reference = _reference([logits], loss_of_logits)
+    floors = {"logits": _rounding_floor(reference[1], dtype)}
+    rows = _measure(
+        logits_variants(logits, labels, device),
+        device=device,
+        args=args,
+        logits_bytes=logits_bytes,
+        reference=reference,
+    )
+    del reference
     if not args.no_linear:
         hidden = torch.randn(t, h, device=device, dtype=dtype).requires_grad_()
         weight = (torch.randn(v, h, device=device, dtype=dtype) / h**0.5).requires_grad_()
 
-        def clear_linear() -> None:
-            hidden.grad = weight.grad = None
+        def loss_of_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return naive_loss(x @ w.T, labels)
 
-        def linear_step(fused: bool, **options: object) -> Callable[[], None]:
-            def step() -> None:
-                clear_linear()
-                if fused:
-                    out = vp.linear_token_log_probs(hidden, weight, labels, **options)  # type: ignore[arg-type]
-                else:
-                    out = naive_log_probs(hidden @ weight.T, labels)
-                out.sum().backward()
-
-            return step
-
-        leaves = [hidden, weight]
-        variants["naive_linear"] = ("naive_linear", linear_step(False), clear_linear, leaves)
-        variants["fused_linear"] = ("naive_linear", linear_step(True), clear_linear, leaves)
-        if device.type == "cuda":
-            for rows_text in filter(None, args.linear_blocks.split(",")):
-                variants[f"fused_linear_b{int(rows_text)}"] = (
-                    "naive_linear",
-                    linear_step(True, chunk_size=int(rows_text)),
-                    clear_linear,
-                    leaves,
-                )
-            grad_logits = torch.randn(t, v, device=device, dtype=dtype) / v
-
-            def four_matmuls() -> None:
-                with torch.no_grad():
-                    for _ in range(2):  # forward, and the recomputation in backward
-                        hidden @ weight.T
-                    grad_logits @ weight
-                    grad_logits.T @ hidden
-
-            variants["four_matmuls"] = ("naive_linear", four_matmuls, clear_linear, [])
-
-    rows: dict[str, Row] = {}
-    for name, (baseline, step, reset, grad_leaves) in variants.items():
-        ms = _time_ms(step, device, args.warmup, args.repeats)
-        peak = _peak_extra(step, reset, device)
-        grad_bytes = sum(x.numel() * x.element_size() for x in grad_leaves)
-        rows[name] = Row(
-            variant=name,
-            baseline=baseline,
-            median_ms=ms,
-            peak_extra_gib=peak,
-            extra_over_logits=None if peak is None else peak * GIB / logits_bytes,
-            grad_gib=grad_bytes / GIB,
-            transient_over_logits=(
-                None if peak is None else (peak * GIB - grad_bytes) / logits_bytes
-            ),
+        reference = _reference([hidden, weight], loss_of_linear)
+        floors["linear"] = _rounding_floor(reference[1], dtype)
+        variants = linear_variants(
+            hidden,
+            weight,
+            labels,
+            device,
+            linear_blocks=_ints(args.linear_blocks),
+            fused_chunks=_ints(args.fused_chunks),
         )
-        reset()
+        rows += _measure(
+            variants, device=device, args=args, logits_bytes=logits_bytes, reference=reference
+        )
+        del reference
+
     bandwidth = _copy_bandwidth(logits_bytes, device, args.repeats)
     floor_ms = 3 * logits_bytes / bandwidth * 1e3
-    for row in rows.values():
-        row.speedup = rows[row.baseline].median_ms / row.median_ms
-        row.over_floor = row.median_ms / floor_ms
-
-    header = (
-        f"{'variant':<16}{'median ms':>11}{'peak extra GiB':>16}{'x logits':>10}"
-        f"{'transient':>11}{'speedup':>9}{'x floor':>9}"
-    )
-    print(f"T={t} V={v} H={h} {args.dtype} on {device} ({device_name(device)})")
-    print(
-        f"logits {logits_bytes / GIB:.4g} GiB; floor {floor_ms:.4g} ms at "
-        f"{bandwidth / 1e9:.3g} GB/s measured copy bandwidth (3 passes over the logits)"
-    )
-    print(header)
-    for row in rows.values():
-        peak = "-" if row.peak_extra_gib is None else f"{row.peak_extra_gib:.3f}"
-        ratio = "-" if row.extra_over_logits is None else f"{row.extra_over_logits:.2f}"
-        trans = "-" if row.transient_over_logits is None else f"{row.transient_over_logits:.2f}"
-        print(
-            f"{row.variant:<16}{row.median_ms:>11.3f}{peak:>16}{ratio:>10}{trans:>11}"
-            f"{row.speedup:>8.2f}x{row.over_floor:>8.1f}x"
-        )
-    print(
-        "speedup: vs the row's baseline (naive, or naive_linear for the fused form); "
-        "x logits: peak extra / logits bytes; transient: the same without the returned "
-        "gradients (x logits)"
+    by_name = {row.variant: row for row in rows}
+    for row in rows:
+        base = by_name[row.baseline].median_ms
+        if row.median_ms is not None and base is not None:
+            row.speedup = base / row.median_ms
+            row.over_floor = row.median_ms / floor_ms
+    _print(
+        rows,
+        args=args,
+        device=device,
+        logits_bytes=logits_bytes,
+        floor_ms=floor_ms,
+        bandwidth=bandwidth,
+        floors=floors,
     )
 
     report = {
         "device": str(device),
-        "device_name": device_name(device),
-        **versions(),
+        "device_name": _device_name(device),
+        "torch": torch.__version__,
         "vocab_parallel": vp.__version__,
+        "peers": _peer_versions(),
+        "python": platform.python_version(),
         "tokens": t,
         "vocab": v,
         "hidden": h,
@@ -237,11 +308,76 @@ def main(argv: list[str] | None = None) -> list[Row]:
         "logits_gib": logits_bytes / GIB,
         "copy_bandwidth_gbps": bandwidth / 1e9,
         "floor_ms": floor_ms,
-        "rows": [asdict(r) for r in rows.values()],
+        "rounding_floor_rel_err": floors,
+        "rows": [asdict(r) for r in rows],
     }
     if args.out is not None:
-        print_lines(f"wrote {write_json(args.out, report)}")
-    return list(rows.values())
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.out}")
+    return rows
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _print(
+    rows: list[Row],
+    *,
+    args: argparse.Namespace,
+    device: torch.device,
+    logits_bytes: int,
+    floor_ms: float,
+    bandwidth: float,
+    floors: dict[str, float],
+) -> None:
+    print(
+        f"T={args.tokens} V={args.vocab} H={args.hidden} {args.dtype} on {device} ({_device_name(device)})"
+    )
+    print(
+        f"logits {logits_bytes / GIB:.4g} GiB; floor {floor_ms:.4g} ms at "
+        f"{bandwidth / 1e9:.3g} GB/s measured copy bandwidth (3 passes over the logits)"
+    )
+    print(
+        "rounding floor of the gradient error (fp32 reference rounded to "
+        f"{args.dtype}): " + ", ".join(f"{k} {v:.2e}" for k, v in floors.items())
+    )
+    print(
+        f"{'variant':<26}{'median ms':>11}{'peak extra GiB':>16}{'x logits':>10}"
+        f"{'transient':>11}{'speedup':>9}{'x floor':>9}{'loss err':>10}{'grad err':>10}  status"
+    )
+    for row in rows:
+        speedup = "-" if row.speedup is None else f"{row.speedup:.2f}x"
+        over = "-" if row.over_floor is None else f"{row.over_floor:.1f}x"
+        print(
+            f"{row.variant:<26}{_fmt(row.median_ms, '.3f'):>11}{_fmt(row.peak_extra_gib, '.3f'):>16}"
+            f"{_fmt(row.extra_over_logits, '.2f'):>10}{_fmt(row.transient_over_logits, '.3f'):>11}"
+            f"{speedup:>9}{over:>9}{_fmt(row.loss_rel_err, '.1e'):>10}"
+            f"{_fmt(row.grad_rel_err, '.1e'):>10}  {row.status}"
+        )
+    print(
+        "speedup: vs the row's baseline (naive, or naive_linear for the linear forms); "
+        "x logits: peak extra / logits bytes; transient: the same without the returned "
+        "gradients; errors: relative to the fp32 reference"
+    )
+
+
+def _peer_versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for name in ("liger-kernel", "cut-cross-entropy", "triton"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -42,13 +42,22 @@ def main() -> None:
             }
             src = ASTSource(fn=kernels._stats_kernel, signature=signature, constexprs=constants)
             triton.compile(src, target=TARGET, options={"num_warps": 8})
+    # The gradient kernel: in the logits' dtype, and fp32 logits into a 16-bit gradient (the
+    # fused linear loss's exact mode).
+    grad_dtypes = [(d, d) for d in ("*bf16", "*fp16", "*fp32")] + [
+        ("*fp32", "*bf16"),
+        ("*fp32", "*fp16"),
+    ]
+    for dtype, grad_dtype in grad_dtypes:
         for has_target, has_entropy, has_uniform in ((True, True, True), (True, False, False)):
             signature = {
                 "x_ptr": dtype,
                 "stride_slab": "i64",
                 "stride_row": "i64",
                 "rows_per_slab": "i64",
-                "g_ptr": dtype,
+                "g_ptr": grad_dtype,
+                "g_stride_slab": "i64",
+                "g_stride_row": "i64",
                 "n_cols": "i32",
                 "inv_t": "fp32",
                 "inv_vocab": "fp32",

@@ -166,6 +166,71 @@ def check_linear_float64(
         assert torch.all(w.grad.float().abs().sum(1) > 0)  # every row got its softmax share
 
 
+def check_in_place(device: str, dtype: torch.dtype) -> None:
+    """in_place=True: the same gradient as out-of-place, written into the logits' storage."""
+    shape, vocab = (3, 7), 300
+    logits = make_logits(shape, vocab, seed=31).to(dtype).to(device)
+    labels = make_labels(shape, vocab, seed=31).to(device)
+    weights = upstream(shape, seed=31).float().to(device)
+    for sliced in (False, True):
+        x = logits.clone().requires_grad_()
+        y = logits.clone().requires_grad_()
+        for t, in_place in ((x, True), (y, False)):
+            view = t[:, :-1] if sliced else t
+            target = labels[:, :-1] if sliced else labels
+            log_p, ent = vp.token_log_probs_and_entropy(
+                view, target, temperature=0.9, backend="triton", in_place=in_place
+            )
+            (log_p * weights[:, : view.shape[1]] + ent).sum().backward()
+        assert x.grad is not None and y.grad is not None
+        torch.testing.assert_close(x.grad, y.grad, atol=0, rtol=0)
+        if not sliced:
+            assert x.grad.data_ptr() == x.data_ptr()
+
+
+def check_fused_float64(
+    device: str, *, tokens: int, vocab: int, hidden_dim: int, dtype: torch.dtype, chunk: int | None
+) -> None:
+    """The grads-in-forward loss (Triton) against float64 log_softmax of h @ w.T."""
+    gen = torch.Generator().manual_seed(tokens + vocab + 1)
+    hidden = torch.randn(tokens, hidden_dim, generator=gen).to(dtype)
+    weight = (torch.randn(vocab, hidden_dim, generator=gen) * 2 / hidden_dim**0.5).to(dtype)
+    labels = make_labels((tokens,), vocab, seed=vocab).to(device)
+    coef = upstream((tokens,), seed=6).to(device)
+    rh = hidden.to(device).double().requires_grad_()
+    rw = weight.to(device).double().requires_grad_()
+    ref = (ref_log_probs(rh @ rw.T, labels, 0.8, IGNORE) * coef).sum()
+    ref_h, ref_w = torch.autograd.grad(ref, [rh, rw])
+    # (fp32 logits, fp32 weight-gradient sum, relative error allowed): with both, only the
+    # final bf16/fp16 rounding remains.
+    for fp32_logits, fp32_weight_grad, tol in (
+        (True, True, 4e-3),
+        (False, True, 6e-3),
+        (False, False, 1.5e-2),
+    ):
+        h = hidden.to(device).clone().requires_grad_()
+        w = weight.to(device).clone().requires_grad_()
+        loss = vp.fused_linear_token_loss(
+            h,
+            w,
+            labels,
+            coef.float(),
+            temperature=0.8,
+            chunk_size=chunk,
+            backend="triton",
+            fp32_logits=fp32_logits,
+            fp32_weight_grad=fp32_weight_grad,
+        )
+        assert abs(loss.item() - ref.item()) <= 5e-3 * max(1.0, abs(ref.item())), (loss, ref)
+        loss.backward()
+        assert h.grad is not None and w.grad is not None
+        for name, got, want in (("hidden", h.grad, ref_h), ("weight", w.grad, ref_w)):
+            err = float((got.double() - want).norm() / want.norm())
+            assert err <= tol, (
+                f"fused {name} grad {device} {dtype} {fp32_logits=} {fp32_weight_grad=}: {err}"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
@@ -182,6 +247,22 @@ def main() -> None:
         linear = [(37, 101, 24, 40), (20, 70, 32, None)]
     else:  # many blocks with a ragged tail; a realistic vocabulary in default blocks
         linear = [(300, 20011, 200, 5000), (256, 151936, 256, None), (1000, 4096, 1024, 1024)]
+    for dtype in (torch.float32, torch.bfloat16):
+        check_in_place(args.device, dtype)
+    if args.device == "cpu":
+        fused = [(37, 101, 24, 8)]
+    else:
+        fused = [(300, 20011, 200, 64), (4096, 151936, 256, None)]
+    for tokens, vocab, hidden_dim, chunk in fused:
+        for dtype in (torch.bfloat16, torch.float16):
+            check_fused_float64(
+                args.device,
+                tokens=tokens,
+                vocab=vocab,
+                hidden_dim=hidden_dim,
+                dtype=dtype,
+                chunk=chunk,
+            )
     for tokens, vocab, hidden_dim, chunk in linear:
         for dtype in (torch.bfloat16, torch.float16):
             check_linear_float64(

@@ -195,6 +195,75 @@ def check_colwise_lm_head(rank: int, world_size: int, vocab: int, dtype_name: st
     return [f"rank {rank}: {local_rows} of {vocab} rows"]
 
 
+def check_fused_linear_sharded(
+    rank: int, world_size: int, vocab: int, dtype_name: str
+) -> list[str]:
+    """The grads-in-forward losses on a Shard(0) lm_head weight vs the float64 reference."""
+    dtype = DTYPES[dtype_name]
+    hidden_size, shape, temp = 8, (2, 7), 0.8  # 14 tokens in chunks of 4: a ragged last chunk
+    mesh = _mesh((world_size,))
+    gen = torch.Generator().manual_seed(31)
+    weight = (torch.randn(vocab, hidden_size, generator=gen) * 0.7).to(dtype)
+    hidden_full = torch.randn(*shape, hidden_size, generator=gen).to(dtype)
+    labels = make_labels(shape, vocab, seed=31, ignore_index=IGNORE)
+    coef = upstream(shape, seed=32)
+    valid = labels != IGNORE
+    # bf16: the gradients' own rounding (about 1.7e-3) plus that of the bf16 chunk logits.
+    tol = 2e-6 if dtype == torch.float32 else 6e-3
+    done = []
+    cases = {
+        "sum": (-torch.ones(shape, dtype=torch.float64), {"reduction": "sum"}),
+        "mean": (-torch.ones(shape, dtype=torch.float64) / valid.sum(), {"reduction": "mean"}),
+        "coefficients": (coef, {}),
+    }
+    for name, (ref_coef, options) in cases.items():
+        wd = weight.double().requires_grad_()
+        hd = hidden_full.double().requires_grad_()
+        ref = (ref_log_probs(hd @ wd.T, labels, temp, IGNORE) * ref_coef).sum()
+        ref_w_grad, ref_h_grad = torch.autograd.grad(ref, [wd, hd])
+
+        w = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
+        hidden = hidden_full.clone().requires_grad_()
+        common = {"temperature": temp, "chunk_size": 4}
+        if name == "coefficients":
+            loss = vp.fused_linear_token_loss(hidden, w, labels, coef.float(), **common)
+        else:
+            loss = vp.linear_cross_entropy(hidden, w, labels, **options, **common)
+        what = f"fused {name} V={vocab} {dtype_name}"
+        assert not isinstance(loss, DTensor)
+        _same_on_all_ranks(loss, f"{what} loss")
+        _close(
+            loss, ref.detach(), atol=1e-4, rtol=1e-4 if dtype == torch.float32 else 2e-3, what=what
+        )
+        loss.backward()
+        assert isinstance(w.grad, DTensor) and w.grad.placements == (Shard(0),), w.grad
+        assert hidden.grad is not None
+        _same_on_all_ranks(hidden.grad, f"{what} hidden grad")
+        for grad_name, got, want in (
+            ("weight", w.grad.full_tensor(), ref_w_grad),
+            ("hidden", hidden.grad, ref_h_grad),
+        ):
+            err = float((got.double() - want).norm() / want.norm())
+            assert err <= tol, f"rank {rank} {what} {grad_name} grad: relative error {err}"
+        done.append(what)
+    # A frozen sharded lm_head (LoRA): only the hidden gradient.
+    w = distribute_tensor(weight, mesh, [Shard(0)])
+    hidden = hidden_full.clone().requires_grad_()
+    vp.linear_cross_entropy(hidden, w, labels, reduction="sum").backward()
+    hd = hidden_full.double().requires_grad_()
+    ref = -ref_log_probs(hd @ weight.double().T, labels, 1.0, IGNORE).sum()
+    (ref_h_grad,) = torch.autograd.grad(ref, [hd])
+    assert hidden.grad is not None and w.grad is None
+    err = float((hidden.grad.double() - ref_h_grad).norm() / ref_h_grad.norm())
+    assert err <= tol, f"frozen sharded head: hidden grad relative error {err}"
+    # Bad labels raise on every rank (the count travels with the first chunk's SUM).
+    bad = labels.clone()
+    bad[0, 0] = vocab
+    with pytest.raises(ValueError, match=re.escape(f"outside [0, {vocab})")):
+        vp.linear_cross_entropy(hidden_full, w, bad, validate=True)
+    return done
+
+
 class _CollectiveRecorder(TorchDispatchMode):
     """Records every c10d collective issued (eager or functional) with its tensor sizes."""
 
@@ -230,6 +299,7 @@ def record_collectives(rank: int, world_size: int, vocab: int, tokens: int, hidd
         "log_probs_and_entropy": lambda: sum(vp.token_log_probs_and_entropy(x, labels)),
         "cross_entropy": lambda: vp.cross_entropy(x, labels, label_smoothing=0.1),
         "linear_token_log_probs": lambda: vp.linear_token_log_probs(hidden, w, labels),
+        "linear_cross_entropy": lambda: vp.linear_cross_entropy(hidden, w, labels),
     }
     for name, run in runs.items():
         recorder = _CollectiveRecorder()

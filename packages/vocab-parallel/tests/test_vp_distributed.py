@@ -6,6 +6,7 @@ import pytest
 
 from _vp_workers import (
     check_colwise_lm_head,
+    check_fused_linear_sharded,
     check_logits_parity,
     check_placement_errors,
     record_collectives,
@@ -59,19 +60,29 @@ def test_no_collective_moves_vocabulary_sized_data(rank_pool) -> None:
         assert calls, f"{name} issued no collective on a vocab-sharded input"
         for op, numel in calls:
             assert op == "allreduce_", f"{name} issued {op}: only all-reduces are expected"
-            bound = tokens * hidden if name == "linear_token_log_probs" else 4 * tokens + 1
+            linear = name in ("linear_token_log_probs", "linear_cross_entropy")
+            bound = tokens * hidden if linear else 4 * tokens + 1
             assert numel <= bound, f"{name}: an {op} of {numel} elements (bound {bound})"
-    # Forward: one MAX of [N] and one fused SUM; the fused linear form adds the [N, H] hidden
-    # gradient in backward.
+    # Forward: one MAX of [N] and one fused SUM; the recomputing linear form adds the [N, H]
+    # hidden gradient in backward, the grads-in-forward form the same per chunk, in forward.
     expected_counts = {
         "token_log_probs": 2,
         "token_entropy": 2,
         "log_probs_and_entropy": 2,
         "cross_entropy": 2,
         "linear_token_log_probs": 3,
+        "linear_cross_entropy": 3,
     }
     assert {k: len(v) for k, v in small[0].items()} == expected_counts, small[0]
     assert all(r == small[0] for r in small), "ranks issued different collectives"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("vocab", [64, 37])
+def test_fused_linear_loss_on_sharded_lm_head(rank_pool, vocab: int) -> None:
+    for dtype in ("float32", "bfloat16"):
+        results = rank_pool.run(2, check_fused_linear_sharded, vocab, dtype, timeout_s=150)
+        assert all(len(r) == 3 for r in results), results
 
 
 @pytest.mark.timeout(120)

@@ -136,3 +136,42 @@ def test_linear_default_blocks_on_cuda_match_float64() -> None:
     for got, want in ((h.grad, h64.grad), (w.grad, w64.grad)):
         err = (got.double().cpu() - want).norm() / want.norm()
         assert err < 1e-2, float(err)
+
+
+@requires_cuda(1)
+@requires_module("triton", extra="triton")
+@pytest.mark.parametrize(
+    ("fp32_logits", "fp32_weight_grad", "tol"),
+    [(False, True, 6e-3), (True, True, 4e-3), (False, False, 1.5e-2)],
+)
+def test_grads_in_forward_default_chunks_on_cuda_match_float64(
+    fp32_logits: bool, fp32_weight_grad: bool, tol: float
+) -> None:
+    """linear_cross_entropy over its default chunks (26 here, a ragged last one) on CUDA:
+    loss and both gradients against a float64 dense reference computed with plain PyTorch."""
+    gen = torch.Generator().manual_seed(2)
+    tokens, vocab, width = 16384, 10000, 32
+    hidden = torch.randn(tokens, width, generator=gen).bfloat16()
+    weight = (torch.randn(vocab, width, generator=gen) / 4).bfloat16()
+    labels = torch.randint(0, vocab, (tokens,), generator=gen)
+    labels[::7] = -100
+    h = hidden.cuda().requires_grad_()
+    w = weight.cuda().requires_grad_()
+    loss = vp.linear_cross_entropy(
+        h,
+        w,
+        labels.cuda(),
+        reduction="sum",
+        fp32_logits=fp32_logits,
+        fp32_weight_grad=fp32_weight_grad,
+    )
+    (loss / 1000).backward()
+    h64 = hidden.double().requires_grad_()
+    w64 = weight.double().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(h64 @ w64.T, labels, reduction="sum")
+    (ref / 1000).backward()
+    assert abs(loss.item() - ref.item()) <= 1e-3 * abs(ref.item())
+    for got, want in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        assert got is not None and want is not None
+        err = (got.double().cpu() - want).norm() / want.norm()
+        assert err < tol, float(err)

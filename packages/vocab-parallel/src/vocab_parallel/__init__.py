@@ -2,6 +2,7 @@
 
 from importlib.metadata import version as _version
 
+from vocab_parallel.linear_loss import fused_linear_token_loss, linear_cross_entropy
 from vocab_parallel.losses import (
     cross_entropy,
     linear_token_log_probs,
@@ -15,6 +16,8 @@ __version__ = _version("vocab-parallel")
 __all__ = [
     "__version__",
     "cross_entropy",
+    "fused_linear_token_loss",
+    "linear_cross_entropy",
     "linear_token_log_probs",
     "token_entropy",
     "token_log_probs",

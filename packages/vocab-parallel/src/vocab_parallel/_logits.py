@@ -49,6 +49,7 @@ class Plan:
         uniform: compute mean_v log p_v (label smoothing).
         validate: count labels outside [0, V) and raise if any.
         backend: "torch" (chunked PyTorch) or "triton" (fused kernels, logits path only).
+        in_place: backward writes the logits gradient into the logits' own storage (logits path).
     """
 
     group: dist.ProcessGroup | None
@@ -61,6 +62,7 @@ class Plan:
     uniform: bool
     validate: bool
     backend: str = "torch"
+    in_place: bool = False
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -180,6 +182,7 @@ class VocabStats(torch.autograd.Function):
             saved += [targets.valid, targets.in_shard, targets.index]
         ctx.save_for_backward(*saved)
         ctx.set_materialize_grads(False)
+        ctx.spent = False
         return log_p, entropy, uniform
 
     @staticmethod
@@ -190,6 +193,14 @@ class VocabStats(torch.autograd.Function):
         grad_uniform: Tensor | None,
     ) -> tuple[Tensor | None, None, None]:
         plan: Plan = ctx.plan
+        if plan.in_place:
+            if ctx.spent:
+                raise RuntimeError(
+                    "backward ran twice through an in_place=True call: the first one overwrote "
+                    "the logits with their gradient; call the function again, or pass "
+                    "in_place=False to use retain_graph=True"
+                )
+            ctx.spent = True
         logits, log_normalizer, entropy, *rest = ctx.saved_tensors
         if not ctx.has_targets:
             grad_log_p = None
@@ -225,14 +236,21 @@ class VocabStats(torch.autograd.Function):
                 grad_uniform=g_uni,
                 target_index=index,
                 target_grad=g_target,
+                in_place=plan.in_place,
             )
+            if plan.in_place:
+                # Written by a kernel behind autograd's back: bump the version so that any other
+                # use of these logits in the graph fails loudly instead of reading a gradient.
+                torch.autograd.graph.increment_version(logits)
             return grad, None, None
         slabs, rows, local_vocab = logits.shape
-        grad = logits.new_empty((slabs, rows, local_vocab))
+        # In place: each chunk is read into an fp32 copy before its rows are overwritten.
+        grad = logits if plan.in_place else logits.new_empty((slabs, rows, local_vocab))
         if local_vocab == 0:
             return grad, None, None
-        flat_grad = grad.view(slabs * rows, local_vocab)
+        grad_chunks = row_chunks(grad, plan.chunk_size)
         for start, chunk_logits in row_chunks(logits, plan.chunk_size):
+            _, grad_rows = next(grad_chunks)
             span = slice(start, start + chunk_logits.shape[0])
             z = scaled_fp32(chunk_logits, inv_t)
             chunk = chunk_grad(
@@ -246,7 +264,7 @@ class VocabStats(torch.autograd.Function):
                 target_index=index[span] if index is not None else None,
                 target_grad=g_target[span] if g_target is not None else None,
             )
-            flat_grad[span].copy_(chunk)
+            grad_rows.copy_(chunk)
             del z, chunk
         return grad, None, None
 

@@ -89,6 +89,8 @@ def _grad_kernel(
     stride_row,
     rows_per_slab,
     g_ptr,
+    g_stride_slab,
+    g_stride_row,
     n_cols,
     inv_t,
     inv_vocab,
@@ -109,7 +111,7 @@ def _grad_kernel(
     row = tl.program_id(0).to(tl.int64)
     slab = row // rows_per_slab
     x_row = x_ptr + slab * stride_slab + (row - slab * rows_per_slab) * stride_row
-    g_row = g_ptr + row * n_cols
+    g_row = g_ptr + slab * g_stride_slab + (row - slab * rows_per_slab) * g_stride_row
     offsets = tl.arange(0, BLOCK)
     log_z = tl.load(log_z_ptr + row)
     coef = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
@@ -219,17 +221,23 @@ def logits_grad(
     target_index: Tensor | None,
     target_grad: Tensor | None,
     in_place: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """Gradient w.r.t. the logits ([B, R, V] or [N, V]) in their dtype and shape, contiguous
+    """Gradient w.r.t. the logits ([B, R, V] or [N, V]) in their shape
     (see :func:`_math.chunk_grad`); the ``grad_*`` inputs are [N] fp32 already multiplied by
-    ``inv_temperature``. ``in_place`` overwrites contiguous logits with their gradient (each
-    program reads a stretch of its row before writing it back), saving one buffer."""
+    ``inv_temperature``. ``in_place`` overwrites the logits with their gradient, in their
+    layout (each program reads a stretch of its row before writing it back), saving one
+    buffer; otherwise the gradient is a new contiguous tensor of ``out_dtype`` (default: the
+    logits' dtype)."""
     x = _slabs(logits)
     slabs, rows, v = x.shape
     n = slabs * rows
-    grad = x if in_place and logits.is_contiguous() else x.new_empty(x.shape)
+    if in_place and x.data_ptr() == logits.data_ptr() and out_dtype in (None, x.dtype):
+        grad = x
+    else:
+        grad = x.new_empty(x.shape, dtype=out_dtype or x.dtype)
     if n == 0 or v == 0:
-        return grad.view(logits.shape)
+        return logits if grad is x else grad.view(logits.shape)
     dummy = log_normalizer
     block, warps = _launch_config(v)
     has_target = grad_all is not None and target_index is not None and target_grad is not None
@@ -240,6 +248,8 @@ def logits_grad(
             x.stride(1),
             rows,
             grad,
+            grad.stride(0),
+            grad.stride(1),
             v,
             inv_temperature,
             inv_vocab,
@@ -257,4 +267,7 @@ def logits_grad(
             BLOCK=block,
             num_warps=warps,
         )
+    if grad is x:
+        # Written through the logits' own strides: hand back the caller's tensor itself.
+        return logits
     return grad.view(logits.shape)

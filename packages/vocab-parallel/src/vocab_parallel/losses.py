@@ -79,6 +79,23 @@ def _check_float(t: Tensor, name: str) -> None:
         )
 
 
+def _check_linear_inputs(hidden: Tensor, weight: Tensor) -> None:
+    """hidden [..., H] and weight [V, H] of one floating dtype, else an error naming both."""
+    _check_float(hidden, "hidden")
+    _check_float(weight, "weight")
+    if weight.ndim != 2:
+        raise ValueError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
+    if hidden.ndim < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden has shape {tuple(hidden.shape)} but weight is {tuple(weight.shape)}; "
+            f"expected hidden [..., {weight.shape[1]}] (the weight's H)"
+        )
+    if hidden.dtype != weight.dtype:
+        raise TypeError(
+            f"hidden is {hidden.dtype} but weight is {weight.dtype}; cast one of them so they match"
+        )
+
+
 def _as_slabs(local: Tensor) -> Tensor:
     """View logits [..., Vl] as [B, R, Vl] without copying whenever the strides allow.
 
@@ -109,6 +126,7 @@ def _vocab_stats(
     uniform: bool,
     validate: bool,
     backend: str,
+    in_place: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Run :class:`VocabStats` on any logits; returns (log_p, entropy, uniform), each [...]."""
     inv_t = _check_temperature(temperature)
@@ -141,6 +159,7 @@ def _vocab_stats(
         uniform=uniform,
         validate=validate,
         backend=_resolve_backend(backend, local),
+        in_place=in_place,
     )
     log_p, ent, uni = VocabStats.apply(slabs, flat_labels, plan)
     return log_p.view(batch_shape), ent.view(batch_shape), uni.view(batch_shape)
@@ -155,6 +174,7 @@ def token_log_probs(
     chunk_size: int | None = None,
     validate: bool = False,
     backend: Backend = "auto",
+    in_place: bool = False,
 ) -> Tensor:
     """Log-probability of each label under softmax(logits / temperature).
 
@@ -170,6 +190,12 @@ def token_log_probs(
             never read out of bounds but yields a meaningless value.
         backend: "auto" (Triton kernels for CUDA tensors when triton is installed, else
             PyTorch), "torch" (chunked PyTorch, any device) or "triton".
+        in_place: give up the logits: backward writes their gradient into their storage (no
+            logits-sized buffer; the returned gradient aliases ``logits``), so after backward
+            ``logits`` holds the gradient, and a second backward through this call raises.
+            Another use of the same logits in the graph fails autograd's version check.
+            A non-contiguous slice such as ``logits[:, :-1]`` is written in place too, but
+            autograd's slicing backward then allocates the full gradient: slice the labels.
 
     Returns:
         [...] float32, identical on every vocabulary rank (a plain tensor).
@@ -184,6 +210,7 @@ def token_log_probs(
         uniform=False,
         validate=validate,
         backend=backend,
+        in_place=in_place,
     )
     return log_p
 
@@ -194,6 +221,7 @@ def token_entropy(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    in_place: bool = False,
 ) -> Tensor:
     """Entropy H = -sum_v p_v log p_v (>= 0) of softmax(logits / temperature), differentiable.
 
@@ -202,6 +230,7 @@ def token_entropy(
         temperature: > 0.
         chunk_size: tokens per fp32 working chunk; None = automatic.
         backend: "auto", "torch" or "triton" (see :func:`token_log_probs`).
+        in_place: write the gradient into the logits (see :func:`token_log_probs`).
 
     Returns:
         [...] float32, identical on every vocabulary rank.
@@ -216,6 +245,7 @@ def token_entropy(
         uniform=False,
         validate=False,
         backend=backend,
+        in_place=in_place,
     )
     return ent
 
@@ -229,8 +259,11 @@ def token_log_probs_and_entropy(
     chunk_size: int | None = None,
     validate: bool = False,
     backend: Backend = "auto",
+    in_place: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Both :func:`token_log_probs` and :func:`token_entropy` from one pass over the logits.
+
+    Options as in :func:`token_log_probs` (``in_place`` included).
 
     Returns:
         (log_probs [...], entropy [...]), both float32; the entropy is computed for every
@@ -246,6 +279,7 @@ def token_log_probs_and_entropy(
         uniform=False,
         validate=validate,
         backend=backend,
+        in_place=in_place,
     )
     return log_p, ent
 
@@ -260,6 +294,7 @@ def cross_entropy(
     chunk_size: int | None = None,
     validate: bool = False,
     backend: Backend = "auto",
+    in_place: bool = False,
 ) -> Tensor:
     """``torch.nn.functional.cross_entropy`` over the last dim, vocabulary-parallel.
 
@@ -276,6 +311,7 @@ def cross_entropy(
         chunk_size: tokens per fp32 working chunk; None = automatic.
         validate: check the label range (one device-to-host sync).
         backend: "auto", "torch" or "triton" (see :func:`token_log_probs`).
+        in_place: write the gradient into the logits (see :func:`token_log_probs`).
 
     Returns:
         float32 loss (dtype differs from PyTorch, which returns the logits' dtype).
@@ -295,6 +331,7 @@ def cross_entropy(
         uniform=smooth,
         validate=validate,
         backend=backend,
+        in_place=in_place,
     )
     valid = replicated_local(labels, name="labels") != ignore_index
     loss = -log_p
@@ -352,19 +389,7 @@ def linear_token_log_probs(
     """
     inv_t = _check_temperature(temperature)
     _check_chunk(chunk_size)
-    _check_float(hidden, "hidden")
-    _check_float(weight, "weight")
-    if weight.ndim != 2:
-        raise ValueError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
-    if hidden.ndim < 1 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden has shape {tuple(hidden.shape)} but weight is {tuple(weight.shape)}; "
-            f"expected hidden [..., {weight.shape[1]}] (the weight's H)"
-        )
-    if hidden.dtype != weight.dtype:
-        raise TypeError(
-            f"hidden is {hidden.dtype} but weight is {weight.dtype}; cast one of them so they match"
-        )
+    _check_linear_inputs(hidden, weight)
     shard = vocab_shard(weight, vocab_dim=0, name="weight", expected="Shard(0)")
     local_hidden = replicated_local(hidden, name="hidden")
     batch_shape = local_hidden.shape[:-1]

@@ -1,0 +1,233 @@
+"""Autograd function for sum_t c_t * log p(label_t) from hidden states and the output projection,
+with both gradients formed during the forward.
+
+# N tokens, H hidden, V global vocabulary, Vl local vocabulary rows, C tokens per chunk
+
+When the per-token weights c_t of the loss are known before backward (SFT's token sum or mean,
+RL's per-token coefficients), d loss / d logits = c_t * (onehot - softmax) / temperature is
+known as soon as a token's softmax normalizer is. Forward therefore walks the tokens in chunks
+of C: one matmul makes the chunk's [C, Vl] logits, the per-token statistics are reduced over
+the vocabulary ranks (one MAX and one SUM all-reduce of [C]-sized scalars: the normalizer needs
+the whole vocabulary before any gradient can be formed), the logits buffer is overwritten by its
+own gradient, and two more matmuls turn it into the chunk's rows of the hidden gradient and its
+share of the weight gradient. Three logits-sized matmuls in all, where a form that recomputes
+the logits in backward runs four. Backward only multiplies the stored gradients by the scalar
+upstream gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from vocab_parallel._linear import _add_matmul_, _block_fp32
+from vocab_parallel._logits import Plan, locate_targets, raise_invalid
+from vocab_parallel._math import chunk_grad, scaled_fp32, scaled_target, shard_stats
+from vocab_parallel._reduce import reduce_stats
+
+# Default chunking: one chunk's logits hold at most 1/FUSED_CHUNKS of the full [N, Vl] logits
+# (1/24 = 0.042x, under the 0.05x goal), but at least FUSED_MIN_CHUNK_ELEMENTS logits (8 MiB
+# of bf16), so that a small batch is not cut into chunks too thin for the matmuls to run near
+# peak. Fewer chunks would be faster: every chunk reads and writes the whole weight-gradient
+# accumulator once (its addmm), so that traffic is chunks x 2 x the accumulator's bytes.
+FUSED_CHUNKS = 24
+FUSED_MIN_CHUNK_ELEMENTS = 1 << 22
+
+
+def fused_chunk_tokens(tokens: int, local_vocab: int, *, fp32_accumulator_width: int = 0) -> int:
+    """Default tokens per chunk: max(N / FUSED_CHUNKS, FUSED_MIN_CHUNK_ELEMENTS / Vl), at most N.
+
+    With an fp32 weight-gradient accumulator of H columns (``fp32_accumulator_width``), at
+    least H / 2 tokens: then a bf16 chunk of logits ([C, Vl]) holds at most a quarter of what
+    the accumulator ([Vl, H] fp32) already holds, and the accumulator, read and written once
+    per chunk, is passed over fewer times. Rounded down to a multiple of 64 tokens when that
+    leaves at least 64 (matmul-friendly tiles).
+    """
+    tokens = max(tokens, 1)
+    rows = max(
+        tokens // FUSED_CHUNKS,
+        FUSED_MIN_CHUNK_ELEMENTS // max(local_vocab, 1),
+        fp32_accumulator_width // 2,
+        1,
+    )
+    if rows >= 64:
+        rows -= rows % 64
+    return min(rows, tokens)
+
+
+def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b as fp32, never rounded to a 16-bit dtype (one mixed-precision matmul on CUDA)."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()  # CPU matmuls have no fp32 output for 16-bit inputs
+
+
+def _chunk_logits_grad(
+    logits: Tensor,
+    *,
+    log_normalizer: Tensor,
+    g_all: Tensor,
+    target_index: Tensor,
+    target_grad: Tensor,
+    plan: Plan,
+    dtype: torch.dtype,
+) -> Tensor:
+    """[C, Vl] gradient of sum_t c_t log p_t w.r.t. the chunk's logits, in ``dtype``.
+
+    ``g_all`` is c_t / temperature (0 where ignored), ``target_grad`` the same where the target
+    is in this shard (else 0). When ``logits`` already have ``dtype``, the Triton backend
+    overwrites them with their gradient; fp32 logits of 16-bit inputs get a new buffer.
+    """
+    if plan.backend == "triton":
+        from vocab_parallel import _triton
+
+        return _triton.logits_grad(
+            logits,
+            inv_temperature=plan.inv_temperature,
+            inv_vocab=1.0 / plan.vocab_size,
+            log_normalizer=log_normalizer,
+            entropy=None,
+            grad_all=g_all,
+            grad_entropy=None,
+            grad_uniform=None,
+            target_index=target_index,
+            target_grad=target_grad,
+            in_place=True,  # the chunk's logits are not needed once their gradient exists
+            out_dtype=dtype,
+        )
+    grad = chunk_grad(
+        _block_fp32(logits, plan.inv_temperature),
+        log_normalizer=log_normalizer,
+        entropy=None,
+        grad_target=g_all,
+        grad_entropy=None,
+        grad_uniform=None,
+        inv_vocab=1.0 / plan.vocab_size,
+        target_index=target_index,
+        target_grad=target_grad,
+    )
+    return grad.to(dtype)
+
+
+class FusedLinearLoss(torch.autograd.Function):
+    """(loss, log_p) from hidden [N, H], local projection rows [Vl, H], labels and c [N].
+
+    loss = sum_t c_t * log p(label_t) (fp32 scalar, differentiable); log_p [N] fp32 is returned
+    for logging only (not differentiable). ``need_hidden`` / ``need_weight`` say which
+    gradients to form (decided by the caller, from grad mode and ``requires_grad``).
+    For 16-bit inputs: ``fp32_logits`` keeps the chunk logits as fp32 matmul outputs (else
+    they are rounded to the input dtype, as any matmul returns them, and their gradient
+    overwrites them); ``fp32_weight_grad`` sums the weight gradient over the chunks in an fp32
+    buffer (else in the weight's dtype: each chunk's partial sum is rounded once).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        coefficients: Tensor,
+        plan: Plan,
+        need_hidden: bool,
+        need_weight: bool,
+        fp32_logits: bool,
+        fp32_weight_grad: bool,
+    ) -> tuple[Tensor, Tensor]:
+        n = hidden.shape[0]
+        local_vocab = weight.shape[0]
+        inv_t = plan.inv_temperature
+        targets = locate_targets(labels, plan=plan, local_vocab=local_vocab)
+        coef = torch.where(targets.valid, coefficients.float(), 0.0)
+        g_all = coef * inv_t
+        target_grad = torch.where(targets.in_shard, g_all, 0.0)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        accumulator = None
+        if need_weight:
+            acc_dtype = torch.float32 if fp32_weight_grad else weight.dtype
+            accumulator = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
+        log_p = hidden.new_zeros(n, dtype=torch.float32)
+        for start in range(0, n, plan.chunk_size):
+            stop = min(start + plan.chunk_size, n)
+            h_chunk = hidden[start:stop]
+            # [C, Vl]: with its gradient, the only logits-sized buffers.
+            logits = _mm_fp32(h_chunk, weight.T) if fp32_logits else h_chunk @ weight.T
+            index, in_shard = targets.index[start:stop], targets.in_shard[start:stop]
+            target = logits.new_zeros(stop - start, dtype=torch.float32)
+            if local_vocab:
+                picked = logits.gather(1, index.unsqueeze(-1)).squeeze(-1)
+                target = torch.where(in_shard, scaled_target(picked, inv_t), target)
+            if plan.backend == "triton":
+                from vocab_parallel import _triton
+
+                stats = _triton.shard_stats(
+                    logits, inv_temperature=inv_t, entropy=False, sum_z=False
+                )
+            else:  # a copy: the logits are still needed for the gradient
+                stats = shard_stats(scaled_fp32(logits, inv_t), entropy=False, sum_z=False)
+            # The labels are counted once, with the first chunk's collective.
+            invalid = targets.invalid if start == 0 else None
+            glob = reduce_stats(stats, target=target, invalid_labels=invalid, group=plan.group)
+            if glob.invalid_labels:
+                raise_invalid(labels, plan=plan, count=glob.invalid_labels)
+            chunk_log_p = (glob.target - glob.shift) - glob.log_sum_exp
+            log_p[start:stop] = torch.where(targets.valid[start:stop], chunk_log_p, 0.0)
+            if grad_hidden is None and accumulator is None:
+                continue
+            if local_vocab:
+                grad_logits = _chunk_logits_grad(
+                    logits,
+                    log_normalizer=glob.log_normalizer,
+                    g_all=g_all[start:stop],
+                    target_index=index,
+                    target_grad=target_grad[start:stop],
+                    plan=plan,
+                    dtype=hidden.dtype,
+                )
+            else:  # a rank without vocabulary rows still joins the hidden-gradient sum
+                grad_logits = logits
+            del logits
+            if grad_hidden is not None:
+                if plan.group is None:
+                    torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
+                else:
+                    # Each rank saw only its vocabulary rows: the chunk's hidden gradient is a
+                    # sum over ranks, taken in fp32 ([C, H], independent of V).
+                    partial = _mm_fp32(grad_logits, weight)
+                    dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=plan.group)
+                    grad_hidden[start:stop].copy_(partial)
+                    del partial
+            if accumulator is not None:
+                _add_matmul_(accumulator, grad_logits.T, h_chunk)
+            del grad_logits
+        grad_weight = None
+        if accumulator is not None:
+            grad_weight = accumulator.to(weight.dtype)
+            del accumulator
+        loss = (coef * log_p).sum()
+        # Not saved with save_for_backward: these are results, handed over once in backward.
+        ctx.grads = (grad_hidden, grad_weight)
+        ctx.mark_non_differentiable(log_p)
+        return loss, log_p
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: Tensor | None, _grad_log_p: Tensor | None) -> tuple:
+        if ctx.grads is None:
+            raise RuntimeError(
+                "backward ran twice through a fused linear loss: its gradients were formed in "
+                "forward and handed over by the first backward; call the loss again instead of "
+                "retain_graph=True"
+            )
+        grad_hidden, grad_weight = ctx.grads
+        ctx.grads = None
+        if grad_loss is not None:
+            # In place, in the gradients' dtype: exact when the upstream gradient is 1.
+            for grad in (grad_hidden, grad_weight):
+                if grad is not None:
+                    grad.mul_(grad_loss)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None

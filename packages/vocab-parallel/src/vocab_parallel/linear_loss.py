@@ -1,0 +1,255 @@
+"""Fused linear losses whose gradients are formed in forward: SFT cross-entropy and weighted
+log-prob sums, from hidden states and the output projection, never building [N, V].
+
+# N tokens (the flattened leading dims [...]), H hidden, V vocabulary
+
+Use these when the loss is a known weighted sum of token log-probs (the weights are given
+before backward): three logits-sized matmuls. When log-probs are an output with an unknown
+downstream, use :func:`vocab_parallel.linear_token_log_probs` (it recomputes the logits in
+backward: four matmuls).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from vocab_parallel._fused_linear import FusedLinearLoss, fused_chunk_tokens
+from vocab_parallel._logits import Plan
+from vocab_parallel._sharding import check_labels, replicated_local, vocab_shard
+from vocab_parallel.losses import (
+    Backend,
+    _check_chunk,
+    _check_linear_inputs,
+    _check_temperature,
+    _resolve_backend,
+)
+
+
+def _fused_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    coefficients: Tensor | float,
+    *,
+    temperature: float,
+    ignore_index: int,
+    chunk_size: int | None,
+    validate: bool,
+    backend: str,
+    fp32_logits: bool,
+    fp32_weight_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, log_p [...], valid [...]) with loss = sum_t c_t * log p(label_t)."""
+    inv_t = _check_temperature(temperature)
+    _check_chunk(chunk_size)
+    _check_linear_inputs(hidden, weight)
+    shard = vocab_shard(weight, vocab_dim=0, name="weight", expected="Shard(0)")
+    local_hidden = replicated_local(hidden, name="hidden")
+    batch_shape = local_hidden.shape[:-1]
+    labels = check_labels(
+        replicated_local(labels, name="labels"), batch_shape=batch_shape, what="hidden states"
+    )
+    flat_hidden = local_hidden.reshape(-1, local_hidden.shape[-1])
+    n = flat_hidden.shape[0]
+    if isinstance(coefficients, Tensor):
+        coefficients = replicated_local(coefficients, name="coefficients")
+        if coefficients.requires_grad:
+            raise ValueError(
+                "coefficients require grad, but the fused loss treats them as constants (its "
+                "gradients are formed in forward); pass coefficients.detach()"
+            )
+        if coefficients.ndim == 0:
+            coefficients = coefficients.expand(batch_shape)
+        if coefficients.shape != batch_shape:
+            raise ValueError(
+                f"coefficients have shape {tuple(coefficients.shape)}; expected "
+                f"{tuple(batch_shape)} (one per token) or a scalar"
+            )
+        flat_coef = coefficients.reshape(n).to(device=flat_hidden.device, dtype=torch.float32)
+    else:
+        flat_coef = flat_hidden.new_full((n,), float(coefficients), dtype=torch.float32)
+    local_weight = shard.local
+    grad_enabled = torch.is_grad_enabled()
+    need_weight = grad_enabled and local_weight.requires_grad
+    fp32_accumulator_width = 0
+    if need_weight and fp32_weight_grad and local_weight.dtype != torch.float32:
+        fp32_accumulator_width = local_weight.shape[1]
+    plan = Plan(
+        group=shard.group,
+        vocab_start=shard.vocab_start,
+        vocab_size=shard.vocab_size,
+        inv_temperature=inv_t,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size
+        or fused_chunk_tokens(
+            n,
+            local_weight.shape[0],
+            fp32_accumulator_width=fp32_accumulator_width,
+        ),
+        entropy=False,
+        uniform=False,
+        validate=validate,
+        backend=_resolve_backend(backend, flat_hidden),
+    )
+    flat_labels = labels.reshape(-1)
+    loss, log_p = FusedLinearLoss.apply(
+        flat_hidden,
+        local_weight,
+        flat_labels,
+        flat_coef,
+        plan,
+        grad_enabled and flat_hidden.requires_grad,
+        need_weight,
+        bool(fp32_logits),
+        bool(fp32_weight_grad),
+    )
+    return loss, log_p.view(batch_shape), (labels != ignore_index)
+
+
+def fused_linear_token_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    coefficients: Tensor | float,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    validate: bool = False,
+    backend: Backend = "auto",
+    fp32_logits: bool = False,
+    fp32_weight_grad: bool = True,
+    return_log_probs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """sum_t coefficients_t * log p(label_t) under softmax(hidden @ weight.T / temperature),
+    with both gradients formed in forward.
+
+    Forward walks the tokens in chunks: each chunk's logits (one matmul) become its gradient
+    in place, then its hidden-gradient rows (a second matmul) and its share of the weight
+    gradient (a third); backward only scales the stored gradients by the upstream gradient.
+    Extra memory, besides the gradients: one chunk's [C, V_local] logits (in the input dtype
+    on the Triton backend; on the torch backend an fp32 copy and an fp32 gradient as well),
+    an fp32 [C, H] hidden-gradient chunk under vocabulary sharding, and with
+    with ``fp32_weight_grad`` an fp32 weight-sized accumulator during forward (2x a bf16
+    weight; the weight's own gradient exists besides it once formed), and with
+    ``fp32_logits`` fp32 chunk logits plus a separate gradient buffer (3x the chunk's bf16).
+
+    Args:
+        hidden: [..., H] float; plain, or a DTensor that is Replicate on every mesh dim.
+        weight: [V, H] same dtype; a DTensor may shard V (``Shard(0)``, e.g. a ColwiseParallel
+            lm_head). No bias. ``requires_grad=False`` (a frozen lm_head) skips its gradient.
+        labels: [...] integer; ``ignore_index`` positions contribute nothing.
+        coefficients: [...] per-token weights c_t (constants: a tensor that requires grad is
+            refused), or one number / 0-dim tensor for every token. SFT's summed
+            cross-entropy is c = -1 (see :func:`linear_cross_entropy`); a policy-gradient loss
+            passes, e.g., -advantage_t / num_tokens.
+        temperature: > 0; the logits are divided by it.
+        ignore_index: label value without a target.
+        chunk_size: tokens per chunk; None picks max(N / 24, 4M / V_local) tokens (rounded
+            down to a multiple of 64): one chunk's logits are at most 1/24 of the full logits
+            for large N. With the fp32 weight-gradient accumulator (16-bit weight that needs
+            a gradient, ``fp32_weight_grad=True``), at least H / 2 tokens: the chunk then
+            holds at most a quarter of the accumulator's bytes, and the accumulator (read and
+            written once per chunk) is passed over fewer times. Results do not depend on it beyond fp rounding of the weight gradient.
+        validate: check the label range (one device-to-host sync).
+        backend: "auto", "torch" or "triton" for the per-chunk softmax work between the matmuls
+            (see :func:`vocab_parallel.token_log_probs`).
+        fp32_logits: for 16-bit inputs, keep each chunk's logits as fp32 matmul outputs
+            instead of rounding them to the input dtype (as any matmul, and the unfused
+            ``hidden @ weight.T``, returns them): slightly smaller gradient error, 3x the
+            chunk memory.
+        fp32_weight_grad: for 16-bit weights, sum the weight gradient over the chunks in an
+            fp32 buffer; False sums it in the weight's dtype (no extra buffer and half the
+            accumulator traffic, but each chunk's partial sum is rounded, which roughly
+            triples the weight gradient's error at 24 chunks; the scheme of other fused
+            cross-entropy libraries). The hidden gradient is one matmul per chunk either way.
+        return_log_probs: also return log p(label) [...] (fp32, not differentiable, 0 where
+            ignored), e.g. for logging.
+
+    Returns:
+        The fp32 0-dim loss, identical on every vocabulary rank (and ``log_probs`` when asked).
+        The hidden gradient is summed over the vocabulary ranks in forward, so it is the full
+        gradient on every rank.
+
+    Raises:
+        RuntimeError: a second backward through the same call (``retain_graph=True``).
+    """
+    loss, log_p, _ = _fused_loss(
+        hidden,
+        weight,
+        labels,
+        coefficients,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
+        validate=validate,
+        backend=backend,
+        fp32_logits=fp32_logits,
+        fp32_weight_grad=fp32_weight_grad,
+    )
+    return (loss, log_p) if return_log_probs else loss
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    reduction: Literal["mean", "sum"] = "mean",
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    validate: bool = False,
+    backend: Backend = "auto",
+    fp32_logits: bool = False,
+    fp32_weight_grad: bool = True,
+) -> Tensor:
+    """``F.cross_entropy(hidden @ weight.T / temperature, labels)``, gradients formed in forward.
+
+    The values of ``F.cross_entropy`` over the flattened tokens: "sum" adds the token losses,
+    "mean" divides by the number of non-ignored labels (nan when all are ignored, as PyTorch).
+    For a loss normalised by a token count known elsewhere (gradient accumulation over
+    micro-batches and ranks), take "sum" and scale the result: ``loss_sum / num_tokens``
+    backpropagates 1 / num_tokens, and backward multiplies the stored gradients by it.
+
+    Args:
+        hidden, weight, labels, temperature, ignore_index, chunk_size, validate, backend,
+        fp32_logits, fp32_weight_grad: as in :func:`fused_linear_token_loss`.
+        reduction: "mean" or "sum" (per-token losses: use
+            :func:`vocab_parallel.linear_token_log_probs`).
+
+    Returns:
+        fp32 0-dim loss, identical on every vocabulary rank.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(
+            f"reduction must be 'mean' or 'sum', got {reduction!r}; for per-token losses use "
+            "linear_token_log_probs"
+        )
+    coefficients: Tensor | float = -1.0
+    valid_count = None
+    if reduction == "mean":
+        local_labels = replicated_local(labels, name="labels")
+        valid_count = (local_labels != ignore_index).sum()
+        # -1 / count folded into the per-token weights: the gradients are formed already
+        # divided, so backward gets an upstream gradient of exactly 1.
+        coefficients = -1.0 / valid_count.clamp(min=1).to(torch.float32)
+    loss, _, _ = _fused_loss(
+        hidden,
+        weight,
+        labels,
+        coefficients,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
+        validate=validate,
+        backend=backend,
+        fp32_logits=fp32_logits,
+        fp32_weight_grad=fp32_weight_grad,
+    )
+    if valid_count is not None:
+        loss = torch.where(valid_count > 0, loss, torch.full_like(loss, float("nan")))
+    return loss
