@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -50,7 +52,9 @@ def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
 TOL = {
     ("float32", False, True): 2e-6,
     ("bfloat16", True, True): 4e-3,
-    ("bfloat16", False, True): 6e-3,
+    # bf16 logits: the unfused matmul + log_softmax itself reaches 7.7e-3 on these inputs (max
+    # over 60 seeds, temperature 0.7), the fused form 7.9e-3.
+    ("bfloat16", False, True): 1e-2,
     ("bfloat16", False, False): 1.5e-2,
 }
 
@@ -68,7 +72,9 @@ def test_fused_loss_matches_float64(
 ) -> None:
     dtype = getattr(torch, dtype_name)
     exact = fp32_logits or dtype == torch.float32
-    seed = hash((mode, dtype_name, fp32_logits, fp32_weight_grad, temperature)) % 1000
+    # A fixed seed per case (hash() of a str is randomised per process).
+    seed = zlib.crc32(repr((mode, dtype_name, fp32_logits, fp32_weight_grad, temperature)).encode())
+    seed %= 1000
     hidden, weight, labels = _inputs(dtype, seed)
     valid = labels != IGNORE
     h = hidden.clone().requires_grad_()
