@@ -126,6 +126,17 @@ def test_final_step_is_saved_and_export_takes_the_newest_complete(
     # The final checkpoint holds the final weights: equal to the live model's export.
     _assert_same_weights(out, finished_run / "hf_model")
 
+    # A corrupt newest checkpoint is named and skipped for the previous one (step 5).
+    distcp = sorted((run / "checkpoints" / "step_000007").rglob("*.distcp"))[0]
+    data = bytearray(distcp.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    distcp.write_bytes(bytes(data))
+    out5 = tmp_path / "exported-5"
+    fallback = _ok(_run([*CLI, "export", str(run), "--out", str(out5)]))
+    assert distcp.name in fallback.stderr and "falling back" in fallback.stderr, fallback.stderr
+    final, step5 = _weights(finished_run / "hf_model"), _weights(out5)
+    assert final.keys() == step5.keys() and any(not torch.equal(final[k], step5[k]) for k in final)
+
     # Resuming a finished run says so and exits 0 without replaying anything.
     metrics = (run / "metrics.jsonl").read_bytes()
     again = _ok(_run(_cmd(demo_data, run, flags=("--resume",))))

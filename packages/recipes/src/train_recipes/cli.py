@@ -225,6 +225,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from train_recipes.export import export_checkpoint
 
+    logging.basicConfig(level=logging.WARNING, format="train-recipes export: %(message)s")
     try:
         written = export_checkpoint(args.checkpoint, args.out)
     except FileNotFoundError as err:

@@ -101,8 +101,13 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None)
 
 
 def _load_newest(engine: Any, candidates: list[Path]) -> Path:
-    """Load the first of ``candidates`` that loads; returns it."""
-    for ckpt in candidates:
-        engine.load_checkpoint(ckpt)
-        return ckpt
-    raise AssertionError("no candidates")  # pragma: no cover - callers pass at least one
+    """Load the newest of ``candidates`` whose files pass their checksums; returns it."""
+    from train_recipes.resume import load_newest
+
+    loaded = load_newest(engine, candidates, say=logger.warning)
+    if loaded is None:
+        raise FileNotFoundError(
+            f"no checkpoint of {', '.join(str(c) for c in candidates)} loads (see the "
+            "checksum errors above)"
+        )
+    return loaded[0]

@@ -30,6 +30,7 @@ __all__ = [
     "checkpoint_dir",
     "complete_checkpoints",
     "config_changes",
+    "load_newest",
     "plan_resume",
     "read_saved_run",
 ]
@@ -121,10 +122,28 @@ def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     """The run's complete checkpoints, newest first (train-engine's marker check)."""
-    from train_engine import latest_checkpoint
+    from train_engine import complete_checkpoints as engine_complete_checkpoints
 
-    found = latest_checkpoint(Path(output_dir) / CHECKPOINT_DIR)
-    return [] if found is None else [found]
+    return engine_complete_checkpoints(Path(output_dir) / CHECKPOINT_DIR)
+
+
+def load_newest(engine: Any, candidates: list[Path], *, say: Any) -> tuple[Path, Any] | None:
+    """Load the first of ``candidates`` whose files pass their checksums (collective).
+
+    A corrupt checkpoint (train-engine's CheckpointCorruptError, raised on every rank before
+    any state changed) is reported, naming its bad files, and the previous one is tried.
+
+    Returns:
+        (the checkpoint loaded, this rank's extra state), or None when none loads.
+    """
+    from train_engine import CheckpointCorruptError
+
+    for ckpt in candidates:
+        try:
+            return ckpt, engine.load_checkpoint(ckpt)
+        except CheckpointCorruptError as err:
+            say(f"{err}; falling back to the previous checkpoint")
+    return None
 
 
 def _on_disk(checkpoint: Path) -> Path:
@@ -396,20 +415,30 @@ def restore(
     if not candidates:
         say(f"no complete checkpoint in {out_dir / CHECKPOINT_DIR}: starting clean from step 0")
         return None
-    for ckpt in candidates:
-        saved = read_saved_run(ckpt)
-        changes: dict[str, tuple[Any, Any]] = {}
-        if saved.config is not None:
-            changes = config_changes(
-                saved.config,
-                config,
-                saved_shards=saved.logical_shards,
-                new_shards=config.data.num_logical_shards or dp_size,
-            )
-        wanted = _optimizer_settings(engine.optimizer)
-        extra = engine.load_checkpoint(ckpt)
-        break
+    wanted = _optimizer_settings(engine.optimizer)  # the config's, before a load replaces them
+    loaded = load_newest(engine, candidates, say=say)
+    if loaded is None:
+        if is_main:
+            _drop_newer(out_dir, 0)
+        dist.barrier()
+        say(f"no checkpoint in {out_dir / CHECKPOINT_DIR} loads: starting clean from step 0")
+        return None
+    ckpt, extra = loaded
+    # Another world size: the engine restores no per-rank state; the loader continues from the
+    # envelopes of all old ranks (any dp dividing the logical shards). Read after the load,
+    # whose checksums covered these files.
+    extras = [extra] if extra is not None else _all_extras(ckpt)
     engine_accum_before = engine.gradient_accumulation_steps  # the checkpoint's window
+    step = int(extras[0]["step"])
+    changes: dict[str, tuple[Any, Any]] = {}
+    if extras[0].get("config") is not None:
+        shards = extras[0].get("logical_shards")
+        changes = config_changes(
+            extras[0]["config"],
+            config,
+            saved_shards=None if shards is None else int(shards),
+            new_shards=config.data.num_logical_shards or dp_size,
+        )
     engine.set_gradient_accumulation_steps(config.train.gradient_accumulation_steps)
     _apply_optimizer_settings(engine.optimizer, engine.lr_scheduler, wanted)
     if extra is not None:
@@ -417,17 +446,16 @@ def restore(
         if "loss_window" in extra:
             window.load_state_dict(extra["loss_window"])
     else:
-        # Another world size: the engine restores no per-rank state; the loader continues from
-        # the envelopes of all old ranks (any dp dividing the logical shards).
-        extras = _all_extras(ckpt)
         loader.load_state_dict([e["loader"] for e in extras])
         if all("loss_window" in e for e in extras):
             window.load_state_dict(_mean_window([e["loss_window"] for e in extras]))
         extra = extras[0]
     if is_main:
-        removed = _drop_newer(out_dir, saved.step)
+        removed = _drop_newer(out_dir, step)
         if removed:
-            say(f"removed checkpoints newer than step {saved.step}: {', '.join(removed)}")
+            say(
+                f"removed checkpoints newer than step {step} (they did not load): {', '.join(removed)}"
+            )
     dist.barrier()
     accuracy = extra.get("accuracy_before")
     if accuracy is not None and _EVAL_KEYS & set(changes):
@@ -440,7 +468,7 @@ def restore(
         say(_layout_note(saved_dp, engine_accum_before, dp_size, config))
     return Restored(
         path=ckpt,
-        step=saved.step,
+        step=step,
         accuracy_before=accuracy,
         first_loss=extra.get("first_loss"),
         changes=changes,
