@@ -48,14 +48,29 @@ def _env() -> dict[str, str]:
 def _cmd(
     split: DemoSplit, out: Path, *sets: str, nproc: int = 1, flags: tuple[str, ...] = ()
 ) -> list[str]:
+    """The arguments of ``train-recipes sft`` on the tiny run."""
     args = ["sft", "--nproc-per-node", str(nproc), "--output-dir", str(out), *flags]
     for item in [*data_overrides(split), *TINY, *sets]:
         args += ["--set", item]
-    return [*CLI, *args]
+    return args
 
 
-def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """The CLI in a fresh process."""
+    return subprocess.run(
+        [*CLI, *args], env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _main(capsys: pytest.CaptureFixture[str], args: list[str]) -> subprocess.CompletedProcess[str]:
+    """The CLI's entry point in this process: for refusals and checks that start no rank
+    (saves a process start; one test per check runs it as a real process too)."""
+    from train_recipes.cli import main
+
+    capsys.readouterr()
+    code = main(args)
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
 
 
 def _ok(done: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
@@ -111,7 +126,7 @@ def _copy(run: Path, dest: Path) -> Path:
 
 
 def test_final_step_is_saved_and_export_takes_the_newest_complete(
-    finished_run: Path, demo_data: DemoSplit, tmp_path: Path
+    finished_run: Path, demo_data: DemoSplit, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # checkpoint_every=5 and 7 steps: steps 5 and 7 (the last step is always saved).
     assert _checkpoints(finished_run) == ["step_000005", "step_000007"]
@@ -121,7 +136,7 @@ def test_final_step_is_saved_and_export_takes_the_newest_complete(
     (run / "checkpoints" / "step_000008").mkdir()
     shutil.rmtree(run / "hf_model")  # as with train.export=false: only checkpoints remain
     out = tmp_path / "exported"
-    done = _ok(_run([*CLI, "export", str(run), "--out", str(out)]))
+    done = _ok(_run(["export", str(run), "--out", str(out)]))
     assert str(out) in done.stdout
     # The final checkpoint holds the final weights: equal to the live model's export.
     _assert_same_weights(out, finished_run / "hf_model")
@@ -132,14 +147,14 @@ def test_final_step_is_saved_and_export_takes_the_newest_complete(
     data[len(data) // 2] ^= 0xFF
     distcp.write_bytes(bytes(data))
     out5 = tmp_path / "exported-5"
-    fallback = _ok(_run([*CLI, "export", str(run), "--out", str(out5)]))
+    fallback = _ok(_run(["export", str(run), "--out", str(out5)]))
     assert distcp.name in fallback.stderr and "falling back" in fallback.stderr, fallback.stderr
     final, step5 = _weights(finished_run / "hf_model"), _weights(out5)
     assert final.keys() == step5.keys() and any(not torch.equal(final[k], step5[k]) for k in final)
 
     # Resuming a finished run says so and exits 0 without replaying anything.
     metrics = (run / "metrics.jsonl").read_bytes()
-    again = _ok(_run(_cmd(demo_data, run, flags=("--resume",))))
+    again = _ok(_main(capsys, _cmd(demo_data, run, flags=("--resume",))))
     assert "finished at step 7" in again.stdout, again.stdout
     assert "sft dp=" not in again.stdout + again.stderr
     assert (run / "metrics.jsonl").read_bytes() == metrics
@@ -149,23 +164,23 @@ def test_final_step_is_saved_and_export_takes_the_newest_complete(
     (empty / "checkpoints" / "step_000002.tmp").mkdir(parents=True)
     shutil.copy(run / "config.yaml", empty / "config.yaml")
     shutil.copytree(run / "tokenizer", empty / "tokenizer")
-    failed = _run([*CLI, "export", str(empty)])
+    failed = _main(capsys, ["export", str(empty)])
     assert failed.returncode == 2 and "no complete checkpoint" in failed.stderr, failed.stderr
     assert "Traceback" not in failed.stderr
 
 
 def test_used_folder_is_refused_and_overwrite_replaces_only_the_run(
-    finished_run: Path, demo_data: DemoSplit, tmp_path: Path
+    finished_run: Path, demo_data: DemoSplit, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = _copy(finished_run, tmp_path / "run")
     fresh = _run(_cmd(demo_data, run))
     _one_line_error(fresh, str(run), "--resume", "--overwrite")
-    both = _run(_cmd(demo_data, run, flags=("--resume", "--overwrite")))
+    both = _main(capsys, _cmd(demo_data, run, flags=("--resume", "--overwrite")))
     _one_line_error(both, "--resume", "--overwrite")
 
     # --overwrite never deletes what is not the run's: refused, nothing removed.
     (run / "notes.txt").write_text("mine")
-    foreign = _run(_cmd(demo_data, run, flags=("--overwrite",)))
+    foreign = _main(capsys, _cmd(demo_data, run, flags=("--overwrite",)))
     _one_line_error(foreign, "notes.txt", str(run))
     assert (run / "notes.txt").is_file() and _checkpoints(run) == ["step_000005", "step_000007"]
     (run / "notes.txt").unlink()
@@ -190,11 +205,12 @@ def test_used_folder_is_refused_and_overwrite_replaces_only_the_run(
 
 
 def test_config_changes_on_resume_are_applied_or_refused(
-    finished_run: Path, demo_data: DemoSplit, tmp_path: Path
+    finished_run: Path, demo_data: DemoSplit, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = _copy(finished_run, tmp_path / "run")
     config_before = (run / "config.yaml").read_text()
-    refused = _run(
+    refused = _main(
+        capsys,
         _cmd(
             demo_data,
             run,
@@ -202,7 +218,7 @@ def test_config_changes_on_resume_are_applied_or_refused(
             "data.micro_batch_size=4",
             "train.seed=1",
             flags=("--resume",),
-        )
+        ),
     )
     _one_line_error(refused, "data.micro_batch_size: 8 -> 4", "train.seed: 0 -> 1")
     assert (run / "config.yaml").read_text() == config_before
@@ -281,13 +297,13 @@ def _descendants(pid: int) -> list[int]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux)")
 @pytest.mark.timeout(300)
 def test_ranks_die_with_their_launcher_and_a_live_run_folder_is_locked(
-    demo_data: DemoSplit, tmp_path: Path
+    demo_data: DemoSplit, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from train_recipes.run_folder import RunLock
 
     run = tmp_path / "run"
     launcher = subprocess.Popen(
-        _cmd(demo_data, run, "train.steps=100000", "train.checkpoint_every=0", nproc=2),
+        [*CLI, *_cmd(demo_data, run, "train.steps=100000", "train.checkpoint_every=0", nproc=2)],
         env=_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -305,7 +321,7 @@ def test_ranks_die_with_their_launcher_and_a_live_run_folder_is_locked(
         assert len(ranks) >= 2, ranks
 
         # A second job into the live run's folder: one line naming the folder and the holder.
-        second = _run(_cmd(demo_data, run, flags=("--resume",)))
+        second = _main(capsys, _cmd(demo_data, run, flags=("--resume",)))
         _one_line_error(second, str(run), f"PID {launcher.pid}")
 
         os.kill(launcher.pid, signal.SIGKILL)  # the launcher alone
@@ -322,7 +338,7 @@ def test_ranks_die_with_their_launcher_and_a_live_run_folder_is_locked(
 
 @pytest.mark.timeout(300)
 def test_resume_on_another_dp_size_continues_the_same_losses(
-    rank_pool: object, demo_data: DemoSplit, tmp_path: Path
+    rank_pool: object, demo_data: DemoSplit, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """2 ranks x accumulation 1 and 1 rank x accumulation 2 over 2 logical shards take the
     same global batches: a run saved on 2 ranks continues on 1 with the same losses."""
@@ -341,7 +357,9 @@ def test_resume_on_another_dp_size_continues_the_same_losses(
     run = _copy(ref, tmp_path / "dp1")
     shutil.rmtree(run / "checkpoints" / "step_000006")  # as if killed after step 5
 
-    mismatched = _run(_cmd(demo_data, run, *sets, "data.num_logical_shards=4", flags=("--resume",)))
+    mismatched = _main(
+        capsys, _cmd(demo_data, run, *sets, "data.num_logical_shards=4", flags=("--resume",))
+    )
     _one_line_error(mismatched, "data.num_logical_shards", "2 logical shards")
 
     resumed = _ok(
@@ -372,7 +390,7 @@ def _kill_when(
     """Start ``cmd``, freeze it (SIGSTOP) the moment ``trigger()`` holds, then SIGKILL it."""
     with log.open("w") as out:
         proc = subprocess.Popen(
-            cmd, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            [*CLI, *cmd], env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
         deadline = time.monotonic() + timeout
@@ -446,5 +464,5 @@ def test_sigkill_at_any_point_then_resume_is_exact(
         reference["last_loss"],
     )
     out = tmp_path / "exported"
-    _ok(_run([*CLI, "export", str(run), "--out", str(out)]))
+    _ok(_run(["export", str(run), "--out", str(out)]))
     _assert_same_weights(out, finished_run / "hf_model")

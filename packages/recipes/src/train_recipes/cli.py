@@ -9,8 +9,12 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, requires, version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from packaging.requirements import Requirement
+
+if TYPE_CHECKING:
+    from train_recipes.run_folder import RunLock
 
 # The library packages whose versions this distribution pins exactly.
 COMPONENTS = ("train-engine", "cp-sharder", "moe-dispatch", "vocab-parallel", "energon-sft")
@@ -110,7 +114,9 @@ def _load(args: argparse.Namespace, kind: str) -> object:
 _GUARDED_ENV = "TRAIN_RECIPES_GUARDED_OUTPUT_DIR"
 
 
-def _guard_run_folder(args: argparse.Namespace, config: object) -> tuple[object, int | None]:
+def _guard_run_folder(
+    args: argparse.Namespace, config: object
+) -> tuple[RunLock | None, int | None]:
     """Lock and check the run folder before any rank exists; returns (lock, exit code or None).
 
     Done by the launching parent, or under a foreign launcher (torchrun) by rank 0 for the
@@ -125,35 +131,39 @@ def _guard_run_folder(args: argparse.Namespace, config: object) -> tuple[object,
     resume = bool(getattr(args, "resume", False))
     if os.environ.get(_GUARDED_ENV) == str(out.resolve()):
         return None, None
-    lock = None
-    if os.environ.get("RANK", "0") == "0":
-        lock = RunLock(out).acquire()
-        inputs: list[tuple[str, str | None]] = []
-        if isinstance(config, SFTConfig):
-            inputs = [
-                ("data.path", config.data.path),
-                ("data.eval_path", config.data.eval_path),
-                ("model.path", config.model.path),
-            ]
-        check_output_dir(out, resume=resume, overwrite=args.overwrite, inputs=inputs)
-        if args.overwrite:
-            removed = clear_run(out)
-            if removed:
+    lock = RunLock(out).acquire() if os.environ.get("RANK", "0") == "0" else None
+    try:
+        if lock is not None:
+            inputs: list[tuple[str, str | None]] = []
+            if isinstance(config, SFTConfig):
+                inputs = [
+                    ("data.path", config.data.path),
+                    ("data.eval_path", config.data.eval_path),
+                    ("model.path", config.model.path),
+                ]
+            check_output_dir(out, resume=resume, overwrite=args.overwrite, inputs=inputs)
+            if args.overwrite:
+                removed = clear_run(out)
+                if removed:
+                    print(
+                        f"train-recipes {args.command}: --overwrite removed "
+                        f"{', '.join(removed)} from {out}",
+                        flush=True,
+                    )
+        if resume and isinstance(config, SFTConfig):
+            saved = plan_resume(config, world_size=_world_size(args))
+            if saved is not None and saved.step >= config.train.steps:
                 print(
-                    f"train-recipes {args.command}: --overwrite removed {', '.join(removed)} "
-                    f"from {out}",
+                    f"train-recipes sft: the run in {out} finished at step {saved.step} "
+                    f"(train.steps={config.train.steps}); nothing to resume (raise "
+                    "train.steps to train longer)",
                     flush=True,
                 )
-    if resume and isinstance(config, SFTConfig):
-        saved = plan_resume(config, world_size=_world_size(args))
-        if saved is not None and saved.step >= config.train.steps:
-            print(
-                f"train-recipes sft: the run in {out} finished at step {saved.step} "
-                f"(train.steps={config.train.steps}); nothing to resume (raise train.steps to "
-                "train longer)",
-                flush=True,
-            )
-            return lock, 0
+                return lock, 0
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     return lock, None
 
 
@@ -196,7 +206,7 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return 0
     finally:
         if lock is not None:
-            lock.release()  # type: ignore[attr-defined]
+            lock.release()
 
 
 def _demo_data(args: argparse.Namespace) -> int:
