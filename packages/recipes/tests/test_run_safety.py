@@ -309,6 +309,7 @@ def test_ranks_die_with_their_launcher_and_a_live_run_folder_is_locked(
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
+    ranks: list[int] = []
     try:
         deadline = time.monotonic() + 200
         metrics = run / "metrics.jsonl"
@@ -332,8 +333,11 @@ def test_ranks_die_with_their_launcher_and_a_live_run_folder_is_locked(
         assert not [p for p in ranks if _alive(p)], "ranks outlived their launcher"
         RunLock(run).acquire().release()  # the dead job's lock is gone
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(launcher.pid, signal.SIGKILL)
+        # The elastic agent starts its ranks in their own process groups: kill them by PID.
+        for pid in [launcher.pid, *ranks]:
+            with contextlib.suppress(OSError):
+                if b"train_recipes" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(300)
