@@ -31,3 +31,25 @@ def test_bench_quick_runs_and_writes_json(tmp_path: Path) -> None:
     assert all(r["median_ms"] > 0 for r in report["rows"])
     assert report["model"] == "plain"
     assert "cp2_portable" in proc.stdout
+
+
+PACKED_BENCH = Path(__file__).parents[1] / "bench" / "packed.py"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not PACKED_BENCH.exists(), reason="bench folder not present (installed wheel)")
+def test_packed_bench_quick_runs_and_its_variants_agree(tmp_path: Path) -> None:
+    out = tmp_path / "packed.json"
+    proc = subprocess.run(
+        [sys.executable, str(PACKED_BENCH), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["unpacked", "dense_mask", "varlen"]
+    # The same documents in every variant: the same token-sum loss (fp32).
+    losses = [r["loss"] for r in rows]
+    assert max(losses) - min(losses) < 1e-4 * abs(losses[0]), losses

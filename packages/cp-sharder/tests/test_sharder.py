@@ -233,7 +233,7 @@ def test_portable_mask_matches_dense_reference() -> None:
 
 
 def test_packed_cp1_matches_per_document_forward() -> None:
-    """cp=1 packed batch: the portable backend's document masking against separate documents."""
+    """cp=1 packed batch: the varlen backend's per-document attention against separate documents."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -250,7 +250,7 @@ def test_packed_cp1_matches_per_document_forward() -> None:
     ids = torch.randint(1, 64, (1, 12))
     sharder = ContextParallelSharder(model)
     ctx, local = sharder.shard({"input_ids": ids, "qkv_format": "thd", "seq_lens": [[5, 4]]})
-    assert sharder.layout.backend is Backend.PORTABLE
+    assert sharder.layout.backend is Backend.VARLEN  # was PORTABLE (dense mask) before issue 15
     assert sharder.layout.input_row_shape == (1, 12)
     with ctx():
         logits = model(**local).logits
@@ -311,3 +311,20 @@ def test_attention_override_leaves_vision_configs_alone_and_restores() -> None:
     assert "cp_test_key" not in ALL_ATTENTION_FUNCTIONS
     assert model.config._attn_implementation_internal == "sdpa"
     assert text._attn_implementation_internal == "sdpa"
+
+
+def test_shard_result_unpacks_and_verbs_take_an_explicit_layout() -> None:
+    """Verbs given a result's layout never read a later shard()'s state."""
+    sharder = ContextParallelSharder(_IdsOnly())
+    first = sharder.shard(_batch(seq=7))
+    train_ctx, local = first  # the seed usage still unpacks
+    assert train_ctx is first.train_ctx and local is first.batch
+    assert first.layout.original_seq_len == 7
+    second = sharder.shard(_batch(seq=5))
+    x = torch.randn(2, 7, 3)
+    assert torch.equal(sharder.gather_token_tensor(x, layout=first, trim=True), x)
+    assert torch.equal(sharder.shard_token_tensor(x, layout=first.layout), x)
+    assert sharder.layout is second.layout  # the implicit form follows the last shard()
+    with pytest.raises(ValueError, match="expected the local length 5"):
+        sharder.gather_token_tensor(x)
+    assert int(sharder.num_label_tokens(layout=first)) == 12

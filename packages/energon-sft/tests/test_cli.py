@@ -33,7 +33,9 @@ def test_convert_then_inspect_highlights_exactly_the_targets(
         timeout=150,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[0] == "rows read 6, written 6, rejected 0"
     assert "prepared Energon dataset" in proc.stdout
+    assert "Traceback" not in proc.stderr
     assert (out / ".nv-meta" / "index.sqlite").is_file()
     assert sorted(p.name for p in out.glob("*.tar")) == ["chat-000000.tar", "chat-000001.tar"]
 

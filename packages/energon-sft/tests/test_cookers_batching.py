@@ -181,9 +181,11 @@ def test_padding_to_multiple_and_packing_through_the_loader(tok: Any, tmp_path: 
     )
     pb = next(iter(build_sft_loader(ds, encoder=packer, batch_size=1, **common)))
     assert pb.input_ids.shape[0] == 1 and pb.input_ids.shape[1] <= 256
-    parts = pb.seq_lens.tolist()
+    parts = pb.segment_lengths.tolist()
     real = parts if int(pb.attention_mask.sum()) == sum(parts) else parts[:-1]
     assert len(real) == len(pb.source_ids) >= 2
+    assert pb.qkv_format == "thd" and b.qkv_format == "bshd"
+    assert pb.seq_lens.tolist() == [real]  # per row, padding not listed
     assert sum(real) == int(pb.attention_mask.sum())
     start = 0
     for sid, n in zip(pb.source_ids, real, strict=True):

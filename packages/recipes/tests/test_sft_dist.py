@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _packing_workers import run_packed_sft_without_dense_masks
 from _recipes_workers import run_sft_on_rank
 from conftest import data_overrides
 from train_recipes.demo import DemoSplit
@@ -172,3 +173,43 @@ def test_vocab_sharded_output_projection_matches_dp(
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(PROBE)).logits
     torch.testing.assert_close(logits, tp_run["logits"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("kind", ["text", "vlm"])
+def test_packed_runs_at_cp2_follow_the_cp1_losses(
+    rank_pool: object, demo_data: DemoSplit, shapes_data: DemoSplit, tmp_path: Path, kind: str
+) -> None:
+    """Packed rows (energon-sft THD batches) at dp=1, cp=2 (accumulation 2) see the same global
+    batches as dp=2, cp=1 (two logical loader shards): the same losses, in fp32. Text and the
+    tiny Qwen2.5-VL (image tokens, M-RoPE ids and labels sharded alike). Both runs train with
+    transformers' mask builders and cp-sharder's dense mask made to raise."""
+    split = demo_data if kind == "text" else shapes_data
+    extra = ["data.packing=true", "data.max_length=96", "data.micro_batch_size=2"]
+    if kind == "vlm":
+        extra.append("data.model_family=qwen2_5_vl")
+    runs = {}
+    for cp, accumulation in ((1, 1), (2, 2)):
+        runs[cp] = rank_pool.run(  # type: ignore[attr-defined]
+            2,
+            run_packed_sft_without_dense_masks,
+            [
+                *_common(split, tmp_path / f"{kind}-cp{cp}"),
+                *extra,
+                "train.steps=4",
+                f"parallel.cp={cp}",
+                f"train.gradient_accumulation_steps={accumulation}",
+                "train.export=false",
+            ],
+            96,  # max_length: no mask wider than one packed row
+            timeout_s=300,
+        )[0]
+    steps = sorted(runs[1])
+    assert steps == sorted(runs[2]) == [1, 2, 3, 4]
+    a = torch.tensor([runs[1][s] for s in steps], dtype=torch.float64)
+    b = torch.tensor([runs[2][s] for s in steps], dtype=torch.float64)
+    torch.testing.assert_close(
+        a, b, rtol=2e-4, atol=2e-5, msg=lambda m: f"{kind} cp=1 vs cp=2\n{a}\n{b}\n{m}"
+    )
+    summary = (tmp_path / f"{kind}-cp2" / "summary.json").read_text()
+    assert "THD context parallelism (cp=2)" in summary

@@ -1,14 +1,15 @@
 """Context-parallel batch sharding, token layouts and CP attention backends for PyTorch and Hugging Face models.
 
-Public API: :class:`ContextParallelSharder` and its :class:`ShardLayout`. Index math lives in
+Public API: :class:`ContextParallelSharder`, the :class:`ShardResult` of its ``shard()`` and its
+:class:`ShardLayout`. Index math lives in
 :mod:`cp_sharder.layouts`, attention backends in :mod:`cp_sharder.attention`, loss normalisation
 in :mod:`cp_sharder.loss`.
 """
 
 from importlib.metadata import version as _version
 
-from cp_sharder.sharder import ContextParallelSharder, ShardLayout
+from cp_sharder.sharder import ContextParallelSharder, ShardLayout, ShardResult
 
 __version__ = _version("cp-sharder")
 
-__all__ = ["ContextParallelSharder", "ShardLayout", "__version__"]
+__all__ = ["ContextParallelSharder", "ShardLayout", "ShardResult", "__version__"]

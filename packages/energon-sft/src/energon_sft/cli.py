@@ -1,8 +1,14 @@
 """`energon-sft` command line: convert, inspect, bench.
 
-energon-sft convert rows.jsonl OUT_DIR [--media-root DIR] [--samples-per-shard N]
-energon-sft inspect DATASET --tokenizer DIR [--image-processor DIR] --model-family F [-n 3]
+energon-sft convert rows.jsonl [more.jsonl ...] OUT_DIR [--format messages|sharegpt|alpaca]
+    [--media-root DIR] [--samples-per-shard N] [--max-bad-fraction F] [--check-images]
+    [--overwrite]
+energon-sft inspect DATASET|rows.jsonl --tokenizer DIR [--image-processor DIR] --model-family F
+    [-n 3] [--format F] [--media-root DIR]
 energon-sft bench DATASET --tokenizer DIR --model-family F [--batch-size 8] [--num-workers 2]
+
+User mistakes (a missing file, a bad option value) print one line and exit 2; a conversion
+refused for its rows exits 1 after the counts.
 """
 
 from __future__ import annotations
@@ -11,16 +17,33 @@ import argparse
 import json
 import logging
 import sys
+import time
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 __all__ = ["main"]
-
-_GREEN, _RESET = "\x1b[32m", "\x1b[0m"
 
 
 def _out(text: str) -> None:
     sys.stdout.write(text + "\n")
+
+
+def _err(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+class UsageError(Exception):
+    """A user mistake: printed as one line (no traceback), exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (`prog: error: ...`, exit 2) instead of usage + error."""
+
+    def error(self, message: str) -> NoReturn:
+        _err(f"{self.prog}: error: {message} (see --help)")
+        raise SystemExit(2)
 
 
 class _Processor:
@@ -34,26 +57,44 @@ class _Processor:
 def _load_processor(args: argparse.Namespace) -> Any:
     try:
         from transformers import AutoImageProcessor, AutoTokenizer
-    except ImportError as exc:
-        raise SystemExit(
-            "energon-sft inspect/bench load tokenizers with transformers: "
-            "pip install 'energon-sft[hf]'"
-        ) from exc
-    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    except ImportError:
+        raise UsageError(
+            "inspect and bench load tokenizers with transformers: pip install 'energon-sft[hf]'"
+        ) from None
+    try:
+        tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    except (OSError, ValueError) as exc:
+        where = "a folder without a tokenizer" if Path(args.tokenizer).is_dir() else "no folder"
+        msg = f"--tokenizer {args.tokenizer} ({where}): cannot load a tokenizer: {_first(exc)}"
+        raise UsageError(msg) from None
     if args.image_processor:
-        return _Processor(tok, AutoImageProcessor.from_pretrained(args.image_processor))
+        try:
+            ip = AutoImageProcessor.from_pretrained(args.image_processor)
+        except (OSError, ValueError) as exc:
+            msg = f"--image-processor {args.image_processor}: cannot load it: {_first(exc)}"
+            raise UsageError(msg) from None
+        return _Processor(tok, ip)
     return tok
+
+
+def _first(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def _encoder(args: argparse.Namespace) -> Any:
     from energon_sft.encoder import SFTTaskEncoder
 
-    return SFTTaskEncoder(
-        _load_processor(args),
-        model_family=args.model_family,
-        max_length=args.max_length,
-        train_on=args.train_on,
-    )
+    processor = _load_processor(args)
+    try:
+        return SFTTaskEncoder(
+            processor,
+            model_family=args.model_family,
+            max_length=args.max_length,
+            train_on=args.train_on,
+        )
+    except ValueError as exc:
+        raise UsageError(_first(exc)) from None
 
 
 def _subflavors(pairs: Sequence[str]) -> dict[str, str] | None:
@@ -61,62 +102,145 @@ def _subflavors(pairs: Sequence[str]) -> dict[str, str] | None:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise SystemExit(f"--subflavor {pair!r} must look like key=value")
+            raise UsageError(f"--subflavor {pair!r} must look like key=value")
         out[key] = value
     return out or None
 
 
-def render_trained(tokenizer: Any, input_ids: list[int], labels: list[int], *, color: bool) -> str:
-    """Decode a row, marking target tokens (green, or [[...]] without color).
+class _Progress:
+    """Rows read so far: a tqdm bar on a terminal, else a line on stderr every `every_s`."""
 
-    Token t is a target when `labels[t - 1] != -100` (labels are shifted). Runs of more than
-    three identical special tokens (image placeholders) collapse to `<tok>xN`.
-    """
-    targets = [False] + [lab != -100 for lab in labels[:-1]]
-    special = set(getattr(tokenizer, "all_special_ids", []))
-    segments: list[tuple[str, bool]] = []
-    i = 0
-    while i < len(input_ids):
-        j = i + 1
-        while j < len(input_ids) and input_ids[j] == input_ids[i] and targets[j] == targets[i]:
-            j += 1
-        if j - i > 3 and input_ids[i] in special:
-            text = f"{tokenizer.convert_ids_to_tokens(input_ids[i])}x{j - i}"
-        else:
-            text = tokenizer.decode(input_ids[i:j])
-        if segments and segments[-1][1] == targets[i]:
-            segments[-1] = (segments[-1][0] + text, targets[i])
-        else:
-            segments.append((text, targets[i]))
-        i = j
-    return "".join(_wrap(text, trained, color) for text, trained in segments)
+    def __init__(self, total: int, *, bar: bool, every_s: float = 10.0) -> None:
+        self.total = total
+        self.done = 0
+        self.every_s = every_s
+        self._last = time.monotonic()
+        self._bar: Any = None
+        if bar:
+            try:  # tqdm comes with megatron-energon; without it the plain lines are used
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self._bar = tqdm(total=total, unit="row", desc="convert", dynamic_ncols=True)
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(n)
+            return
+        now = time.monotonic()
+        if now - self._last >= self.every_s:
+            self._last = now
+            pct = 100 * self.done / self.total if self.total else 100.0
+            _err(f"convert: {self.done}/{self.total} rows read ({pct:.0f}%)")
+
+    def indexing(self, n_shards: int) -> None:
+        self.close()
+        _err(f"convert: indexing {n_shards} shard(s) with energon prepare")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
-def _wrap(text: str, trained: bool, color: bool) -> str:
-    if not trained:
-        return text
-    return f"{_GREEN}{text}{_RESET}" if color else f"[[{text}]]"
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in [0, 1]") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is outside [0, 1] (a share of the rows)")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _input_files(paths: Sequence[str]) -> list[Path]:
+    files = [Path(p) for p in paths]
+    for f in files:
+        if not f.is_file():
+            raise UsageError(f"input file {f} does not exist")
+    return files
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from energon_sft.dataset import convert_jsonl
+    from energon_sft.convert import BadRowsError, convert_files, count_lines
 
-    path = convert_jsonl(
-        args.jsonl,
-        args.out_dir,
-        media_root=args.media_root,
-        samples_per_shard=args.samples_per_shard,
-    )
-    _out(f"prepared Energon dataset at {path}")
+    files = _input_files(args.jsonl)
+    progress = None
+    if args.progress is not False:
+        bar = sys.stderr.isatty() if args.progress is None else True
+        progress = _Progress(count_lines(files), bar=bar)
+    try:
+        report = convert_files(
+            files,
+            args.out_dir,
+            row_format=args.format,
+            media_root=args.media_root,
+            samples_per_shard=args.samples_per_shard,
+            max_bad_fraction=args.max_bad_fraction,
+            check_images=args.check_images,
+            overwrite=args.overwrite,
+            progress=progress,
+            on_prepare=progress.indexing if progress is not None else None,
+        )
+    except (FileExistsError, FileNotFoundError) as exc:
+        raise UsageError(str(exc)) from None
+    except BadRowsError as exc:
+        if progress is not None:
+            progress.close()
+        for line in exc.report.summary_lines():
+            _out(line)
+        _err(f"energon-sft convert: error: {exc}")
+        return 1
+    finally:
+        if progress is not None:
+            progress.close()
+    for line in report.summary_lines():
+        _out(line)
     return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from energon_sft.inspection import show_jsonl, show_loader
     from energon_sft.loader import build_sft_loader
 
+    path = Path(args.dataset)
+    if not path.exists():
+        raise UsageError(f"dataset {path} does not exist")
+    if path.suffix == ".jsonl":
+        root = Path(args.media_root) if args.media_root else path.parent
+        if not root.is_dir():
+            raise UsageError(f"--media-root {root} is not a folder")
+        show_jsonl(
+            path,
+            _encoder(args),
+            row_format=args.format or "messages",
+            media_root=root,
+            num_samples=args.num_samples,
+            color=args.color,
+            out=_out,
+        )
+        return 0
+    if args.format is not None:
+        raise UsageError(
+            "--format applies to a JSONL file; a prepared dataset of ShareGPT rows is read "
+            "with --subflavor sft_format=sharegpt"
+        )
+    _check_prepared(path)
     enc = _encoder(args)
     loader = build_sft_loader(
-        args.dataset,
+        path,
         encoder=enc,
         batch_size=1,
         dp_rank=0,
@@ -126,30 +250,34 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         shuffle=False,
         subflavors=_subflavors(args.subflavor),
     )
-    for n, batch in enumerate(loader):
-        if n == args.num_samples:
-            break
-        length = int(batch.attention_mask[0].sum())
-        ids = batch.input_ids[0, :length].tolist()
-        labels = batch.labels[0, :length].tolist()
-        _out(
-            f"=== {batch.source_ids[0]} (key {batch.__key__[0]}): {length} tokens, "
-            f"{int(batch.num_trainable_tokens)} trained, {batch.image_grid_thw.shape[0]} image(s), "
-            f"weight {float(batch.sample_weights[0])}"
-        )
-        _out(render_trained(enc.tokenizer, ids, labels, color=args.color))
-    stats = loader.data_stats()
-    if stats:
-        _out(f"data stats: {json.dumps(stats, sort_keys=True)}")
+    show_loader(loader, enc.tokenizer, num_samples=args.num_samples, color=args.color, out=_out)
     return 0
+
+
+def _check_prepared(path: Path) -> None:
+    """A loader input: a folder with `.nv-meta`, an indexed JSONL, or a metadataset YAML."""
+    if path.is_dir() and not (path / ".nv-meta").is_dir():
+        raise UsageError(
+            f"{path} is not a prepared Energon dataset (no .nv-meta); "
+            "create one with energon-sft convert"
+        )
+    if path.suffix == ".jsonl" and not path.with_suffix(".jsonl.idx").is_file():
+        raise UsageError(
+            f"{path} has no index ({path.name}.idx); convert it with energon-sft convert "
+            "(bench reads prepared datasets; inspect reads JSONL directly)"
+        )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from energon_sft.benchmark import measure_throughput
     from energon_sft.loader import build_sft_loader
 
+    path = Path(args.dataset)
+    if not path.exists():
+        raise UsageError(f"dataset {path} does not exist")
+    _check_prepared(path)
     loader = build_sft_loader(
-        args.dataset,
+        path,
         encoder=_encoder(args),
         batch_size=args.batch_size,
         dp_rank=0,
@@ -165,39 +293,89 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dataset", help="prepared Energon dataset folder (or .jsonl)")
+def _common(p: argparse.ArgumentParser, dataset_help: str) -> None:
+    p.add_argument("dataset", help=dataset_help)
     p.add_argument("--tokenizer", required=True, help="folder of a fast tokenizer with a template")
     p.add_argument("--image-processor", default=None, help="folder of an image processor")
     p.add_argument("--model-family", default="text")
-    p.add_argument("--max-length", type=int, default=4096)
+    p.add_argument("--max-length", type=_positive, default=4096)
     p.add_argument(
         "--train-on", default="all_assistant", choices=["all_assistant", "final_assistant"]
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="energon-sft", description=__doc__.splitlines()[0])
+    from energon_sft.formats import FORMATS
+
+    parser = _Parser(prog="energon-sft", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("convert", help="chat JSONL + media files -> prepared Energon dataset")
-    p.add_argument("jsonl", nargs="+")
-    p.add_argument("out_dir")
-    p.add_argument("--media-root", default=None)
-    p.add_argument("--samples-per-shard", type=int, default=1000)
+    p = sub.add_parser(
+        "convert",
+        help="chat JSONL + media files -> prepared Energon dataset (every row validated)",
+        description="Validate chat JSONL rows against the schema the loader trains on, map "
+        "them to `messages` rows, write tar shards and run energon prepare. Prints rows read, "
+        "written and rejected (with the line and reason of the first few).",
+    )
+    p.add_argument("jsonl", nargs="+", help="input JSONL file(s)")
+    p.add_argument("out_dir", help="dataset folder to create (new or empty)")
+    p.add_argument(
+        "--format",
+        default="messages",
+        choices=FORMATS,
+        help="input rows: messages {messages, media?, tools?} (default), sharegpt "
+        "{conversations: [{from, value}], images?} or alpaca {instruction, input?, output, "
+        "system?}",
+    )
+    p.add_argument(
+        "--media-root", default=None, help="base of relative media paths (default: JSONL's folder)"
+    )
+    p.add_argument("--samples-per-shard", type=_positive, default=1000)
+    p.add_argument(
+        "--max-bad-fraction",
+        type=_fraction,
+        default=0.0,
+        help="largest share of rejected rows that still converts, dropping them (default 0)",
+    )
+    p.add_argument(
+        "--check-images",
+        action="store_true",
+        help="decode every image (slower; finds corrupt files)",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier convert's output in OUT_DIR"
+    )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar (default: on a terminal; elsewhere a line every 10 s)",
+    )
     p.set_defaults(fn=cmd_convert)
-    p = sub.add_parser("inspect", help="print encoded samples with trained tokens highlighted")
-    _common(p)
+    p = sub.add_parser(
+        "inspect",
+        help="print encoded samples with trained tokens highlighted",
+        description="A prepared dataset is read through the loader; a chat JSONL file (the "
+        "convert input) is read directly: every row is validated, the first -n are encoded "
+        "and shown, then the row count and the validation summary.",
+    )
+    _common(p, "prepared Energon dataset folder, or a chat JSONL file")
     p.add_argument("-n", "--num-samples", type=int, default=3)
     p.add_argument("--subflavor", action="append", default=[], help="key=value (repeatable)")
+    p.add_argument(
+        "--format", default=None, choices=FORMATS, help="JSONL input only (default messages)"
+    )
+    p.add_argument(
+        "--media-root", default=None, help="JSONL input only: base of relative media paths"
+    )
     p.add_argument("--color", action=argparse.BooleanOptionalAction, default=sys.stdout.isatty())
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("bench", help="loader throughput (samples/s)")
-    _common(p)
-    p.add_argument("--batch-size", type=int, default=8)
+    _common(p, "prepared Energon dataset folder")
+    p.add_argument("--batch-size", type=_positive, default=8)
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--shuffle-buffer-size", type=int, default=100)
-    p.add_argument("--batches", type=int, default=50)
+    p.add_argument("--batches", type=_positive, default=50)
     p.set_defaults(fn=cmd_bench)
     return parser
 
@@ -205,7 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
-    return int(args.fn(args))
+    try:
+        return int(args.fn(args))
+    except UsageError as exc:
+        _err(f"energon-sft {args.command}: error: {exc}")
+        return 2
 
 
 if __name__ == "__main__":

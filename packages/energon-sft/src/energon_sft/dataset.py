@@ -2,7 +2,9 @@
 
 A sample is the tar members sharing a basename: `<key>.json` holds the canonical row with each
 media entry replaced by its member name (`m<j><ext>`), and `<key>.m<j><ext>` holds the bytes.
-Rows are copied as they are (not validated), so bad rows surface, counted, in the loader.
+`write_chat_shards` copies rows as they are (not validated), so tests can plant bad rows that
+surface, counted, in the loader; `convert_jsonl` (the `energon-sft convert` path, in
+`energon_sft.convert`) validates every row first.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from energon_sft.errors import BadSampleError
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["convert_jsonl", "prepare_dataset", "write_chat_shards"]
+__all__ = ["ShardWriter", "convert_jsonl", "prepare_dataset", "resolve_media", "write_chat_shards"]
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -27,19 +31,123 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def _media_entry(entry: Any, media_root: Path | None) -> tuple[Path, dict[str, Any]]:
-    if isinstance(entry, str):
-        entry = {"path": entry}
-    if not isinstance(entry, dict) or "path" not in entry:
-        raise ValueError(f"media entry {entry!r} needs a 'path' (a file relative to media_root)")
+def _media_file(entry: dict[str, Any], j: int, media_root: Path | None) -> Path:
     path = Path(entry["path"])
     if not path.is_absolute():
         if media_root is None:
-            raise ValueError(f"media path {str(path)!r} is relative but no media_root was given")
+            raise BadSampleError(
+                "missing_media",
+                f"media[{j}] path {str(path)!r} is relative but no media root was given",
+            )
         path = media_root / path
     if not path.is_file():
-        raise FileNotFoundError(f"media file {str(path)!r} does not exist")
-    return path, {k: v for k, v in entry.items() if k != "path"}
+        raise BadSampleError("missing_media", f"media[{j}] file {str(path)!r} does not exist")
+    return path
+
+
+def resolve_media(
+    entries: Any, media_root: Path | None
+) -> tuple[list[Any], list[tuple[str, bytes]]]:
+    """Read the media files a row lists and name the tar members that will hold them.
+
+    Args:
+        entries: the row's media list: file paths (relative to `media_root`),
+            `{"path": ..., ...}` objects, or inline `{"b64": ...}` objects (kept as they are).
+        media_root: base folder of relative paths.
+
+    Returns:
+        (the media list to write into the row, [(member name, bytes)]); member `j` is
+        `m<j><ext>`.
+
+    Raises:
+        BadSampleError: reason `missing_media` (file absent) or `missing_field` (bad entry).
+    """
+    if entries is None:
+        return [], []
+    if not isinstance(entries, list):
+        raise BadSampleError("missing_field", "the media list must be a list of file paths")
+    media: list[Any] = []
+    members: list[tuple[str, bytes]] = []
+    for j, entry in enumerate(entries):
+        if isinstance(entry, str):
+            entry = {"path": entry}
+        if isinstance(entry, dict) and "b64" in entry:
+            media.append(entry)
+            continue
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            raise BadSampleError(
+                "missing_field",
+                f"media[{j}] = {entry!r} needs a 'path' (a file relative to the media root) "
+                "or inline 'b64'",
+            )
+        path = _media_file(entry, j, media_root)
+        member = f"m{j}{path.suffix.lower()}"
+        try:
+            members.append((member, path.read_bytes()))
+        except OSError as exc:
+            raise BadSampleError("missing_media", f"media[{j}]: cannot read {path}: {exc}") from exc
+        extra = {k: v for k, v in entry.items() if k != "path"}
+        media.append({"member": member, **extra} if extra else member)
+    return media, members
+
+
+class ShardWriter:
+    """Append samples to `out_dir/<prefix>-NNNNNN.tar`, `samples_per_shard` per tar.
+
+    Sample `i` is written under key `f"{i:09d}"`: `<key>.json` plus `<key>.<member>` per media
+    member. Use as a context manager (or call `close`) so the last tar is complete.
+
+    Args:
+        out_dir: created if missing.
+        samples_per_shard: samples per tar (>= 1).
+        prefix: shard file name prefix.
+    """
+
+    def __init__(
+        self, out_dir: str | Path, *, samples_per_shard: int, prefix: str = "chat"
+    ) -> None:
+        if samples_per_shard < 1:
+            raise ValueError(f"samples_per_shard={samples_per_shard} must be >= 1")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.samples_per_shard = samples_per_shard
+        self.prefix = prefix
+        self.shards: list[Path] = []
+        self.count = 0
+        self._tar: tarfile.TarFile | None = None
+
+    def next_key(self) -> str:
+        """The key the next `add` writes under."""
+        return f"{self.count:09d}"
+
+    def add(self, row: dict[str, Any], members: Sequence[tuple[str, bytes]] = ()) -> str:
+        """Write one sample; returns its key."""
+        if self.count % self.samples_per_shard == 0:
+            self._close_tar()
+            self.shards.append(self.out_dir / f"{self.prefix}-{len(self.shards):06d}.tar")
+            self._tar = tarfile.open(self.shards[-1], "w")  # noqa: SIM115 (closed in _close_tar)
+        assert self._tar is not None
+        key = self.next_key()
+        _add(self._tar, f"{key}.json", json.dumps(row, ensure_ascii=False).encode())
+        for member, data in members:
+            _add(self._tar, f"{key}.{member}", data)
+        self.count += 1
+        return key
+
+    def _close_tar(self) -> None:
+        if self._tar is not None:
+            self._tar.close()
+            self._tar = None
+
+    def close(self) -> None:
+        """Finish the current tar."""
+        self._close_tar()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def write_chat_shards(
@@ -50,11 +158,11 @@ def write_chat_shards(
     samples_per_shard: int = 1000,
     prefix: str = "chat",
 ) -> list[Path]:
-    """Write rows into `out_dir/<prefix>-NNNNNN.tar` shards.
+    """Write rows, unvalidated, into `out_dir/<prefix>-NNNNNN.tar` shards.
 
     Args:
-        rows: canonical rows; `media` lists file paths (relative to `media_root`) or
-            `{"path": ..., ...}` objects.
+        rows: rows of any format; `media` lists file paths (relative to `media_root`),
+            `{"path": ..., ...}` objects or inline `{"b64": ...}`.
         out_dir: created if missing.
         media_root: base folder of relative media paths.
         samples_per_shard: rows per tar.
@@ -62,40 +170,21 @@ def write_chat_shards(
 
     Returns:
         The shard paths written.
+
+    Raises:
+        BadSampleError: a media file is missing (reason `missing_media`).
     """
-    if samples_per_shard < 1:
-        raise ValueError(f"samples_per_shard={samples_per_shard} must be >= 1")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     root = Path(media_root) if media_root is not None else None
-    shards: list[Path] = []
-    tar: tarfile.TarFile | None = None
-    for i, row in enumerate(rows):
-        if i % samples_per_shard == 0:
-            if tar is not None:
-                tar.close()
-            shards.append(out / f"{prefix}-{len(shards):06d}.tar")
-            tar = tarfile.open(shards[-1], "w")  # noqa: SIM115 (closed per shard below)
-        assert tar is not None
-        key = f"{i:09d}"
-        row = dict(row)
-        members: list[tuple[str, bytes]] = []
-        media = []
-        for j, entry in enumerate(row.get("media") or []):
-            path, extra = _media_entry(entry, root)
-            member = f"m{j}{path.suffix.lower()}"
-            members.append((member, path.read_bytes()))
-            media.append({"member": member, **extra} if extra else member)
-        if "media" in row:
-            row["media"] = media
-        _add(tar, f"{key}.json", json.dumps(row, ensure_ascii=False).encode())
-        for member, data in members:
-            _add(tar, f"{key}.{member}", data)
-    if tar is not None:
-        tar.close()
-    if not shards:
+    with ShardWriter(out_dir, samples_per_shard=samples_per_shard, prefix=prefix) as writer:
+        for row in rows:
+            row = dict(row)
+            media, members = resolve_media(row.get("media"), root)
+            if "media" in row:
+                row["media"] = media
+            writer.add(row, members)
+    if not writer.shards:
         raise ValueError("no rows to write")
-    return shards
+    return writer.shards
 
 
 def prepare_dataset(
@@ -147,23 +236,29 @@ def convert_jsonl(
     *,
     media_root: str | Path | None = None,
     samples_per_shard: int = 1000,
+    row_format: str = "messages",
+    max_bad_fraction: float = 0.0,
 ) -> Path:
     """Chat JSONL file(s) + media files -> a prepared Energon dataset in `out_dir`.
 
-    Relative media paths resolve against `media_root`, else the JSONL file's folder.
+    Every row is validated first (`energon_sft.convert.convert_files`, which also returns the
+    counts); an earlier convert's output in `out_dir` is replaced. Relative media paths resolve
+    against `media_root`, else the first JSONL file's folder.
+
+    Raises:
+        energon_sft.convert.BadRowsError: no usable row, or more rejected than
+            `max_bad_fraction` of the rows.
     """
-    files = [Path(jsonl)] if isinstance(jsonl, str | Path) else [Path(p) for p in jsonl]
+    from energon_sft.convert import convert_files
 
-    def rows() -> Iterable[dict[str, Any]]:
-        for f in files:
-            with f.open(encoding="utf-8") as fh:
-                for n, line in enumerate(fh, 1):
-                    if line.strip():
-                        try:
-                            yield json.loads(line)
-                        except json.JSONDecodeError as exc:
-                            raise ValueError(f"{f}:{n}: not valid JSON: {exc}") from exc
-
-    root = Path(media_root) if media_root is not None else files[0].parent
-    write_chat_shards(rows(), out_dir, media_root=root, samples_per_shard=samples_per_shard)
-    return prepare_dataset(out_dir)
+    files = [jsonl] if isinstance(jsonl, str | Path) else list(jsonl)
+    report = convert_files(
+        files,
+        out_dir,
+        row_format=row_format,  # type: ignore[arg-type]
+        media_root=media_root,
+        samples_per_shard=samples_per_shard,
+        max_bad_fraction=max_bad_fraction,
+        overwrite=True,
+    )
+    return report.out_dir

@@ -141,6 +141,11 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedSample, SFTBatch, SFTBatch])
             )
         return int(tid)
 
+    @property
+    def qkv_format(self) -> str:
+        """The batches' attention layout: "thd" (packed documents) or "bshd" (one per row)."""
+        return "thd" if self.packing_buffer_size is not None else "bshd"
+
     # ---------------------------------------------------------------- identity
     def identity(self) -> dict[str, Any]:
         """JSON-able settings that define the encoded stream (part of the loader fingerprint)."""
@@ -195,7 +200,10 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedSample, SFTBatch, SFTBatch])
             self.error_handler.note(
                 "truncated",
                 sample,
-                f"{len(ids)} tokens > max_length={self.max_length}; media stripped, weight 0",
+                f"{len(ids)} tokens after image expansion > max_length={self.max_length}: "
+                f"media stripped, cut to {self.max_length} tokens, weight 0 (it trains "
+                f"nothing); raise max_length to >= {len(ids)} to train on it, or pass "
+                "overlong='skip' to drop such samples",
             )
             drop = set(self._marker_ids)
             if self._image_token_id is not None:
@@ -206,6 +214,9 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedSample, SFTBatch, SFTBatch])
             feats = None
             weight = 0.0
         n = len(ids)
+        position_ids = torch.arange(n, dtype=torch.int64)
+        image_mask = torch.tensor(is_image, dtype=torch.bool)
+        grids = feats.grids if feats is not None else torch.zeros((0, 3), dtype=torch.int64)
         input_ids = torch.tensor(ids, dtype=torch.int64)
         target = torch.tensor(trained, dtype=torch.bool)
         labels = torch.full((n,), IGNORE_INDEX, dtype=torch.int64)
@@ -220,12 +231,14 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedSample, SFTBatch, SFTBatch])
             sample,
             input_ids=input_ids,
             labels=labels,
-            position_ids=torch.arange(n, dtype=torch.int64),
-            image_mask=torch.tensor(is_image, dtype=torch.bool),
-            pixel_values=feats.pixel_values if feats is not None else None,
-            image_grid_thw=(
-                feats.grids if feats is not None else torch.zeros((0, 3), dtype=torch.int64)
+            position_ids=position_ids,
+            image_mask=image_mask,
+            # M-RoPE families: built here, in the worker, per document (packing concatenates).
+            mrope_position_ids=self.adapter.mrope_position_ids(
+                self.processor, position_ids, image_mask, grids
             ),
+            pixel_values=feats.pixel_values if feats is not None else None,
+            image_grid_thw=grids,
             seq_lens=[n],
             sample_weights=[weight],
             source_ids=[sample.source_id],
@@ -246,7 +259,8 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedSample, SFTBatch, SFTBatch])
                     raise BadSampleError(
                         "image_placeholder_mismatch",
                         f"the render has more image placeholders than the {len(counts)} "
-                        "image(s) of the sample (a literal placeholder in the text?)",
+                        f"image(s) of the sample (a literal {self.adapter.image_token!r} in the "
+                        "text?); remove it from the text or give each placeholder its image",
                     )
                 out_ids.extend([tid] * counts[k])
                 out_trained.extend([False] * counts[k])
@@ -259,7 +273,9 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedSample, SFTBatch, SFTBatch])
         if k != len(counts):
             raise BadSampleError(
                 "image_placeholder_mismatch",
-                f"the chat template rendered {k} image placeholder(s) for {len(counts)} image(s)",
+                f"the chat template rendered {k} image placeholder(s) for {len(counts)} "
+                "image(s); reference every media item exactly once from the messages "
+                "({'type': 'image', 'media_index': i})",
             )
         return out_ids, out_trained, out_image
 
@@ -289,7 +305,10 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedSample, SFTBatch, SFTBatch])
     def collate(self, samples: Sequence[EncodedSample]) -> SFTBatch:
         """Collate encoded samples into an `SFTBatch` (also usable outside Energon)."""
         fields = collate(
-            samples, pad_token_id=self.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of
+            samples,
+            pad_token_id=self.pad_token_id,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            qkv_format=self.qkv_format,
         )
         wc = WorkerConfig.active_worker_config
         worker_id = wc.rank_worker_id() if wc is not None else 0

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from energon_sft.errors import BadSampleError
+from energon_sft.rope import mrope_position_ids
 from energon_sft.schema import MediaItem
 
 __all__ = [
@@ -86,6 +87,29 @@ class ModelFamilyAdapter(ABC):
     def identity(self, processor_or_tokenizer: Any) -> dict[str, Any]:
         """JSON-able settings that change the encoded stream (part of the loader fingerprint)."""
 
+    def mrope_position_ids(
+        self,
+        processor_or_tokenizer: Any,
+        position_ids: Tensor,
+        image_mask: Tensor,
+        image_grid_thw: Tensor,
+    ) -> Tensor | None:
+        """M-RoPE ids of one document, for families that rotate by (time, height, width).
+
+        Runs in the loader workers (once per encoded sample), so the training loop gets the
+        ids with the batch instead of computing them on the host.
+
+        Args:
+            processor_or_tokenizer: what the user passed to the encoder.
+            position_ids: [L] int64 1-D ids of the document (0, 1, ...).
+            image_mask: [L] bool, True on image placeholder tokens.
+            image_grid_thw: [N, 3] int64 grids of the document's images, in order.
+
+        Returns:
+            [3, L] int64, or None for families with 1-D rotary positions (the default).
+        """
+        return None
+
 
 class TextAdapter(ModelFamilyAdapter):
     """Text-only causal LMs: any sample with an image is a bad sample (`unsupported_media`)."""
@@ -134,6 +158,19 @@ class Qwen25VLAdapter(ModelFamilyAdapter):
         tokens = [int(g.prod().item()) // (merge * merge) for g in grids]
         pixel_values = torch.as_tensor(out["pixel_values"])
         return ImageFeatures(pixel_values=pixel_values, grids=grids, tokens_per_image=tokens)
+
+    def mrope_position_ids(
+        self,
+        processor_or_tokenizer: Any,
+        position_ids: Tensor,
+        image_mask: Tensor,
+        image_grid_thw: Tensor,
+    ) -> Tensor | None:
+        merge = int(self._image_processor(processor_or_tokenizer).merge_size)
+        ids = mrope_position_ids(
+            position_ids[None], image_mask[None], image_grid_thw, spatial_merge_size=merge
+        )
+        return ids[:, 0]
 
     def identity(self, processor_or_tokenizer: Any) -> dict[str, Any]:
         ip = self._image_processor(processor_or_tokenizer)

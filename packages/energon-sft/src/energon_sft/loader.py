@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from energon_sft.batch import SFTBatch
 from energon_sft.encoder import SFTTaskEncoder
 from energon_sft.state import (
@@ -354,6 +356,9 @@ def build_sft_loader(
         # A fixed order needs both: no shard-slice shuffle and a single shard iterator
         # (several parallel iterators make Energon assert on the first next()).
         extra["parallel_shard_iters"] = 1
+    # Energon's loader always asks torch to pin batches; without an accelerator torch only
+    # warns that it cannot, once per loader and rank. Pin only where pinning exists.
+    pin = torch.accelerator.is_available()
     loaders = []
     for shard in shards:
         wc = WorkerConfig(
@@ -377,18 +382,18 @@ def build_sft_loader(
             task_encoder=encoder,
             **extra,
         )
-        loaders.append(
-            get_savable_loader(
-                ds,
-                checkpoint_every_sec=opts.checkpoint_every_sec,
-                checkpoint_every_min_n_samples=opts.checkpoint_every_min_n_samples,
-                gc_collect_every_n_steps=opts.gc_collect_every_n_steps,
-                prefetch_factor=opts.prefetch_factor,
-                watchdog_timeout_seconds=opts.watchdog_timeout_seconds,
-                watchdog_initial_timeout_seconds=opts.watchdog_initial_timeout_seconds,
-                fail_on_timeout=opts.fail_on_timeout,
-            )
+        loader = get_savable_loader(
+            ds,
+            checkpoint_every_sec=opts.checkpoint_every_sec,
+            checkpoint_every_min_n_samples=opts.checkpoint_every_min_n_samples,
+            gc_collect_every_n_steps=opts.gc_collect_every_n_steps,
+            prefetch_factor=opts.prefetch_factor,
+            watchdog_timeout_seconds=opts.watchdog_timeout_seconds,
+            watchdog_initial_timeout_seconds=opts.watchdog_initial_timeout_seconds,
+            fail_on_timeout=opts.fail_on_timeout,
         )
+        loader.pin_memory = pin
+        loaders.append(loader)
     return SFTLoader(
         dataset_path=path,
         encoder=encoder,

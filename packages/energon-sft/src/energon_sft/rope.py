@@ -8,7 +8,8 @@ width). A text token has the same id in all three; the tokens of an image get (s
 index, start + row, start + column) over its merged (t, h/m, w/m) grid; the next text token
 continues at start + max(h, w) / m. The model's own ``get_rope_index`` sees each row as one
 sequence, so for packed rows (several samples per row) the ids are built here per part: a part
-starts where the 1-D position ids restart at 0.
+starts where the 1-D position ids restart at 0. The encoder calls this once per sample in the
+loader workers (through the family adapter), so batches arrive with the ids.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def mrope_position_ids(
     """The (time, height, width) position ids of every token, per packed part.
 
     Args:
-        position_ids: [B, S] int64 1-D ids, 0 where a part starts (and on padding), as in
-            :class:`SFTBatch`.
+        position_ids: [B, S] int64 1-D ids, 0 where a part starts, as in :class:`SFTBatch`
+            (whose trailing padding continues the last part).
         image_mask: [B, S] bool, True on image placeholder tokens.
         image_grid_thw: [N, 3] int64 (t, h, w) patch grid of every image, in the order the
             images appear in the rows (row 0 first).

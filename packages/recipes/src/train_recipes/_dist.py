@@ -59,14 +59,23 @@ class RankContext:
         return self.mesh["dp", "cp"]._flatten("dp_cp")
 
 
-def pick_device(preference: str) -> torch.device:
+def pick_device(preference: str, *, local_world_size: int | None = None) -> torch.device:
     """Resolve train.device: "auto" picks CUDA when every local rank gets its own GPU.
 
     The choice depends only on the node (GPU count vs local world size), so all ranks of a
     node agree and never mix NCCL and gloo.
+
+    Args:
+        preference: "auto", "cpu" or "cuda".
+        local_world_size: ranks on this node; None reads LOCAL_WORLD_SIZE (the launcher's).
+            The CLI passes ``--nproc-per-node`` to plan the device before launching.
     """
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_world = (
+        int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if local_world_size is None
+        else local_world_size
+    )
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if preference == "cuda":
         if gpus < local_world:

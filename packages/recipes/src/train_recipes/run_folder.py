@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -34,7 +34,9 @@ __all__ = [
     "check_output_dir",
     "clear_run",
     "publish_dir",
+    "rank0_printer",
     "record_config_changes",
+    "staging_dir",
     "write_atomic",
 ]
 
@@ -232,6 +234,16 @@ class RunLock:
         self.release()
 
 
+def rank0_printer(enabled: bool) -> Callable[[str], None]:
+    """A function printing one line (flushed) on rank 0 and nothing elsewhere."""
+
+    def say(line: str) -> None:
+        if enabled:
+            print(line, flush=True)
+
+    return say
+
+
 def write_atomic(path: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` so that readers see the old file or the new one, never a part."""
     target = Path(path)
@@ -241,6 +253,16 @@ def write_atomic(path: str | os.PathLike[str], text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, target)
+
+
+def staging_dir(target: str | os.PathLike[str], *, clear: bool = True) -> Path:
+    """``<target>.tmp``, emptied of an interrupted write's leftovers when ``clear`` (rank 0):
+    write a folder there, then :func:`publish_dir` it."""
+    target = Path(target)
+    tmp = target.with_name(target.name + ".tmp")
+    if clear:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
 
 
 def publish_dir(tmp: str | os.PathLike[str], target: str | os.PathLike[str]) -> Path:

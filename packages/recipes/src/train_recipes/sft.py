@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from train_recipes.modeling import (
     CausalFastPath,
     apply_lora,
     apply_output_tp,
+    attention_path,
     build_model,
     compile_decoder_layers,
     exact_match_accuracy,
@@ -46,7 +46,9 @@ from train_recipes.run_folder import (
     CONFIG_FILE,
     EXPORT_DIR,
     publish_dir,
+    rank0_printer,
     record_config_changes,
+    staging_dir,
     write_atomic,
 )
 
@@ -118,36 +120,40 @@ def _forever(loader: Any) -> Iterator[Any]:
 
 
 def token_sum_loss(
-    model: Any, batch: dict[str, Tensor], *, sharder: Any = None, vlm: bool = False
+    model: Any, batch: dict[str, Any], *, sharder: Any = None, vlm: bool = False
 ) -> Tensor:
     """The sum over this rank's trained tokens of -log p(label): the loss of contract (b).
 
-    Text batches pass ``position_ids`` and no attention mask: right padding never reaches a
-    real token under causal attention, and for packed rows transformers derives the document
-    boundaries from the restarting position ids (no attention across packed samples). VLM
-    batches do the same with [4, B, S] position ids (the 1-D ids, from which transformers
-    derives the packed-document mask, then the M-RoPE ids built per packed part) and the
-    images; the model's own M-RoPE builder would treat a packed row as one sequence.
-    With a ``sharder`` (cp > 1) the batch is cp-sharded and the forward runs in its context.
+    Unpacked text rows pass ``position_ids`` and no attention mask: right padding never reaches
+    a real token under causal attention (energon-sft's padding positions continue the row, so
+    they never read as a new document). Packed rows (``qkv_format == "thd"``) go through the
+    ``sharder``, at cp=1 too: cp-sharder's variable-length attention keeps every document to
+    itself, from ``seq_lens``, and no ``[S, S]`` mask is built. VLM batches pass [4, B, S]
+    position ids (the 1-D ids, then the loader's M-RoPE ids, per packed document) and the
+    images; the model's own M-RoPE builder would treat a packed row as one sequence. With a
+    ``sharder`` the batch is sharded (cp > 1: over the cp ranks) and the forward runs in its
+    context.
 
     Args:
         model: the (wrapped) model or the Engine.
         batch: ``input_ids`` [B, S], ``labels`` [B, S] (already shifted, -100 untrained),
-            ``position_ids`` [B, S], ``attention_mask`` [B, S] (+ ``mrope_position_ids``
-            [3, B, S] and, when the batch has images, ``pixel_values`` [P, D] and
-            ``image_grid_thw`` [N, 3] for VLM; see ``batch_tensors``).
+            ``position_ids`` [B, S]; packed: ``qkv_format`` and ``seq_lens`` [B, N]; VLM:
+            ``mrope_position_ids`` [3, B, S] and, when the batch has images, ``pixel_values``
+            [P, D] and ``image_grid_thw`` [N, 3] (see ``_integrations.batch_tensors``).
+        sharder: cp-sharder's ``ContextParallelSharder``; required for packed batches.
+        vlm: the batch is an image-text batch (it must carry M-RoPE ids).
 
     Returns:
         0-dim float32 tensor.
     """
     from vocab_parallel import token_log_probs
 
-    inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    inputs: dict[str, Any] = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
     if vlm:
         if "mrope_position_ids" not in batch:
             raise ValueError(
-                "a VLM batch needs mrope_position_ids [3, B, S]; build the batch with "
-                "batch_tensors(batch, device, spatial_merge_size=...)"
+                "a VLM batch needs mrope_position_ids [3, B, S] (energon-sft builds them for "
+                "M-RoPE families); build the batch with _integrations.batch_tensors(batch, vlm=True)"
             )
         inputs["position_ids"] = torch.cat(
             [batch["position_ids"].unsqueeze(0), batch["mrope_position_ids"]]
@@ -157,8 +163,15 @@ def token_sum_loss(
                 inputs[name] = batch[name]
     elif "position_ids" in batch:
         inputs["position_ids"] = batch["position_ids"]
-    # No KV cache: transformers only derives packed-document masks from position ids when
-    # there is no cache, and training never reuses one anyway.
+    if batch.get("qkv_format") == "thd":
+        if sharder is None:
+            raise ValueError(
+                "a packed batch (qkv_format='thd') needs cp-sharder's sharder (its "
+                "variable-length attention keeps documents apart); pass sharder=..."
+            )
+        inputs["qkv_format"] = "thd"
+        inputs["seq_lens"] = batch["seq_lens"]
+    # No KV cache: training never reuses one.
     if sharder is None:
         labels = inputs.pop("labels")
         logits = model(**inputs, use_cache=False).logits  # [B, S, V]
@@ -197,9 +210,8 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
     processor = load_processor(config)
     tokenizer = tokenizer_of(processor)
     if ctx.is_main:  # written whole: `train-recipes export` reads it
-        shutil.rmtree(out_dir / "tokenizer.tmp", ignore_errors=True)
-        processor.save_pretrained(out_dir / "tokenizer.tmp")
-        publish_dir(out_dir / "tokenizer.tmp", out_dir / "tokenizer")
+        processor.save_pretrained(staging := staging_dir(out_dir / "tokenizer"))
+        publish_dir(staging, out_dir / "tokenizer")
     model = apply_lora(build_model(config, tokenizer), config).to(ctx.device)
     model.train()
     if config.model.compile:
@@ -228,8 +240,11 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         # Token counts are per data-parallel replica: cp ranks of a replica count the same tokens.
         dp_group=ctx.mesh["dp"].get_group(),
     )
+    vlm = is_vlm(config)
+    packed = config.data.packing
     sharder = None
-    if ctx.cp_size > 1:
+    # Packed rows take cp-sharder's variable-length attention, at cp=1 as well.
+    if ctx.cp_size > 1 or packed:
         from cp_sharder import ContextParallelSharder
 
         sharder = ContextParallelSharder(
@@ -257,11 +272,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
     )
 
     window = LossWindow(train.loss_window)
-
-    def say(line: str) -> None:  # rank 0, before the progress bar exists
-        if ctx.is_main:
-            print(line, flush=True)
-
+    say = rank0_printer(ctx.is_main)  # before the progress bar exists
     restored = (
         checkpoints.restore(
             engine, loader, window, config, dp_size=ctx.dp_size, is_main=ctx.is_main, say=say
@@ -320,12 +331,9 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         )
         run_log.log(0, {"eval/exact_match": accuracy_before})
 
-    vlm = is_vlm(config)
-    # One placeholder token per merge x merge patches (the image processor's setting, which
-    # also decided how many placeholders the loader wrote).
-    merge = int(processor.image_processor.merge_size) if vlm else None
-    # Text without cp: unpacked batches skip transformers' device-side packing check.
+    # Unpacked text without cp: causal SDPA without transformers' mask construction.
     fast_path = CausalFastPath(model) if not vlm and sharder is None else None
+    run_log.write(f"attention: {attention_path(packed=packed, cp=ctx.cp_size, vlm=vlm)}")
     batches = _forever(loader)
     accum = train.gradient_accumulation_steps
     last_loss: float | None = None
@@ -334,11 +342,10 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
     for step in range(start_step + 1, train.steps + 1):
         # Counted on the host copies: reading device tensors would stall the GPU's queue.
         host = [
-            data_api.batch_tensors(next(batches), torch.device("cpu"), spatial_merge_size=merge)
-            for _ in range(accum)
+            data_api.batch_tensors(next(batches), vlm=vlm, cp=ctx.cp_size) for _ in range(accum)
         ]
         local_tokens = sum(int((m["labels"] != -100).sum()) for m in host)
-        micro = [{k: v.to(ctx.device, non_blocking=True) for k, v in m.items()} for m in host]
+        micro = [data_api.to_device(m, ctx.device) for m in host]
         # Contract (b): the window's loss tokens over all data-parallel replicas (counted before
         # cp sharding, so every cp rank of a replica holds the same count).
         num_tokens = engine.global_num_tokens(local_tokens)
@@ -426,9 +433,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         run_log.log(train.steps, {"eval/exact_match": accuracy_after})
     export_dir = None
     if train.export:  # written beside, then moved in whole
-        staging = out_dir / (EXPORT_DIR + ".tmp")
-        if ctx.is_main:
-            shutil.rmtree(staging, ignore_errors=True)
+        staging = staging_dir(out_dir / EXPORT_DIR, clear=ctx.is_main)
         written = export_hf(
             model, processor, staging, is_main=ctx.is_main, lora_export=config.lora.export
         )
@@ -457,6 +462,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
             "dp": ctx.dp_size,
             "cp": ctx.cp_size,
             "tp": ctx.tp_size,
+            "attention": attention_path(packed=packed, cp=ctx.cp_size, vlm=vlm),
         }
         write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2))
         print(_summary_table(summary, out_dir, png, export_dir), flush=True)
@@ -481,6 +487,7 @@ def _summary_table(
         f"run            {out_dir}",
         f"ranks          {summary['world_size']} "
         f"(dp={summary['dp']}, cp={summary['cp']}, tp={summary['tp']})",
+        f"attention      {summary['attention']}",
         f"steps          {summary['steps']}",
         f"loss           {_fmt(summary['first_loss'])} -> {_fmt(summary['last_loss'])}",
     ]

@@ -2,6 +2,9 @@
 
 - :mod:`cp_sharder.attention.portable`: all-gather-K/V attention in plain PyTorch (CPU and CUDA;
   causal, document and sliding-window masks).
+- :mod:`cp_sharder.attention.varlen`: the variable-length (per-document) attention kernel.
+- :mod:`cp_sharder.attention.packed`: packed attention for any layout (all-gather K/V, then
+  varlen attention over per-document runs; CPU/gloo and CUDA/NCCL; no dense mask).
 - :mod:`cp_sharder.attention.torch_ring`: torch's native ring attention (CUDA, plain causal).
 - :mod:`cp_sharder.attention.te`: Transformer Engine (extra ``cp-sharder[te]``).
 """
@@ -27,7 +30,8 @@ class Backend(enum.Enum):
     Attributes:
         MODEL_HOOK: the model's own ``prepare_model_inputs_for_cp`` hook owns CP attention.
         TE: Transformer Engine attention modules.
-        PORTABLE: all-gather-K/V attention in plain PyTorch.
+        PORTABLE: all-gather-K/V attention in plain PyTorch, masked by global token index.
+        VARLEN: per-document variable-length attention (packed batches; no dense mask).
         TORCH_RING: torch's native ring attention (CUDA, plain causal SDPA).
         NONE: cp=1 on a plain batch; the model runs unchanged.
     """
@@ -35,6 +39,7 @@ class Backend(enum.Enum):
     MODEL_HOOK = "model_hook"
     TE = "te"
     PORTABLE = "portable"
+    VARLEN = "varlen"
     TORCH_RING = "torch_ring"
     NONE = "none"
 

