@@ -89,6 +89,24 @@ def pick_device(preference: str, *, local_world_size: int | None = None) -> torc
     return torch.device("cpu")
 
 
+def process_group_timeout_s(collective_timeout_s: float) -> float:
+    """The process group's own timeout for ``train.collective_timeout_s``: a backstop.
+
+    The recipe's hang watchdog (``train_recipes.health``) enforces ``collective_timeout_s`` and
+    names the missing ranks; the group's timeout, which names none and cannot be changed once
+    the group exists, is set a little later so that the watchdog reports first.
+    """
+    return collective_timeout_s + max(5.0, 0.1 * collective_timeout_s)
+
+
+def describe_device(device: torch.device) -> str:
+    """``cuda:0 (NVIDIA H200, nccl)`` or ``cpu (gloo)``: for the run's header and summary."""
+    backend = dist.get_backend() if dist.is_initialized() else "none"
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)}, {backend})"
+    return f"{device} ({backend})"
+
+
 def init_distributed(
     *, device_preference: str, cp: int, tp: int = 1, timeout_s: float = 600.0
 ) -> RankContext:
@@ -96,6 +114,8 @@ def init_distributed(
 
     Works under torchrun (RANK/WORLD_SIZE/MASTER_ADDR set) and as a plain single process, where a
     one-rank group on a local file store is created so the same code path runs everywhere.
+    ``timeout_s`` is the group's collective timeout (see :func:`process_group_timeout_s`); it
+    applies only when this call creates the group.
     """
     device = pick_device(device_preference)
     if device.type == "cuda":

@@ -7,6 +7,7 @@ there is a change here only.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,35 @@ def build_loader(
         shuffle=shuffle,
         num_logical_shards=num_logical_shards,
     )
+
+
+def collate_chat_rows(
+    encoder: Any, rows: Sequence[dict[str, Any]], *, media_root: str | Path | None = None
+) -> Any:
+    """Chat rows (``{"messages": [...], "media": [paths]}``, as in the held-out JSONL) encoded
+    and collated by energon-sft exactly as a training batch is, without Energon's loader.
+
+    ``media`` paths are read relative to ``media_root`` and handed over inline.
+    """
+    import base64
+
+    from energon_sft import cook_chat
+
+    root = Path(media_root) if media_root is not None else Path(".")
+    samples = []
+    for i, row in enumerate(rows):
+        media = [
+            {"name": str(m), "b64": base64.b64encode((root / m).read_bytes()).decode()}
+            for m in row.get("media", [])
+        ]
+        crude = {
+            "json": {**row, "media": media},
+            "__key__": f"held_out/{i}",
+            "__restore_key__": (),
+            "__sources__": (),
+        }
+        samples.append(encoder.encode_chat(cook_chat(crude)))
+    return encoder.collate(samples)
 
 
 def batch_tensors(batch: Any, *, vlm: bool = False, cp: int = 1) -> dict[str, Any]:

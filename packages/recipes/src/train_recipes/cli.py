@@ -66,12 +66,18 @@ def _relaunch(nproc: int, argv: Sequence[str]) -> int:
     # OMP threads: torchrun sets 1 per rank when unset; say it explicitly so a laptop's cores
     # are split between the ranks instead of oversubscribed.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     # The ranks re-run the preflight (cheap) but leave its warnings to this process.
     os.environ[_PREFLIGHT_DONE] = "1"
     launcher = parse_args(
         ["--standalone", "--nproc-per-node", str(nproc), "--module", "train_recipes.cli", *argv]
     )
-    run(launcher)
+    try:
+        run(launcher)
+    except ChildFailedError:
+        # The failing ranks printed their own error; the launcher's report repeats it.
+        return 1
     return 0
 
 
@@ -212,18 +218,26 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
             os.environ[_GUARDED_ENV] = str(out)
             return _relaunch(args.nproc_per_node, _strip_nproc(argv))
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-        if args.command == "sft":
-            from train_recipes.config import SFTConfig
-            from train_recipes.sft import run_sft
+        from train_recipes.health import TrainingAborted
 
-            assert isinstance(config, SFTConfig)
-            run_sft(config, resume=args.resume)
-        else:
-            from train_recipes.config import RetrievalConfig
-            from train_recipes.retrieval import run_retrieval
+        try:
+            if args.command == "sft":
+                from train_recipes.config import SFTConfig
+                from train_recipes.sft import run_sft
 
-            assert isinstance(config, RetrievalConfig)
-            run_retrieval(config)
+                assert isinstance(config, SFTConfig)
+                run_sft(config, resume=args.resume)
+            else:
+                from train_recipes.config import RetrievalConfig
+                from train_recipes.retrieval import run_retrieval
+
+                assert isinstance(config, RetrievalConfig)
+                run_retrieval(config)
+        except TrainingAborted as err:
+            # Every rank aborts at the same step; one line from rank 0 says why.
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"train-recipes {args.command}: {err}", file=sys.stderr, flush=True)
+            return 1
         return 0
     finally:
         if lock is not None:

@@ -137,7 +137,7 @@ class DataConfig:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class OptimConfig:
-    """AdamW with linear warm-up and linear decay.
+    """AdamW with a warm-up and a decay schedule (see ``train_recipes.schedule``).
 
     Attributes:
         lr: peak learning rate.
@@ -149,6 +149,11 @@ class OptimConfig:
             train_engine.Engine, which rejects 0).
         fused: use the fused AdamW kernel; None means on CUDA only. Fused, the Engine also
             clips and skips non-finite windows inside the kernel, without a host sync.
+        schedule: "linear" (warm-up, then linear decay to ``min_lr_ratio``), "cosine"
+            (transformers' cosine with warm-up, down to ``min_lr_ratio``) or "constant"
+            (transformers' constant with warm-up).
+        nonfinite: the Engine's policy for a window with a non-finite gradient norm: "skip"
+            the update, "raise" (the run fails), or "step" (update anyway).
     """
 
     lr: float = 3e-3
@@ -158,6 +163,8 @@ class OptimConfig:
     min_lr_ratio: float = 0.05
     max_grad_norm: float | None = 1.0
     fused: bool | None = None
+    schedule: Literal["linear", "cosine", "constant"] = "linear"
+    nonfinite: Literal["skip", "raise", "step"] = "skip"
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -227,6 +234,19 @@ class TrainConfig:
         eval_max_new_tokens: greedy decoding budget per answer.
         export: write the Hugging Face model at the end of the run.
         tensorboard: write TensorBoard event files.
+        epochs: train for this many passes over the training samples instead of ``steps``
+            (``steps`` must then keep its default); the step count is derived before launch.
+        eval_every: optimizer steps between held-out loss evaluations (``eval/loss``), also
+            run at the last step; 0 disables them. Needs held-out chats (``data.eval_path``
+            or the demo's).
+        eval_loss_samples: held-out chats the held-out loss is computed on.
+        loggers: experiment trackers besides the metrics file: "wandb" (extra
+            ``train-recipes[wandb]``) and/or "mlflow" (extra ``train-recipes[mlflow]``).
+        max_consecutive_skips: abort the run after this many optimizer steps in a row were
+            skipped for non-finite gradients; 0 never aborts.
+        collective_timeout_s: a rank waiting this long for the others fails the run, naming
+            the ranks that did not arrive; after the first steps the limit tightens to what
+            the measured step time allows (see ``train_recipes.health``).
     """
 
     steps: int = 1000
@@ -242,6 +262,12 @@ class TrainConfig:
     eval_max_new_tokens: int = 6
     export: bool = True
     tensorboard: bool = True
+    epochs: int | None = None
+    eval_every: int = 0
+    eval_loss_samples: int = 200
+    loggers: tuple[Literal["wandb", "mlflow"], ...] = ()
+    max_consecutive_skips: int = 10
+    collective_timeout_s: float = 600.0
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -566,6 +592,59 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
             raise ConfigError("parallel.tp", "tp > 1 is supported for text models without LoRA")
     if train.checkpoint_every < 0:
         raise ConfigError("train.checkpoint_every", f"must be >= 0, got {train.checkpoint_every}")
+    _check_loop(config, world_size)
+
+
+def _check_loop(config: SFTConfig, world_size: int) -> None:
+    """The training-loop keys: length (steps or epochs), evaluation, skips, timeouts."""
+    from train_recipes.schedule import total_steps
+
+    train, data = config.train, config.data
+    if train.epochs is not None:
+        if train.epochs < 1:
+            raise ConfigError("train.epochs", f"must be >= 1 or null, got {train.epochs}")
+        if data.packing:
+            raise ConfigError(
+                "train.epochs",
+                "a packed row holds a varying number of samples, so an epoch has no fixed "
+                "number of steps; use train.steps with data.packing=true",
+            )
+        dp = world_size // (config.parallel.cp * config.parallel.tp) or 1
+        try:
+            derived = total_steps(config, dp=dp)
+        except (ValueError, FileNotFoundError) as err:
+            raise ConfigError("train.epochs", str(err)) from None
+        # A run's config.yaml records the derived count, so that value is accepted too.
+        if train.steps not in (TrainConfig().steps, derived):
+            raise ConfigError(
+                "train.epochs",
+                f"train.epochs={train.epochs} and train.steps={train.steps} are mutually "
+                f"exclusive; remove train.steps (the epochs give {derived} steps)",
+            )
+    if train.eval_every < 0:
+        raise ConfigError("train.eval_every", f"must be >= 0 (0 disables), got {train.eval_every}")
+    if train.eval_every > 0:
+        if data.path is not None and data.eval_path is None:
+            raise ConfigError(
+                "train.eval_every",
+                "the held-out loss needs held-out chats; set data.eval_path to a chat JSONL "
+                "(rows never trained on), or train.eval_every=0",
+            )
+        if train.eval_loss_samples < 1:
+            raise ConfigError(
+                "train.eval_loss_samples", f"must be >= 1, got {train.eval_loss_samples}"
+            )
+    if len(set(train.loggers)) != len(train.loggers):
+        raise ConfigError("train.loggers", f"lists a logger twice: {list(train.loggers)}")
+    if train.max_consecutive_skips < 0:
+        raise ConfigError(
+            "train.max_consecutive_skips",
+            f"must be >= 0 (0 never aborts), got {train.max_consecutive_skips}",
+        )
+    if not train.collective_timeout_s > 0:
+        raise ConfigError(
+            "train.collective_timeout_s", f"must be > 0 seconds, got {train.collective_timeout_s}"
+        )
 
 
 def validate_retrieval(config: RetrievalConfig, *, world_size: int) -> None:

@@ -1,13 +1,19 @@
-"""Run output on rank 0: progress bar, metrics JSONL, TensorBoard and the loss-curve PNG."""
+"""Run output on rank 0: progress bar, metrics JSONL, trackers, start-up timings, loss PNG.
+
+matplotlib is optional (extra ``train-recipes[plot]``): without it the run prints a one-line
+notice instead of writing ``loss.png`` (:func:`loss_plot_or_notice`).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from train_recipes.trackers import Tracker, finite_scalars, open_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -16,17 +22,22 @@ LOSS_PLOT = "loss.png"
 
 
 class RunLogger:
-    """Writes metric records (JSONL + TensorBoard) and drives the progress bar.
+    """Writes metric records (JSONL + trackers) and drives the progress bar.
 
     Every method is a no-op on ranks other than 0 (``enabled=False``), so callers need not branch.
+    The bar appears at the first :meth:`progress` call, so the lines printed before the first
+    step (start-up phases, held-out accuracy) stand on their own, never inside a bar.
 
     Args:
         out_dir: the run directory.
         enabled: True on rank 0 only.
         total_steps: optimizer steps of the whole run (for the bar and the ETA).
         start_step: first step of this process (after a resume).
-        tensorboard: also write TensorBoard event files under ``out_dir/tensorboard``.
+        tensorboard: also write TensorBoard event files under ``out_dir/tensorboard`` (skipped
+            with a one-line notice when tensorboard is not installed).
         desc: progress-bar label.
+        loggers: further trackers, "wandb" and/or "mlflow" (see ``train_recipes.trackers``).
+        run_config: the run's config as plain data, for the trackers.
     """
 
     def __init__(
@@ -38,11 +49,14 @@ class RunLogger:
         start_step: int = 0,
         tensorboard: bool = True,
         desc: str = "sft",
+        loggers: Sequence[str] = (),
+        run_config: Mapping[str, Any] | None = None,
     ) -> None:
         self.enabled = enabled
         self.path = out_dir / METRICS_FILE
-        self._tb: Any = None
+        self._trackers: list[Tracker] = []
         self._bar: Any = None
+        self._bar_args = {"total": total_steps, "initial": start_step, "desc": desc}
         if not enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -55,33 +69,37 @@ class RunLogger:
                 if (row := _parse(line)) is not None and row.get("step", -1) <= start_step
             ]
             self.path.write_text("".join(line + "\n" for line in kept))
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=start_step + 1)
-        from tqdm.auto import tqdm
-
-        self._bar = tqdm(
-            total=total_steps, initial=start_step, desc=desc, dynamic_ncols=True, smoothing=0.1
+        self._trackers = open_trackers(
+            out_dir,
+            tensorboard=tensorboard,
+            loggers=loggers,
+            run_name=out_dir.name,
+            config=run_config or {},
+            start_step=start_step,
+            notice=self.write,
         )
         self._t0 = time.perf_counter()
 
     def log(self, step: int, record: dict[str, Any]) -> None:
-        """Append one record (JSONL), mirror the numbers to TensorBoard."""
+        """Append one record (JSONL), mirror its finite numbers to the trackers."""
         if not self.enabled:
             return
         row = {"step": step, **record}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        if self._tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+        scalars = finite_scalars(record)
+        if scalars:
+            for tracker in self._trackers:
+                tracker.log(step, scalars)
 
     def progress(self, step: int, postfix: dict[str, Any]) -> None:
         """Move the bar to ``step`` and show ``postfix`` (loss, tokens/s, lr, ...)."""
-        if self._bar is None:
+        if not self.enabled:
             return
+        if self._bar is None:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(**self._bar_args, dynamic_ncols=True, smoothing=0.1)
         self._bar.n = step
         self._bar.set_postfix(postfix, refresh=True)
 
@@ -94,12 +112,51 @@ class RunLogger:
         else:
             print(text, flush=True)
 
-    def close(self) -> None:
-        """Flush TensorBoard and close the bar."""
-        if self._tb is not None:
-            self._tb.close()
+    def close_bar(self) -> None:
+        """End the bar (lines printed afterwards stand alone); the trackers stay open."""
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
+
+    def close(self) -> None:
+        """Close the bar and finish the trackers."""
+        self.close_bar()
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
+
+
+class StartupClock:
+    """Times the start-up phases and prints one line per finished phase (rank 0).
+
+    Args:
+        enabled: print (rank 0 only); timings are kept on every rank.
+    """
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self.phases: dict[str, float] = {}
+        self._t0 = time.perf_counter()
+        self._open: tuple[str, float] | None = None
+
+    def start(self, name: str) -> None:
+        """Begin phase ``name`` (ending the open one)."""
+        self.end()
+        self._open = (name, time.perf_counter())
+
+    def end(self) -> None:
+        """End the open phase and print ``name  seconds``."""
+        if self._open is None:
+            return
+        name, t = self._open
+        self._open = None
+        self.phases[name] = time.perf_counter() - t
+        if self.enabled:
+            print(f"{name:<22} {self.phases[name]:6.1f} s", flush=True)
+
+    def summary(self) -> str:
+        """``data 0.4 s, model 1.1 s, ...`` of the finished phases."""
+        return ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
 
 
 def _parse(line: str) -> dict[str, Any] | None:
@@ -130,8 +187,12 @@ def plot_loss(metrics: str | Path, out_png: str | Path | None = None) -> Path:
     Returns:
         The PNG path.
     """
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError(
+            "drawing the loss curve needs matplotlib; install the extra `train-recipes[plot]`"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -155,3 +216,12 @@ def plot_loss(metrics: str | Path, out_png: str | Path | None = None) -> Path:
     fig.savefig(png)
     plt.close(fig)
     return png
+
+
+def loss_plot_or_notice(run_dir: Path) -> Path | None:
+    """:func:`plot_loss` of a run, or None after a one-line notice when matplotlib is missing."""
+    try:
+        return plot_loss(run_dir)
+    except ImportError as err:
+        print(f"no {LOSS_PLOT}: {err}", flush=True)
+        return None

@@ -42,6 +42,7 @@ CHANGEABLE = frozenset(
     {
         # length, cadence and outputs
         "train.steps",
+        "train.epochs",
         "train.log_every",
         "train.loss_window",
         "train.checkpoint_every",
@@ -50,11 +51,16 @@ CHANGEABLE = frozenset(
         "train.tensorboard",
         "train.device",
         "train.output_dir",  # the folder was moved
+        "train.loggers",
+        "train.max_consecutive_skips",
+        "train.collective_timeout_s",
         "lora.export",
         # evaluation (a change drops the accuracy measured before training: another test set)
         "train.eval_samples",
         "train.eval_max_new_tokens",
         "data.eval_path",
+        "train.eval_every",
+        "train.eval_loss_samples",
         # optimisation: the Engine takes the new window; the optimizer and the scheduler take
         # the new hyperparameters and base rates (not the checkpoint's)
         "train.gradient_accumulation_steps",
@@ -62,6 +68,8 @@ CHANGEABLE = frozenset(
         "optim.weight_decay",
         "optim.betas",
         "optim.warmup_steps",
+        "optim.schedule",
+        "optim.nonfinite",
         "optim.min_lr_ratio",
         "optim.max_grad_norm",
         "optim.fused",

@@ -27,7 +27,8 @@ from torch import Tensor, nn
 
 from train_recipes._dist import engine_dp_config, init_distributed
 from train_recipes.config import RetrievalConfig, RetrievalModelConfig, to_dict
-from train_recipes.metrics import RunLogger, plot_loss
+from train_recipes.metrics import RunLogger, loss_plot_or_notice
+from train_recipes.schedule import build_lr_scheduler
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -315,15 +316,14 @@ def run_retrieval(config: RetrievalConfig) -> RetrievalResult:
         lr=config.optim.lr,
         betas=config.optim.betas,
     )
-    warmup, total, floor = config.optim.warmup_steps, train.steps, config.optim.min_lr_ratio
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return max(floor, 1.0 - (1.0 - floor) * (step - warmup) / max(1, total - warmup))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-    engine = Engine(wrapped, optimizer, scheduler, max_grad_norm=config.optim.max_grad_norm)
+    scheduler = build_lr_scheduler(optimizer, config.optim, total_steps=train.steps)
+    engine = Engine(
+        wrapped,
+        optimizer,
+        scheduler,
+        max_grad_norm=config.optim.max_grad_norm,
+        nonfinite=config.optim.nonfinite,
+    )
     window = LossWindow(train.loss_window)
     run_log = RunLogger(
         out_dir,
@@ -393,7 +393,7 @@ def run_retrieval(config: RetrievalConfig) -> RetrievalResult:
     run_log.log(train.steps, {f"eval/recall@{k}": v for k, v in recall_after.items()})
     run_log.close()
     if ctx.is_main:
-        png = plot_loss(out_dir)
+        png = loss_plot_or_notice(out_dir)
         if train.export:
             model.save_pretrained(out_dir / "hf_model", safe_serialization=True)
             tokenizer.save_pretrained(out_dir / "hf_model")
@@ -407,7 +407,7 @@ def run_retrieval(config: RetrievalConfig) -> RetrievalResult:
             f"\nrun          {out_dir}\nranks        {ctx.world_size}\n"
             f"recall@1     {recall_before[1]:.1%} -> {recall_after[1]:.1%} (held-out)\n"
             f"recall@10    {recall_before[10]:.1%} -> {recall_after[10]:.1%} (held-out)\n"
-            f"loss curve   {png}",
+            f"loss curve   {png if png is not None else '-'}",
             flush=True,
         )
     dist.barrier()

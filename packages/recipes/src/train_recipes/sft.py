@@ -6,9 +6,9 @@ loss -> train_engine.Engine (DDP or FSDP2), with metrics, checkpoints, resume an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,9 +22,22 @@ from torch import Tensor
 
 from train_recipes import _integrations as data_api
 from train_recipes import resume as checkpoints
-from train_recipes._dist import RankContext, engine_dp_config, init_distributed
+from train_recipes._dist import (
+    RankContext,
+    describe_device,
+    engine_dp_config,
+    init_distributed,
+    process_group_timeout_s,
+)
 from train_recipes.config import SFTConfig, to_dict
-from train_recipes.metrics import RunLogger, plot_loss
+from train_recipes.evaluation import held_out_batches, held_out_loss
+from train_recipes.health import (
+    HangWatchdog,
+    SkipTracker,
+    default_store,
+    engine_skip_warnings_replaced,
+)
+from train_recipes.metrics import RunLogger, StartupClock, loss_plot_or_notice
 from train_recipes.modeling import (
     CausalFastPath,
     apply_lora,
@@ -51,6 +64,8 @@ from train_recipes.run_folder import (
     staging_dir,
     write_atomic,
 )
+from train_recipes.schedule import build_lr_scheduler, resolve_length
+from train_recipes.summary import attention_line, header_line, summary_table
 
 logger = logging.getLogger(__name__)
 
@@ -80,18 +95,6 @@ class SFTResult:
     accuracy_after: float | None
     export_dir: Path | None
     model: torch.nn.Module
-
-
-def _lr_lambda(config: SFTConfig) -> Any:
-    warmup, total, floor = config.optim.warmup_steps, config.train.steps, config.optim.min_lr_ratio
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return max(floor, 1.0 - (1.0 - floor) * progress)
-
-    return factor
 
 
 def _prepare_data(config: SFTConfig, ctx: RankContext, out_dir: Path) -> tuple[Path, Path | None]:
@@ -194,13 +197,31 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
 
     Returns:
         The run summary, identical on every rank.
+
+    Raises:
+        TrainingAborted: on every rank, e.g. after ``train.max_consecutive_skips`` skips.
     """
+    # The loop's guards (hang watchdog thread, log filter) end with the run, however it ends.
+    with contextlib.ExitStack() as guards:
+        return _run_sft(config, resume=resume, guards=guards)
+
+
+def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -> SFTResult:
     from train_engine import Engine, LossWindow, apply_data_parallel, param_groups
 
-    train = config.train
     ctx = init_distributed(
-        device_preference=train.device, cp=config.parallel.cp, tp=config.parallel.tp
+        device_preference=config.train.device,
+        cp=config.parallel.cp,
+        tp=config.parallel.tp,
+        timeout_s=process_group_timeout_s(config.train.collective_timeout_s),
     )
+    config = resolve_length(config, dp=ctx.dp_size)  # train.epochs -> train.steps
+    train = config.train
+    clock = StartupClock(enabled=ctx.is_main)
+    device_line, attention = describe_device(ctx.device), attention_line(config)
+    if ctx.is_main:
+        print(header_line(ctx, config, device_line, attention), flush=True)
+    clock.start("building data")
     out_dir = Path(train.output_dir)
     if ctx.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -212,10 +233,12 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
     if ctx.is_main:  # written whole: `train-recipes export` reads it
         processor.save_pretrained(staging := staging_dir(out_dir / "tokenizer"))
         publish_dir(staging, out_dir / "tokenizer")
+    clock.start("building model")
     model = apply_lora(build_model(config, tokenizer), config).to(ctx.device)
     model.train()
     if config.model.compile:
         compile_decoder_layers(model)
+    clock.start("wrapping")
     if ctx.tp_size > 1:
         model = apply_output_tp(model, ctx.mesh["tp"])
     model = apply_data_parallel(
@@ -230,12 +253,13 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         betas=config.optim.betas,
         fused=ctx.device.type == "cuda" if config.optim.fused is None else config.optim.fused,
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
+    scheduler = build_lr_scheduler(optimizer, config.optim, total_steps=train.steps)
     engine = Engine(
         model,
         optimizer,
         scheduler,
         max_grad_norm=config.optim.max_grad_norm,
+        nonfinite=config.optim.nonfinite,
         gradient_accumulation_steps=train.gradient_accumulation_steps,
         # Token counts are per data-parallel replica: cp ranks of a replica count the same tokens.
         dp_group=ctx.mesh["dp"].get_group(),
@@ -250,6 +274,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         sharder = ContextParallelSharder(
             unwrap(model), ctx.mesh["cp"], padding_token_id=int(tokenizer.pad_token_id)
         )
+    clock.start("building loader")
     encoder = data_api.build_encoder(
         processor,
         model_family=config.data.model_family,
@@ -306,6 +331,21 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         from train_recipes.demo import read_jsonl
 
         eval_rows = list(read_jsonl(eval_path))[: train.eval_samples]
+    held_out: list[dict[str, Tensor]] = []
+    if train.eval_every > 0 and eval_path is not None:
+        from train_recipes.demo import read_jsonl
+
+        held_out = held_out_batches(
+            encoder,
+            list(read_jsonl(eval_path))[: train.eval_loss_samples],
+            batch_size=config.data.micro_batch_size,
+            replica=ctx.dp_rank,
+            replicas=ctx.dp_size,
+            media_root=eval_path.parent,
+            vlm=vlm,
+            cp=ctx.cp_size,
+        )
+    clock.end()
     run_log = RunLogger(
         out_dir,
         enabled=ctx.is_main,
@@ -313,7 +353,10 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         start_step=start_step,
         tensorboard=train.tensorboard,
         desc=f"sft dp={ctx.dp_size} cp={ctx.cp_size} tp={ctx.tp_size}",
+        loggers=train.loggers,
+        run_config=to_dict(config),
     )
+    guards.callback(run_log.close_bar)  # an aborted run's error line must not land in the bar
     if restored is not None:
         run_log.write(f"resumed from {restored.path} at step {start_step}")
     if eval_rows and start_step == 0:
@@ -338,8 +381,38 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
     accum = train.gradient_accumulation_steps
     last_loss: float | None = None
     seen = torch.zeros(2, dtype=torch.float64)  # [loss tokens, input tokens] since the last log
+
+    def eval_loss_sum(batch: dict[str, Tensor], host_batch: dict[str, Tensor]) -> Tensor:
+        if fast_path is not None:
+            fast_path.select(packed=rows_are_packed(host_batch["position_ids"]))
+        with sdpa_backends(config.model.sdpa_backends):
+            return token_sum_loss(unwrap(model), batch, sharder=sharder, vlm=vlm)
+
+    eval_loss: list[float] = []
+    guards.enter_context(engine_skip_warnings_replaced())
+    skips = SkipTracker(
+        train.max_consecutive_skips,
+        on_skip=lambda s: run_log.write(
+            f"step {s}: optimizer update skipped (non-finite gradient norm, "
+            f"optim.nonfinite={config.optim.nonfinite!r})"
+        ),
+    )
+    store = default_store()
+    if ctx.world_size > 1 and store is not None:
+        watchdog = HangWatchdog(
+            store,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            timeout_s=train.collective_timeout_s,
+        ).start()
+        guards.callback(watchdog.stop)
+    else:
+        watchdog = None
+    clock.start("first step")
     t_last = time.perf_counter()
     for step in range(start_step + 1, train.steps + 1):
+        if watchdog is not None:
+            watchdog.enter_step(step)
         # Counted on the host copies: reading device tensors would stall the GPU's queue.
         host = [
             data_api.batch_tensors(next(batches), vlm=vlm, cp=ctx.cp_size) for _ in range(accum)
@@ -358,7 +431,10 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
                 loss_sum = token_sum_loss(engine, batch, sharder=sharder, vlm=vlm)
                 engine.backward(loss_sum, num_tokens=num_tokens)
                 step_loss += loss_sum.detach().to(torch.float64)
-                engine.step()
+                step_result = engine.step()
+        skips.observe(step, step_result)  # the previous step's skip flag, settled by now
+        if step == start_step + 1:
+            clock.end()
         # The cp and tp ranks of a replica count the same tokens: summed over all ranks at
         # logging time, this is the global number of loss tokens.
         seen[0] += local_tokens / (ctx.cp_size * ctx.tp_size)
@@ -371,6 +447,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
             / num_tokens.to(step_loss.device, torch.float64)
         )
         if step % train.log_every == 0 or step == train.steps:
+            skips.flush()
             loss = window.last()
             avg = window.average()
             totals = seen.clone().to(ctx.device)
@@ -390,6 +467,8 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
                 "grad_norm": grad_norm,
                 "tokens_per_s": tokens_per_s,
                 "loss_tokens": float(totals[0]),
+                "skipped": skips.new_since_last_call(),
+                "skipped_total": len(skips.skipped),
             }
             run_log.log(step, record)
             run_log.progress(
@@ -401,6 +480,19 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
                     "lr": f"{lr:.2e}",
                 },
             )
+        if held_out and (step % train.eval_every == 0 or step == train.steps):
+            eval_loss.append(
+                held_out_loss(
+                    unwrap(model),
+                    held_out,
+                    loss_sum=eval_loss_sum,
+                    device=ctx.device,
+                    cp=ctx.cp_size,
+                    tp=ctx.tp_size,
+                )
+            )
+            run_log.log(step, {"eval/loss": eval_loss[-1]})
+            run_log.write(f"step {step}: eval/loss {eval_loss[-1]:.4f} (held-out)")
         # The last step is always saved: the trained weights never depend on train.export.
         if step == train.steps or (train.checkpoint_every and step % train.checkpoint_every == 0):
             checkpoints.save(
@@ -416,6 +508,10 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
                 is_main=ctx.is_main,
             )
 
+    skips.flush()
+    if watchdog is not None:
+        watchdog.stop()  # from here on, rank 0 alone writes plots and files
+    run_log.close_bar()
     if fast_path is not None:
         # Generation (padding masks, KV cache) and the HF export need transformers' own SDPA.
         fast_path.select(packed=True)
@@ -451,7 +547,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         model=unwrap(model),
     )
     if ctx.is_main:
-        png = plot_loss(out_dir)
+        png = loss_plot_or_notice(out_dir)
         summary = {
             "steps": train.steps,
             "first_loss": first_loss,
@@ -462,38 +558,14 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
             "dp": ctx.dp_size,
             "cp": ctx.cp_size,
             "tp": ctx.tp_size,
-            "attention": attention_path(packed=packed, cp=ctx.cp_size, vlm=vlm),
+            "skipped_steps": skips.skipped,
+            "eval_loss_first": eval_loss[0] if eval_loss else None,
+            "eval_loss_last": eval_loss[-1] if eval_loss else None,
+            "device": device_line,
+            "attention": f"{attention_path(packed=packed, cp=ctx.cp_size, vlm=vlm)}; {attention}",
+            "startup_s": clock.phases,
         }
         write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2))
-        print(_summary_table(summary, out_dir, png, export_dir), flush=True)
+        print(summary_table(summary, out_dir, png, export_dir), flush=True)
     dist.barrier()
     return result
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4f}" if math.isfinite(value) else str(value)
-    return str(value)
-
-
-def _summary_table(
-    summary: dict[str, Any], out_dir: Path, png: Path, export_dir: Path | None
-) -> str:
-    acc0, acc1 = summary["accuracy_before"], summary["accuracy_after"]
-    lines = [
-        "",
-        f"run            {out_dir}",
-        f"ranks          {summary['world_size']} "
-        f"(dp={summary['dp']}, cp={summary['cp']}, tp={summary['tp']})",
-        f"attention      {summary['attention']}",
-        f"steps          {summary['steps']}",
-        f"loss           {_fmt(summary['first_loss'])} -> {_fmt(summary['last_loss'])}",
-    ]
-    if acc0 is not None and acc1 is not None:
-        lines.append(f"exact match    {acc0:.1%} -> {acc1:.1%} (held-out, greedy)")
-    lines.append(f"loss curve     {png}")
-    if export_dir is not None:
-        lines.append(f"HF export      {export_dir}")
-    return "\n".join(lines)

@@ -1,0 +1,114 @@
+"""Rank functions for test_train_loop.py (a light module: spawned ranks re-import it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+
+def _run(overrides: list[str], world_size: int) -> Any:
+    from train_recipes.config import SFTConfig, load_config, validate_sft
+    from train_recipes.sft import run_sft
+
+    config = load_config(SFTConfig, None, overrides)
+    validate_sft(config, world_size=world_size)
+    return config, run_sft(config)
+
+
+def run_sft_summary(rank: int, world_size: int, overrides: list[str]) -> dict[str, Any]:
+    """Run the recipe; rank 0 returns summary.json."""
+    config, _ = _run(overrides, world_size)
+    if rank != 0:
+        return {}
+    return dict(json.loads((Path(config.train.output_dir) / "summary.json").read_text()))
+
+
+def eval_loss_run(rank: int, world_size: int, overrides: list[str]) -> dict[str, Any]:
+    """Run the recipe; rank 0 returns the metric rows, the summary and the trained model."""
+    config, result = _run(overrides, world_size)
+    if rank != 0:
+        return {}
+    out = Path(config.train.output_dir)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    return {"rows": rows, "summary": summary, "model": result.model.cpu()}
+
+
+def run_sft_expecting_error(rank: int, world_size: int, overrides: list[str]) -> str:
+    """Run the recipe, which must fail: returns ``ExceptionType: message``."""
+    try:
+        _run(overrides, world_size)
+    except Exception as err:  # the test asserts which one
+        return f"{type(err).__name__}: {err}"
+    raise AssertionError("the run did not fail")
+
+
+def _watchdog(rank: int, world_size: int, timeout_s: float, min_step_limit_s: float) -> Any:
+    from train_recipes.health import HangWatchdog, default_store
+
+    fired: list[tuple[float, str]] = []
+    dog = HangWatchdog(
+        default_store(),
+        rank=rank,
+        world_size=world_size,
+        timeout_s=timeout_s,
+        on_hang=lambda message: fired.append((time.monotonic(), message)),
+        interval_s=0.1,
+        min_step_limit_s=min_step_limit_s,
+    ).start()
+    for step in range(1, 5):  # warm-up: 3 measured steps, then the limit tightens
+        dog.enter_step(step)
+        dist.barrier()
+    return dog, fired
+
+
+def watchdog_names_a_sleeping_rank(rank: int, world_size: int, timeout_s: float) -> dict[str, Any]:
+    """Rank 1 sleeps 2 x timeout before step 5; rank 0 waits in the step's barrier. The warm-up
+    steps take milliseconds, so the limit tightens to its floor, timeout_s / 3."""
+    dog, fired = _watchdog(rank, world_size, timeout_s, timeout_s / 3)
+    if rank == 1:
+        time.sleep(2 * timeout_s)
+    dog.enter_step(5)
+    entered = time.monotonic()
+    dist.barrier()
+    dog.stop()
+    if rank != 0:
+        return {}
+    return {
+        "message": fired[0][1] if fired else None,
+        "after_s": fired[0][0] - entered if fired else None,
+        "limit_s": dog.limit_s,
+    }
+
+
+def watchdog_names_a_stopped_rank(rank: int, world_size: int, timeout_s: float) -> dict[str, Any]:
+    """Rank 0 SIGSTOPs rank 1 inside step 5, waits for its watchdog, then SIGCONTs rank 1."""
+    pids = [None] * world_size
+    dist.all_gather_object(pids, os.getpid())
+    dog, fired = _watchdog(rank, world_size, timeout_s, timeout_s)
+    dog.enter_step(5)
+    dist.barrier()  # both are inside step 5
+    result: dict[str, Any] = {}
+    if rank == 0:
+        time.sleep(0.3)  # rank 1 publishes step 5 once more
+        os.kill(int(pids[1] or 0), signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            deadline = stopped + 4 * timeout_s
+            while not fired and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            os.kill(int(pids[1] or 0), signal.SIGCONT)
+        result = {
+            "message": fired[0][1] if fired else None,
+            "after_s": fired[0][0] - stopped if fired else None,
+        }
+    dist.barrier()
+    dog.stop()
+    return result

@@ -1,0 +1,610 @@
+"""The SFT training loop's basics: LR schedules, held-out loss, epochs, trackers, optional
+plot/TensorBoard, non-finite skips, the hang watchdog and the run's start-up output."""
+
+from __future__ import annotations
+
+import importlib.abc
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from _train_loop_workers import (
+    eval_loss_run,
+    run_sft_expecting_error,
+    run_sft_summary,
+    watchdog_names_a_sleeping_rank,
+    watchdog_names_a_stopped_rank,
+)
+from conftest import data_overrides
+from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
+from train_recipes.demo import DemoSplit, read_jsonl
+from train_recipes.schedule import (
+    build_lr_scheduler,
+    energon_train_samples,
+    linear_with_floor,
+    total_steps,
+)
+
+CLI = [sys.executable, "-m", "train_recipes.cli"]
+
+
+def _common(split: DemoSplit, out: Path, *extra: str) -> list[str]:
+    return [
+        *data_overrides(split),
+        f"train.output_dir={out}",
+        "train.log_every=1",
+        "train.checkpoint_every=0",
+        "train.eval_samples=0",
+        "train.tensorboard=false",
+        "train.export=false",
+        "train.device=cpu",
+        "data.micro_batch_size=8",
+        "data.shuffle=false",
+        *extra,
+    ]
+
+
+# ----------------------------------------------------------------------------------- schedules
+
+
+def _old_lr_lambda(warmup: int, total: int, floor: float) -> Any:
+    """sft.py's ``_lr_lambda`` as it was before the schedule moved to schedule.py (verbatim)."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return max(floor, 1.0 - (1.0 - floor) * progress)
+
+    return factor
+
+
+def _lrs(scheduler: Any, optimizer: torch.optim.Optimizer, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        out.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    return out
+
+
+def _optimizer(lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+
+
+@pytest.mark.parametrize(
+    ("warmup", "total", "floor"), [(30, 1000, 0.05), (5, 60, 0.1), (0, 7, 0.0)]
+)
+def test_default_schedule_is_the_old_lambda_bit_for_bit(
+    warmup: int, total: int, floor: float
+) -> None:
+    from train_recipes.config import OptimConfig
+
+    if warmup == 0:
+        # The old lambda divided by warmup only below it; 0 warm-up steps never reach that line.
+        assert linear_with_floor(warmup_steps=0, total_steps=total, min_lr_ratio=floor)(0) == 1.0
+    old, new = (
+        _old_lr_lambda(warmup, total, floor),
+        linear_with_floor(warmup_steps=warmup, total_steps=total, min_lr_ratio=floor),
+    )
+    assert [new(s) for s in range(total + 5)] == [old(s) for s in range(total + 5)]
+    optim = OptimConfig(lr=3e-3, warmup_steps=warmup, min_lr_ratio=floor)
+    opt_a, opt_b = _optimizer(3e-3), _optimizer(3e-3)
+    ref = torch.optim.lr_scheduler.LambdaLR(opt_a, old)
+    got = build_lr_scheduler(opt_b, optim, total_steps=total)
+    assert _lrs(got, opt_b, total + 3) == _lrs(ref, opt_a, total + 3)
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.05])
+def test_cosine_and_constant_match_get_scheduler_step_for_step(floor: float) -> None:
+    from transformers import get_scheduler
+
+    from train_recipes.config import OptimConfig
+
+    total, warmup = 50, 7
+    opt_a, opt_b = _optimizer(1e-3), _optimizer(1e-3)
+    if floor == 0.0:
+        ref = get_scheduler("cosine", opt_a, num_warmup_steps=warmup, num_training_steps=total)
+    else:
+        ref = get_scheduler(
+            "cosine_with_min_lr",
+            opt_a,
+            num_warmup_steps=warmup,
+            num_training_steps=total,
+            scheduler_specific_kwargs={"min_lr_rate": floor},
+        )
+    cosine = OptimConfig(lr=1e-3, warmup_steps=warmup, min_lr_ratio=floor, schedule="cosine")
+    got = build_lr_scheduler(opt_b, cosine, total_steps=total)
+    ref_lrs, got_lrs = _lrs(ref, opt_a, total + 2), _lrs(got, opt_b, total + 2)
+    assert got_lrs == ref_lrs
+    assert got_lrs[0] == 0.0 and max(got_lrs) == pytest.approx(1e-3)
+    assert got_lrs[total] == pytest.approx(1e-3 * floor, abs=1e-12)
+
+    opt_c, opt_d = _optimizer(1e-3), _optimizer(1e-3)
+    ref_c = get_scheduler("constant_with_warmup", opt_c, num_warmup_steps=warmup)
+    constant = OptimConfig(lr=1e-3, warmup_steps=warmup, schedule="constant")
+    got_c = build_lr_scheduler(opt_d, constant, total_steps=total)
+    assert _lrs(got_c, opt_d, total) == _lrs(ref_c, opt_c, total)
+
+
+def test_retrieval_and_sft_share_the_schedule() -> None:
+    """One implementation: neither recipe builds its own LambdaLR any more."""
+    import train_recipes.retrieval as retrieval
+    import train_recipes.sft as sft
+
+    for module in (retrieval, sft):
+        source = Path(module.__file__ or "").read_text()
+        assert "build_lr_scheduler(" in source and "LambdaLR" not in source, module.__name__
+
+
+# ----------------------------------------------------------------------------- held-out loss
+
+
+@pytest.mark.parametrize("layout", ["parallel.cp=1", "parallel.cp=2"])
+@pytest.mark.timeout(240)
+def test_logged_eval_loss_equals_a_float64_forward(
+    rank_pool: Any, demo_data: DemoSplit, tmp_path: Path, layout: str
+) -> None:
+    """2 ranks, 13 held-out chats in batches of 4 (dp=2: uneven, filler rows on one rank;
+    cp=2: every chat sharded over both ranks): the eval/loss logged at the last step equals the
+    float64 token-mean loss of the final model, each chat run alone (no padding) through the
+    unmodified HF model."""
+    from energon_sft import IGNORE_INDEX, SFTTaskEncoder, cook_chat
+    from train_recipes.demo import build_char_tokenizer
+
+    overrides = _common(
+        demo_data,
+        tmp_path / "run",
+        "train.steps=4",
+        "train.eval_every=2",
+        "train.eval_loss_samples=13",
+        "data.micro_batch_size=4",
+        layout,
+    )
+    out = rank_pool.run(2, eval_loss_run, overrides, timeout_s=200)[0]
+    logged = {r["step"]: r["eval/loss"] for r in out["rows"] if "eval/loss" in r}
+    assert sorted(logged) == [2, 4]
+    model = out["model"].to(torch.float64).eval()
+    tokenizer = build_char_tokenizer()
+    encoder = SFTTaskEncoder(
+        tokenizer, model_family="text", max_length=32, train_on="all_assistant"
+    )
+    total, tokens = torch.zeros((), dtype=torch.float64), 0
+    for i, row in enumerate(list(read_jsonl(demo_data.eval_jsonl))[:13]):
+        crude = {"json": row, "__key__": f"k{i}", "__restore_key__": (), "__sources__": ()}
+        sample = encoder.encode_chat(cook_chat(crude))
+        with torch.no_grad():
+            logits = model(input_ids=sample.input_ids[None]).logits[0]  # [S, V] float64
+        keep = sample.labels != IGNORE_INDEX
+        total += torch.nn.functional.cross_entropy(
+            logits[keep], sample.labels[keep], reduction="sum"
+        )
+        tokens += int(keep.sum())
+    reference = float(total / tokens)
+    assert logged[4] == pytest.approx(reference, rel=1e-5), (logged, reference)
+    assert logged[2] != pytest.approx(logged[4], rel=1e-6)  # it was evaluated twice, not copied
+    assert out["summary"]["eval_loss_last"] == logged[4]
+
+
+def test_eval_every_without_held_out_chats_is_refused(demo_data: DemoSplit) -> None:
+    config = load_config(
+        SFTConfig, None, [f"data.path={demo_data.energon_dir}", "train.eval_every=5"]
+    )
+    with pytest.raises(ConfigError, match=r"data\.eval_path") as err:
+        validate_sft(config, world_size=1)
+    assert err.value.key == "train.eval_every"
+
+
+# ------------------------------------------------------------------------------------ epochs
+
+
+def test_epochs_derive_the_step_count_and_exclude_steps(demo_data: DemoSplit) -> None:
+    assert energon_train_samples(demo_data.energon_dir) == 4000
+    base = [*data_overrides(demo_data), "data.micro_batch_size=16"]
+    config = load_config(
+        SFTConfig, None, [*base, "train.epochs=3", "train.gradient_accumulation_steps=5"]
+    )
+    validate_sft(config, world_size=2)
+    assert total_steps(config, dp=2) == 3 * (4000 // (2 * 16 * 5))  # 3 x 25
+    for bad, match in [
+        (["train.epochs=1", "train.steps=40"], "mutually exclusive"),
+        (["train.epochs=1", "data.packing=true"], "packed row"),
+        (["train.epochs=0"], ">= 1"),
+        (["train.epochs=1", "data.micro_batch_size=4096"], "less than one global batch"),
+    ]:
+        with pytest.raises(ConfigError, match=match) as err:
+            validate_sft(load_config(SFTConfig, None, [*base, *bad]), world_size=2)
+        assert err.value.key == "train.epochs"
+
+
+@pytest.mark.timeout(240)
+def test_an_epoch_run_trains_the_derived_steps(
+    rank_pool: Any, demo_data: DemoSplit, tmp_path: Path
+) -> None:
+    """4000 samples / (dp=2 x 50 x accumulation 2) = 20 steps per epoch."""
+    out = tmp_path / "epochs"
+    overrides = _common(
+        demo_data,
+        out,
+        "train.epochs=1",
+        "data.micro_batch_size=50",
+        "train.gradient_accumulation_steps=2",
+        "train.log_every=5",
+    )
+    summary = rank_pool.run(2, run_sft_summary, overrides, timeout_s=200)[0]
+    assert summary["steps"] == 20
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [5, 10, 15, 20]
+    saved = load_config(SFTConfig, out / "config.yaml")
+    assert (saved.train.steps, saved.train.epochs) == (20, 1)
+    validate_sft(saved, world_size=2)  # config.yaml says what trained, and is still valid
+
+
+# ------------------------------------------------------------------------------- import hooks
+
+
+class _Hide(importlib.abc.MetaPathFinder):
+    """Makes ``import NAME`` (and its submodules) fail as if NAME were not installed."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        if fullname.split(".")[0] in self.names or fullname in self.names:
+            raise ModuleNotFoundError(f"No module named {fullname!r} (hidden by the test)")
+        return None
+
+
+@pytest.fixture
+def hide(monkeypatch: pytest.MonkeyPatch) -> Any:
+    def apply(*names: str) -> None:
+        for mod in list(sys.modules):
+            if mod.split(".")[0] in names or mod in names:
+                monkeypatch.delitem(sys.modules, mod)
+        monkeypatch.setattr(sys, "meta_path", [_Hide(*names), *sys.meta_path])
+
+    return apply
+
+
+def test_missing_tracker_extra_is_a_one_line_config_error(hide: Any, demo_data: DemoSplit) -> None:
+    from train_recipes.preflight import check_extras
+    from train_recipes.trackers import open_trackers
+
+    hide("wandb", "mlflow")
+    for name in ("wandb", "mlflow"):
+        config = load_config(
+            SFTConfig, None, [*data_overrides(demo_data), f"train.loggers=[{name}]"]
+        )
+        validate_sft(config, world_size=1)
+        with pytest.raises(ConfigError, match=rf"train-recipes\[{name}\]") as err:
+            check_extras(config)  # the preflight, before any rank starts
+        assert err.value.key == "train.loggers" and "\n" not in str(err.value)
+        with pytest.raises(
+            ImportError, match=rf"^train.loggers lists '{name}'.*train-recipes\[{name}\]"
+        ):
+            open_trackers(Path("."), tensorboard=False, loggers=[name], run_name="r", config={})
+
+
+def test_missing_matplotlib_and_tensorboard_give_notices(
+    hide: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from train_recipes.metrics import RunLogger, loss_plot_or_notice, plot_loss
+
+    hide("matplotlib", "tensorboard", "torch.utils.tensorboard")
+    log = RunLogger(tmp_path, enabled=True, total_steps=2, tensorboard=True)
+    log.log(1, {"loss": 1.0, "loss_avg_window": 1.0})
+    log.close()
+    assert loss_plot_or_notice(tmp_path) is None
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.strip()]
+    assert len(lines) == 2, lines
+    assert "tensorboard is not installed" in lines[0] and "train-recipes[tensorboard]" in lines[0]
+    assert "matplotlib" in lines[1] and "train-recipes[plot]" in lines[1]
+    assert not (tmp_path / "tensorboard").exists() and not (tmp_path / "loss.png").exists()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 1.0
+    with pytest.raises(ImportError, match=r"train-recipes\[plot\]"):
+        plot_loss(tmp_path)
+
+
+class _Recorder:
+    """A stand-in module (or run object) that records every call made on it."""
+
+    def __init__(self, name: str, calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]]) -> None:
+        self._name, self._calls = name, calls
+
+    def __getattr__(self, attr: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._calls.append((f"{self._name}.{attr}", args, kwargs))
+            return _Recorder(f"{self._name}.{attr}()", self._calls)
+
+        return call
+
+
+def test_wandb_and_mlflow_receive_the_records(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from train_recipes.metrics import RunLogger
+
+    calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+    for name in ("wandb", "mlflow"):
+        fake = types.ModuleType(name)
+        recorder = _Recorder(name, calls)
+        fake.__getattr__ = recorder.__getattr__  # type: ignore[method-assign]
+        monkeypatch.setitem(sys.modules, name, fake)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    config = {"optim": {"lr": 0.003}, "train": {"steps": 2}}
+    log = RunLogger(
+        tmp_path / "run1",
+        enabled=True,
+        total_steps=2,
+        tensorboard=False,
+        loggers=("wandb", "mlflow"),
+        run_config=config,
+    )
+    log.log(1, {"loss": 2.5, "lr": 1e-3, "skipped": [1], "skipped_total": 1, "eval/recall@10": 0.5})
+    log.log(2, {"loss": float("nan")})  # nothing finite: not sent
+    log.close()
+    names = [c[0] for c in calls]
+    assert names == [
+        "wandb.init",
+        "mlflow.set_tracking_uri",
+        "mlflow.set_experiment",
+        "mlflow.start_run",
+        "mlflow.log_params",
+        "wandb.init().log",
+        "mlflow.log_metrics",
+        "wandb.init().finish",
+        "mlflow.end_run",
+    ]
+    by_name = {c[0]: c for c in calls}
+    init = by_name["wandb.init"][2]
+    assert init["project"] == "train-recipes" and init["name"] == "run1"
+    assert init["config"] == config and init["dir"] == str(tmp_path / "run1")
+    sent = {"loss": 2.5, "lr": 1e-3, "skipped_total": 1.0, "eval/recall@10": 0.5}
+    assert by_name["wandb.init().log"][1:] == ((sent,), {"step": 1})
+    mlflow_sent = {**sent, "eval/recall_10": 0.5}
+    del mlflow_sent["eval/recall@10"]
+    assert by_name["mlflow.log_metrics"][1:] == ((mlflow_sent,), {"step": 1})
+    assert by_name["mlflow.log_params"][1] == ({"optim.lr": "0.003", "train.steps": "2"},)
+    assert by_name["mlflow.set_tracking_uri"][1][0].endswith("run1/mlruns")
+
+
+# ------------------------------------------------------------------------------------- skips
+
+
+@pytest.mark.timeout(240)
+def test_lr_1e30_skips_19_of_20_steps_and_reports_them(
+    rank_pool: Any, demo_data: DemoSplit, tmp_path: Path
+) -> None:
+    out = tmp_path / "skips"
+    overrides = _common(
+        demo_data, out, "train.steps=20", "optim.lr=1e30", "train.max_consecutive_skips=0"
+    )
+    summary = rank_pool.run(2, run_sft_summary, overrides, timeout_s=200)[0]
+    assert summary["steps"] == 20
+    assert summary["skipped_steps"] == list(range(2, 21))
+    assert summary["device"] == "cpu (gloo)" and summary["attention"].startswith("sdpa")
+    assert list(summary["startup_s"]) == [
+        "building data",
+        "building model",
+        "wrapping",
+        "building loader",
+        "first step",
+    ]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["skipped"] for r in train_rows] == [[]] + [[s] for s in range(2, 21)]
+    assert [r["skipped_total"] for r in train_rows] == [0, *range(1, 20)]
+
+
+@pytest.mark.timeout(240)
+def test_nonfinite_raise_policy_is_the_engines(
+    rank_pool: Any, demo_data: DemoSplit, tmp_path: Path
+) -> None:
+    overrides = _common(
+        demo_data, tmp_path / "raise", "train.steps=5", "optim.lr=1e30", "optim.nonfinite=raise"
+    )
+    errors = rank_pool.run(2, run_sft_expecting_error, overrides, timeout_s=200)
+    assert all(e.startswith("NonFiniteGradientError") for e in errors), errors
+
+
+def test_skip_tracker_names_the_recipe_step_and_aborts() -> None:
+    from train_recipes.health import SkipTracker, TrainingAborted
+
+    class Result:
+        def __init__(self, skipped: bool) -> None:
+            self.skipped = skipped
+
+    said: list[int] = []
+    tracker = SkipTracker(3, on_skip=said.append)
+    tracker.observe(1, Result(False))  # type: ignore[arg-type]
+    tracker.observe(2, Result(True))  # type: ignore[arg-type]
+    assert said == []  # read one step late (no host sync on a fused optimizer)
+    tracker.observe(3, Result(False))  # type: ignore[arg-type]
+    assert said == [2]
+    tracker.observe(4, Result(True))  # type: ignore[arg-type]
+    tracker.observe(5, Result(True))  # type: ignore[arg-type]
+    tracker.observe(6, Result(True))  # type: ignore[arg-type]
+    assert tracker.new_since_last_call() == [2, 4, 5]
+    with pytest.raises(TrainingAborted, match=r"steps 4-6: 3 optimizer steps in a row"):
+        tracker.flush()
+    assert said == [2, 4, 5, 6]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["GLOO_SOCKET_IFNAME"] = env.get("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
+def _cli(split: DemoSplit, out: Path, *sets: str, nproc: int = 1) -> list[str]:
+    args = [*CLI, "sft", "--nproc-per-node", str(nproc), "--output-dir", str(out)]
+    for item in _common(split, out, *sets):
+        if not item.startswith("train.output_dir="):
+            args += ["--set", item]
+    return args
+
+
+@pytest.mark.timeout(200)
+def test_consecutive_skips_abort_with_one_line_after_clean_startup_output(
+    demo_data: DemoSplit, tmp_path: Path
+) -> None:
+    """One CLI run: the start-up header and phases, the held-out accuracy line on its own (no
+    progress bar yet), the skips named by their step, then the abort as one line, exit 1."""
+    done = subprocess.run(
+        _cli(
+            demo_data, tmp_path / "abort", "train.steps=40", "optim.lr=1e30", "train.eval_samples=8"
+        ),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = [x for x in done.stderr.splitlines() if x.startswith("train-recipes sft:")]
+    assert len(errors) == 1, done.stderr[-3000:]
+    assert "steps 2-11: 10 optimizer steps in a row" in errors[0]
+    assert "train.max_consecutive_skips=10" in errors[0]
+    assert "step 2: optimizer update skipped" in done.stdout
+    assert "step 12: optimizer" not in done.stdout
+    assert "skipped the update of step" not in done.stderr  # the engine's per-rank warning
+
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("sft: 1 ranks (dp=1, cp=1, tp=1, ddp) on cpu (gloo); attention sdpa")
+    assert [x.split(maxsplit=2)[:2] for x in lines[1:6]] == [
+        ["building", "data"],
+        ["building", "model"],
+        ["wrapping", lines[3].split()[1]],
+        ["building", "loader"],
+        ["held-out", "exact"],
+    ], lines[:8]
+    assert lines[5].startswith("held-out exact match before training: 0.0% (8 questions)")
+    assert lines[6].startswith("first step"), lines[:8]
+    # Nothing of a progress bar before the first step: the bar starts with the first step.
+    assert "it/s" not in "\n".join(lines[:7])
+
+
+def test_summary_names_device_attention_startup_and_skips(tmp_path: Path) -> None:
+    from train_recipes.summary import summary_table
+
+    summary = {
+        "accuracy_before": None,
+        "accuracy_after": None,
+        "world_size": 2,
+        "dp": 2,
+        "cp": 1,
+        "tp": 1,
+        "device": "cuda:0 (NVIDIA H200, nccl)",
+        "attention": "sdpa (backends cudnn, flash), bfloat16",
+        "startup_s": {"building data": 1.25, "first step": 3.0},
+        "steps": 20,
+        "skipped_steps": list(range(2, 21)),
+        "first_loss": 2.0,
+        "last_loss": float("nan"),
+        "eval_loss_first": 2.5,
+        "eval_loss_last": 2.25,
+    }
+    table = summary_table(summary, tmp_path, None, None).splitlines()
+    assert "device         cuda:0 (NVIDIA H200, nccl)" in table
+    assert "attention      sdpa (backends cudnn, flash), bfloat16" in table
+    assert "start-up       building data 1.2 s, first step 3.0 s" in table
+    assert "skipped        19 (steps 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, ...)" in table
+    assert "eval loss      2.5000 -> 2.2500 (held-out)" in table
+    assert "loss curve     -" in table
+
+
+# ------------------------------------------------------------------------------ hung ranks
+
+
+@pytest.mark.timeout(120)
+def test_watchdog_names_a_rank_that_does_not_arrive(rank_pool: Any) -> None:
+    """Rank 1 sleeps before step 5. The timeout is 3 s; the measured warm-up steps tighten the
+    limit to its floor (1 s here): rank 0's watchdog names rank 1 after that, not after 3 s."""
+    result = rank_pool.run(2, watchdog_names_a_sleeping_rank, 3.0, timeout_s=60)[0]
+    assert result["limit_s"] == 1.0
+    assert result["message"] is not None
+    assert "rank 1 (last seen at step 4) did not reach step 5" in result["message"]
+    assert "limit 1 s, train.collective_timeout_s=3" in result["message"]
+    assert 1.0 <= result["after_s"] < 2.5, result
+
+
+@pytest.mark.timeout(120)
+def test_watchdog_names_a_sigstopped_rank(rank_pool: Any) -> None:
+    """Rank 1 is SIGSTOPped inside step 5 (same step as rank 0): its heartbeat freezes."""
+    result = rank_pool.run(2, watchdog_names_a_stopped_rank, 3.0, timeout_s=60)[0]
+    assert result["message"] is not None
+    assert "rank 1 stopped responding" in result["message"], result
+    # Counted from its last heartbeat, which came at most one interval (0.1 s) before the stop.
+    assert 3.0 - 0.15 <= result["after_s"] < 8.0, result
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_stopped_rank_fails_the_run_naming_it(demo_data: DemoSplit, tmp_path: Path) -> None:
+    """End to end: 2 ranks through torchrun, rank 1 SIGSTOPped mid-run, collective timeout 8 s:
+    the run fails with one line naming rank 1, long before the 600 s default."""
+    import signal
+
+    out = tmp_path / "hang"
+    proc = subprocess.Popen(
+        _cli(demo_data, out, "train.steps=100000", "train.collective_timeout_s=8", nproc=2),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    rank1 = None
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            metrics = out / "metrics.jsonl"
+            if metrics.is_file() and metrics.read_text().count("\n") >= 6:
+                rank1 = _rank_pid(proc.pid, 1)
+                if rank1 is not None:
+                    break
+            time.sleep(0.2)
+        assert rank1 is not None, "the run did not reach step 6"
+        os.kill(rank1, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        line = proc.stderr.readline() if proc.stderr else ""
+        while line and "did not reach" not in line and "stopped responding" not in line:
+            line = proc.stderr.readline() if proc.stderr else ""
+        reported_after = time.monotonic() - stopped_at
+        os.kill(rank1, signal.SIGCONT)  # lets the launcher's SIGTERM end it
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    line = line.split("\r")[-1]  # a progress bar cleared before the line (not a terminal here)
+    assert line.startswith("train-recipes: rank 1"), line
+    assert "train.collective_timeout_s=8" in line, line
+    # The watchdog's limit (8 s) plus its heartbeat interval, before the group's own 13 s.
+    assert reported_after < 8 + 3, (reported_after, line)
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of the launcher's child process with RANK=rank (from /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if ppid == launcher and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
