@@ -218,7 +218,11 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
     config = resolve_length(config, dp=ctx.dp_size)  # train.epochs -> train.steps
     train = config.train
     clock = StartupClock(enabled=ctx.is_main)
-    device_line, attention = describe_device(ctx.device), attention_line(config)
+    device_line = describe_device(ctx.device)
+    attention = (
+        f"{attention_line(config)}; "
+        f"{attention_path(packed=config.data.packing, cp=ctx.cp_size, vlm=is_vlm(config))}"
+    )
     if ctx.is_main:
         print(header_line(ctx, config, device_line, attention), flush=True)
     clock.start("building data")
@@ -376,7 +380,6 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
 
     # Unpacked text without cp: causal SDPA without transformers' mask construction.
     fast_path = CausalFastPath(model) if not vlm and sharder is None else None
-    run_log.write(f"attention: {attention_path(packed=packed, cp=ctx.cp_size, vlm=vlm)}")
     batches = _forever(loader)
     accum = train.gradient_accumulation_steps
     last_loss: float | None = None
@@ -562,7 +565,7 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
             "eval_loss_first": eval_loss[0] if eval_loss else None,
             "eval_loss_last": eval_loss[-1] if eval_loss else None,
             "device": device_line,
-            "attention": f"{attention_path(packed=packed, cp=ctx.cp_size, vlm=vlm)}; {attention}",
+            "attention": attention,
             "startup_s": clock.phases,
         }
         write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2))
