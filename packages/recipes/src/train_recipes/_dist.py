@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
+import signal
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -144,6 +149,38 @@ def init_distributed(
         cp_size=cp,
         tp_size=tp,
     )
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(*, poll_s: float = 0.5) -> None:
+    """End this process (SIGKILL) as soon as the process that started it ends.
+
+    A rank started by a launcher (torch's elastic agent, torchrun) must not outlive it: an
+    orphaned rank keeps training and writing checkpoints beside the next job. On Linux the
+    kernel delivers the signal (``prctl(PR_SET_PDEATHSIG)``, also when the launcher is
+    SIGKILLed); elsewhere a daemon thread polls the parent PID every ``poll_s`` seconds.
+    """
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+        if armed:
+            if os.getppid() != parent:  # the launcher ended before the signal was armed
+                os.kill(os.getpid(), signal.SIGKILL)
+            return
+        logger.warning("prctl(PR_SET_PDEATHSIG) failed; watching the launcher's PID instead")
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
 
 
 def engine_dp_config(parallel: ParallelConfig) -> DDPConfig | FSDP2Config:

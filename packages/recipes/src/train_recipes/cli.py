@@ -15,6 +15,7 @@ from packaging.requirements import Requirement
 
 if TYPE_CHECKING:
     from train_recipes.config_commands import Recipe
+    from train_recipes.run_folder import RunLock
 
 # The library packages whose versions this distribution pins exactly.
 COMPONENTS = ("train-engine", "cp-sharder", "moe-dispatch", "vocab-parallel", "energon-sft")
@@ -135,40 +136,112 @@ def _load(args: argparse.Namespace, kind: str) -> object:
     return config
 
 
+# Set by a launching parent that holds the run folder's lock and has checked the folder, for
+# the ranks it starts (they must neither lock again nor see the lock file as a used folder).
+_GUARDED_ENV = "TRAIN_RECIPES_GUARDED_OUTPUT_DIR"
+
+
+def _guard_run_folder(
+    args: argparse.Namespace, config: object
+) -> tuple[RunLock | None, int | None]:
+    """Lock and check the run folder before any rank exists; returns (lock, exit code or None).
+
+    Done by the launching parent, or under a foreign launcher (torchrun) by rank 0 for the
+    lock, the folder check and --overwrite and by every rank for the resume plan (read-only),
+    so that all ranks agree on a finished run.
+    """
+    from train_recipes.config import SFTConfig
+    from train_recipes.resume import plan_resume
+    from train_recipes.run_folder import RunLock, check_output_dir, clear_run
+
+    out = Path(config.train.output_dir)  # type: ignore[attr-defined]
+    resume = bool(getattr(args, "resume", False))
+    if os.environ.get(_GUARDED_ENV) == str(out.resolve()):
+        return None, None
+    lock = RunLock(out).acquire() if os.environ.get("RANK", "0") == "0" else None
+    try:
+        if lock is not None:
+            inputs: list[tuple[str, str | None]] = []
+            if isinstance(config, SFTConfig):
+                inputs = [
+                    ("data.path", config.data.path),
+                    ("data.eval_path", config.data.eval_path),
+                    ("model.path", config.model.path),
+                ]
+            check_output_dir(out, resume=resume, overwrite=args.overwrite, inputs=inputs)
+            if args.overwrite:
+                removed = clear_run(out)
+                if removed:
+                    print(
+                        f"train-recipes {args.command}: --overwrite removed "
+                        f"{', '.join(removed)} from {out}",
+                        flush=True,
+                    )
+        if resume and isinstance(config, SFTConfig):
+            saved = plan_resume(config, world_size=_world_size(args))
+            if saved is not None and saved.step >= config.train.steps:
+                print(
+                    f"train-recipes sft: the run in {out} finished at step {saved.step} "
+                    f"(train.steps={config.train.steps}); nothing to resume (raise "
+                    "train.steps to train longer)",
+                    flush=True,
+                )
+                return lock, 0
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return lock, None
+
+
 def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from train_recipes.config import ConfigError
 
+    if _under_launcher():
+        from train_recipes._dist import die_with_parent
+
+        die_with_parent()  # a rank never outlives its launcher (no orphan keeps training)
     if args.nproc_per_node is None:
         args.nproc_per_node = _default_nproc(args.command, args.config)
+    lock = None
     try:
         config = _load(args, args.command)
+        lock, done = _guard_run_folder(args, config)
     except ConfigError as err:
         print(f"train-recipes {args.command}: {err}", file=sys.stderr)
         return 2
-    if args.nproc_per_node > 1 and not _under_launcher():
-        return _relaunch(args.nproc_per_node, _strip_nproc(argv))
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    from train_recipes.health import TrainingAborted
-
     try:
-        if args.command == "sft":
-            from train_recipes.config import SFTConfig
-            from train_recipes.sft import run_sft
+        if done is not None:
+            return done
+        if args.nproc_per_node > 1 and not _under_launcher():
+            out = Path(config.train.output_dir).resolve()  # type: ignore[attr-defined]
+            os.environ[_GUARDED_ENV] = str(out)
+            return _relaunch(args.nproc_per_node, _strip_nproc(argv))
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+        from train_recipes.health import TrainingAborted
 
-            assert isinstance(config, SFTConfig)
-            run_sft(config, resume=args.resume)
-        else:
-            from train_recipes.config import RetrievalConfig
-            from train_recipes.retrieval import run_retrieval
+        try:
+            if args.command == "sft":
+                from train_recipes.config import SFTConfig
+                from train_recipes.sft import run_sft
 
-            assert isinstance(config, RetrievalConfig)
-            run_retrieval(config)
-    except TrainingAborted as err:
-        # Every rank aborts at the same step; one line from rank 0 says why.
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"train-recipes {args.command}: {err}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+                assert isinstance(config, SFTConfig)
+                run_sft(config, resume=args.resume)
+            else:
+                from train_recipes.config import RetrievalConfig
+                from train_recipes.retrieval import run_retrieval
+
+                assert isinstance(config, RetrievalConfig)
+                run_retrieval(config)
+        except TrainingAborted as err:
+            # Every rank aborts at the same step; one line from rank 0 says why.
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"train-recipes {args.command}: {err}", file=sys.stderr, flush=True)
+            return 1
+        return 0
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _demo_data(args: argparse.Namespace) -> int:
@@ -235,7 +308,13 @@ def _config_show(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from train_recipes.export import export_checkpoint
 
-    print(export_checkpoint(args.checkpoint, args.out))
+    logging.basicConfig(level=logging.WARNING, format="train-recipes export: %(message)s")
+    try:
+        written = export_checkpoint(args.checkpoint, args.out)
+    except FileNotFoundError as err:
+        print(f"train-recipes export: {err}", file=sys.stderr)
+        return 2
+    print(written)
     return 0
 
 
@@ -260,6 +339,12 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="local ranks started through torch's elastic launcher (torchrun); default 1 "
         f"({DEMO_RANKS} for the embedded sft demo)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in a used --output-dir: delete the old run's files first (only a "
+        "run's own files; anything else in the folder is refused)",
     )
 
 
@@ -334,7 +419,11 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(handler=_config_show)
 
     export = commands.add_parser("export", help="write a checkpoint as a Hugging Face model")
-    export.add_argument("checkpoint", type=Path, help="<run>/checkpoints/step_NNNNNN")
+    export.add_argument(
+        "checkpoint",
+        type=Path,
+        help="a run folder (its newest complete checkpoint) or <run>/checkpoints/step_NNNNNN",
+    )
     export.add_argument("--out", type=Path, default=None, help="default <checkpoint>/hf_model")
     export.set_defaults(handler=_export)
     return parser

@@ -1,8 +1,14 @@
-"""`train-recipes export CHECKPOINT`: a saved Engine checkpoint -> a Hugging Face model folder."""
+"""`train-recipes export RUN|CHECKPOINT`: a saved Engine checkpoint -> a Hugging Face model folder.
+
+Given a run folder, the newest complete checkpoint is exported (the final step is always saved,
+so this is the trained model whatever ``train.export`` said); a checkpoint whose files fail
+their checksum is skipped for the previous one, with a message.
+"""
 
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +16,7 @@ import torch
 import yaml
 
 from train_recipes.config import SFTConfig, config_from_dict
+from train_recipes.run_folder import CHECKPOINT_DIR, CONFIG_FILE, publish_dir
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +36,16 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None)
     """Load an SFT checkpoint into the recipe's model in one process and save it in HF format.
 
     Args:
-        checkpoint: ``<run>/checkpoints/step_NNNNNN``.
-        out_dir: destination; default ``<checkpoint>/hf_model``.
+        checkpoint: a run folder (its newest complete checkpoint is taken) or
+            ``<run>/checkpoints/step_NNNNNN``.
+        out_dir: destination; default ``<checkpoint>/hf_model``. Written beside and moved in
+            whole, so a killed export never leaves a partial model where a loader would take it.
 
     Returns:
         The written directory (config.json, model.safetensors, tokenizer files).
+
+    Raises:
+        FileNotFoundError: no such checkpoint, or a run folder without a complete checkpoint.
     """
     from transformers import AutoTokenizer
 
@@ -48,10 +60,21 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None)
         is_vlm,
     )
 
-    ckpt = Path(checkpoint)
-    if not ckpt.is_dir():
-        raise FileNotFoundError(f"checkpoint {ckpt} does not exist")
-    run_dir = run_dir_of(ckpt)
+    given = Path(checkpoint)
+    if not given.is_dir():
+        raise FileNotFoundError(f"checkpoint {given} does not exist")
+    run_dir = run_dir_of(given)
+    if (given / CONFIG_FILE).is_file():  # a run folder: its complete checkpoints, newest first
+        from train_recipes.resume import complete_checkpoints
+
+        candidates = complete_checkpoints(given)
+        if not candidates:
+            raise FileNotFoundError(
+                f"{given} holds no complete checkpoint under {CHECKPOINT_DIR}/ (a run killed "
+                "before its first save); continue it with `train-recipes sft --resume`"
+            )
+    else:
+        candidates = [given]
     raw = yaml.safe_load((run_dir / "config.yaml").read_text())
     config = config_from_dict(SFTConfig, raw)
     init_distributed(device_preference="cpu", cp=1)
@@ -60,7 +83,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None)
     model = apply_lora(build_model(config, tokenizer), config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.optim.lr)
     engine = Engine(model, optimizer)
-    engine.load_checkpoint(ckpt)
+    ckpt = _load_newest(engine, candidates)
     out = Path(out_dir) if out_dir is not None else ckpt / "hf_model"
     processor: Any = tokenizer
     if is_vlm(config):
@@ -70,6 +93,21 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None)
             from transformers import AutoProcessor
 
             processor = AutoProcessor.from_pretrained(config.model.path)
-    written = export_hf(model, processor, out, is_main=True, lora_export=config.lora.export)
+    staging = out.with_name(out.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    written = export_hf(model, processor, staging, is_main=True, lora_export=config.lora.export)
     assert written is not None
-    return written
+    return publish_dir(written, out)
+
+
+def _load_newest(engine: Any, candidates: list[Path]) -> Path:
+    """Load the newest of ``candidates`` whose files pass their checksums; returns it."""
+    from train_recipes.resume import load_newest
+
+    loaded = load_newest(engine, candidates, say=logger.warning)
+    if loaded is None:
+        raise FileNotFoundError(
+            f"no checkpoint of {', '.join(str(c) for c in candidates)} loads (see the "
+            "checksum errors above)"
+        )
+    return loaded[0]

@@ -60,12 +60,13 @@ class RunLogger:
         if not enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
-        # A resumed run drops the records the crashed run wrote after its last checkpoint.
+        # A resumed run drops the records the crashed run wrote after its last checkpoint (and
+        # a line torn by a kill in the middle of an append).
         if self.path.is_file():
             kept = [
                 line
                 for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", -1) <= start_step
+                if (row := _parse(line)) is not None and row.get("step", -1) <= start_step
             ]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._trackers = open_trackers(
@@ -158,6 +159,14 @@ class StartupClock:
         return ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
 
 
+def _parse(line: str) -> dict[str, Any] | None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """Records of a metrics JSONL file (or of ``<run dir>/metrics.jsonl``)."""
     p = Path(path)
@@ -165,7 +174,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         p = p / METRICS_FILE
     if not p.is_file():
         raise FileNotFoundError(f"{p} does not exist; pass a run directory or its {METRICS_FILE}")
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return [row for line in p.read_text().splitlines() if (row := _parse(line)) is not None]
 
 
 def plot_loss(metrics: str | Path, out_png: str | Path | None = None) -> Path:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import re
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +21,7 @@ import yaml
 from torch import Tensor
 
 from train_recipes import _integrations as data_api
+from train_recipes import resume as checkpoints
 from train_recipes._dist import (
     RankContext,
     describe_device,
@@ -55,14 +54,22 @@ from train_recipes.modeling import (
     tokenizer_of,
     unwrap,
 )
+from train_recipes.run_folder import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    EXPORT_DIR,
+    publish_dir,
+    rank0_printer,
+    record_config_changes,
+    staging_dir,
+    write_atomic,
+)
 from train_recipes.schedule import build_lr_scheduler, resolve_length
 from train_recipes.summary import attention_line, header_line, summary_table
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = "checkpoints"
-EXPORT_DIR = "hf_model"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+__all__ = ["CHECKPOINT_DIR", "EXPORT_DIR", "SFTResult", "run_sft", "token_sum_loss"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -72,7 +79,7 @@ class SFTResult:
     Attributes:
         output_dir: the run directory.
         steps: optimizer steps done in total.
-        first_loss: the loss of the first logged step of this process.
+        first_loss: the loss of the first logged step of the run (also across resumes).
         last_loss: the loss of the last step.
         accuracy_before: held-out exact match before training (None when not measured).
         accuracy_after: held-out exact match after training.
@@ -88,26 +95,6 @@ class SFTResult:
     accuracy_after: float | None
     export_dir: Path | None
     model: torch.nn.Module
-
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of a run (saves are atomic: a listed one is whole)."""
-    root = Path(output_dir) / CHECKPOINT_DIR
-    if not root.is_dir():
-        return None
-    found = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and p.is_dir()
-    ]
-    return max(found)[1] if found else None
-
-
-def _prune_checkpoints(output_dir: Path, keep: int) -> None:
-    root = output_dir / CHECKPOINT_DIR
-    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
-    for _, path in found[:-keep] if keep > 0 else []:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _prepare_data(config: SFTConfig, ctx: RankContext, out_dir: Path) -> tuple[Path, Path | None]:
@@ -204,8 +191,9 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
 
     Args:
         config: a validated config.
-        resume: continue from the newest checkpoint in ``train.output_dir`` (fresh start when
-            there is none).
+        resume: continue from the newest complete checkpoint in ``train.output_dir`` (a clean
+            start, with a message, when there is none; a finished run returns at once). The
+            caller checks the folder first (``run_folder.check_output_dir``, under its lock).
 
     Returns:
         The run summary, identical on every rank.
@@ -241,14 +229,14 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
     out_dir = Path(train.output_dir)
     if ctx.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
     torch.manual_seed(train.seed)
 
     dataset_path, eval_path = _prepare_data(config, ctx, out_dir)
     processor = load_processor(config)
     tokenizer = tokenizer_of(processor)
-    if ctx.is_main:
-        processor.save_pretrained(out_dir / "tokenizer")
+    if ctx.is_main:  # written whole: `train-recipes export` reads it
+        processor.save_pretrained(staging := staging_dir(out_dir / "tokenizer"))
+        publish_dir(staging, out_dir / "tokenizer")
     clock.start("building model")
     model = apply_lora(build_model(config, tokenizer), config).to(ctx.device)
     model.train()
@@ -312,14 +300,36 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
         num_logical_shards=config.data.num_logical_shards,
     )
 
-    start_step = 0
-    accuracy_before: float | None = None
-    ckpt = latest_checkpoint(out_dir) if resume else None
-    if ckpt is not None:
-        extra = engine.load_checkpoint(ckpt)
-        loader.load_state_dict(extra["loader"])
-        start_step = int(extra["step"])
-        accuracy_before = extra.get("accuracy_before")
+    window = LossWindow(train.loss_window)
+    say = rank0_printer(ctx.is_main)  # before the progress bar exists
+    restored = (
+        checkpoints.restore(
+            engine, loader, window, config, dp_size=ctx.dp_size, is_main=ctx.is_main, say=say
+        )
+        if resume
+        else None
+    )
+    start_step = 0 if restored is None else restored.step
+    accuracy_before = None if restored is None else restored.accuracy_before
+    first_loss = None if restored is None else restored.first_loss
+    if start_step >= train.steps:
+        say(f"{out_dir} finished at step {start_step} (train.steps={train.steps}); nothing to do")
+        dist.barrier()
+        return SFTResult(
+            output_dir=out_dir,
+            steps=start_step,
+            first_loss=first_loss,
+            last_loss=None,
+            accuracy_before=accuracy_before,
+            accuracy_after=None,
+            export_dir=None,
+            model=unwrap(model),
+        )
+    if ctx.is_main:  # config.yaml says what trains from here on; the history, what changed when
+        write_atomic(out_dir / CONFIG_FILE, yaml.safe_dump(to_dict(config), sort_keys=False))
+        record_config_changes(
+            out_dir, step=start_step, changes={} if restored is None else restored.changes
+        )
     eval_rows: list[dict[str, Any]] = []
     if eval_path is not None and train.eval_samples > 0:
         from train_recipes.demo import read_jsonl
@@ -351,8 +361,8 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
         run_config=to_dict(config),
     )
     guards.callback(run_log.close_bar)  # an aborted run's error line must not land in the bar
-    if ckpt is not None:
-        run_log.write(f"resumed from {ckpt} at step {start_step}")
+    if restored is not None:
+        run_log.write(f"resumed from {restored.path} at step {start_step}")
     if eval_rows and start_step == 0:
         accuracy_before = exact_match_accuracy(
             unwrap(model),
@@ -370,10 +380,8 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
 
     # Unpacked text without cp: causal SDPA without transformers' mask construction.
     fast_path = CausalFastPath(model) if not vlm and sharder is None else None
-    window = LossWindow(train.loss_window)
     batches = _forever(loader)
     accum = train.gradient_accumulation_steps
-    first_loss: float | None = None
     last_loss: float | None = None
     seen = torch.zeros(2, dtype=torch.float64)  # [loss tokens, input tokens] since the last log
 
@@ -488,18 +496,20 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
             )
             run_log.log(step, {"eval/loss": eval_loss[-1]})
             run_log.write(f"step {step}: eval/loss {eval_loss[-1]:.4f} (held-out)")
-        if train.checkpoint_every and step % train.checkpoint_every == 0 and step < train.steps:
-            engine.save_checkpoint(
-                out_dir / CHECKPOINT_DIR / f"step_{step:06d}",
-                extra_state={
-                    "loader": loader.state_dict(),
-                    "step": step,
-                    "accuracy_before": accuracy_before,
-                },
+        # The last step is always saved: the trained weights never depend on train.export.
+        if step == train.steps or (train.checkpoint_every and step % train.checkpoint_every == 0):
+            checkpoints.save(
+                engine,
+                out_dir,
+                step=step,
+                loader=loader,
+                window=window,
+                config=config,
+                dp_size=ctx.dp_size,
+                accuracy_before=accuracy_before,
+                first_loss=first_loss,
+                is_main=ctx.is_main,
             )
-            if ctx.is_main:
-                _prune_checkpoints(out_dir, train.keep_checkpoints)
-            dist.barrier()
 
     skips.flush()
     if watchdog is not None:
@@ -521,14 +531,13 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
         )
         run_log.log(train.steps, {"eval/exact_match": accuracy_after})
     export_dir = None
-    if train.export:
-        export_dir = export_hf(
-            model,
-            processor,
-            out_dir / EXPORT_DIR,
-            is_main=ctx.is_main,
-            lora_export=config.lora.export,
+    if train.export:  # written beside, then moved in whole
+        staging = staging_dir(out_dir / EXPORT_DIR, clear=ctx.is_main)
+        written = export_hf(
+            model, processor, staging, is_main=ctx.is_main, lora_export=config.lora.export
         )
+        if written is not None:
+            export_dir = publish_dir(written, out_dir / EXPORT_DIR)
     run_log.close()
     result = SFTResult(
         output_dir=out_dir,
@@ -559,7 +568,7 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
             "attention": attention,
             "startup_s": clock.phases,
         }
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2))
         print(summary_table(summary, out_dir, png, export_dir), flush=True)
     dist.barrier()
     return result

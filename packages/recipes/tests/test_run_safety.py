@@ -1,0 +1,475 @@
+"""Run safety through the real CLI on tiny runs: the final step is saved, used folders are
+refused, a folder has one live job, ranks die with their launcher, config changes on resume are
+applied or refused, resume across dp sizes, and SIGKILL at any point then --resume is exact."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import data_overrides
+from train_recipes.demo import DemoSplit
+
+CLI = [sys.executable, "-m", "train_recipes.cli"]
+# 7 steps of a hidden-32 model: the import of torch and transformers is most of a run's time.
+TINY = [
+    "train.steps=7",
+    "train.log_every=1",
+    "train.checkpoint_every=5",
+    "train.keep_checkpoints=3",
+    "train.eval_samples=0",
+    "train.tensorboard=false",
+    "train.device=cpu",
+    "train.export=false",
+    "data.micro_batch_size=8",
+    "model.tiny.hidden_size=32",
+]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["GLOO_SOCKET_IFNAME"] = env.get("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
+def _cmd(
+    split: DemoSplit, out: Path, *sets: str, nproc: int = 1, flags: tuple[str, ...] = ()
+) -> list[str]:
+    """The arguments of ``train-recipes sft`` on the tiny run."""
+    args = ["sft", "--nproc-per-node", str(nproc), "--output-dir", str(out), *flags]
+    for item in [*data_overrides(split), *TINY, *sets]:
+        args += ["--set", item]
+    return args
+
+
+def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """The CLI in a fresh process."""
+    return subprocess.run(
+        [*CLI, *args], env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _main(capsys: pytest.CaptureFixture[str], args: list[str]) -> subprocess.CompletedProcess[str]:
+    """The CLI's entry point in this process: for refusals and checks that start no rank
+    (saves a process start; one test per check runs it as a real process too)."""
+    from train_recipes.cli import main
+
+    capsys.readouterr()
+    code = main(args)
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
+
+
+def _ok(done: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    return done
+
+
+def _one_line_error(done: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """Exit 2, one error line on stderr holding every needle, no traceback, no rank started
+    (the preflight's warnings, e.g. a warm-up longer than these tiny runs, are not errors)."""
+    lines = [
+        line for line in done.stderr.splitlines() if line.strip() and ": warning: " not in line
+    ]
+    assert done.returncode == 2, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+    assert len(lines) == 1, done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    assert "sft dp=" not in done.stdout + done.stderr, "a rank started"
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def _rows(run: Path) -> dict[int, dict[str, float]]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {r["step"]: r for r in rows if "loss" in r}
+
+
+def _checkpoints(run: Path) -> list[str]:
+    return sorted(p.name for p in (run / "checkpoints").iterdir())
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+def _assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+
+
+@pytest.fixture(scope="module")
+def finished_run(demo_data: DemoSplit, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 7-step run with checkpoint_every=5 and the end-of-run export (the live model)."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    _ok(_run(_cmd(demo_data, run, "train.export=true")))
+    return run
+
+
+def _copy(run: Path, dest: Path) -> Path:
+    shutil.copytree(run, dest, ignore=shutil.ignore_patterns(".lock"))
+    return dest
+
+
+def test_final_step_is_saved_and_export_takes_the_newest_complete(
+    finished_run: Path, demo_data: DemoSplit, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # checkpoint_every=5 and 7 steps: steps 5 and 7 (the last step is always saved).
+    assert _checkpoints(finished_run) == ["step_000005", "step_000007"]
+    run = _copy(finished_run, tmp_path / "run")
+    # An interrupted later save and a folder without its completion marker: never taken.
+    (run / "checkpoints" / "step_000009.tmp").mkdir()
+    (run / "checkpoints" / "step_000008").mkdir()
+    shutil.rmtree(run / "hf_model")  # as with train.export=false: only checkpoints remain
+    out = tmp_path / "exported"
+    done = _ok(_run(["export", str(run), "--out", str(out)]))
+    assert str(out) in done.stdout
+    # The final checkpoint holds the final weights: equal to the live model's export.
+    _assert_same_weights(out, finished_run / "hf_model")
+
+    # A corrupt newest checkpoint is named and skipped for the previous one (step 5).
+    distcp = sorted((run / "checkpoints" / "step_000007").rglob("*.distcp"))[0]
+    data = bytearray(distcp.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    distcp.write_bytes(bytes(data))
+    out5 = tmp_path / "exported-5"
+    fallback = _ok(_run(["export", str(run), "--out", str(out5)]))
+    assert distcp.name in fallback.stderr and "falling back" in fallback.stderr, fallback.stderr
+    final, step5 = _weights(finished_run / "hf_model"), _weights(out5)
+    assert final.keys() == step5.keys() and any(not torch.equal(final[k], step5[k]) for k in final)
+
+    # Resuming a finished run says so and exits 0 without replaying anything.
+    metrics = (run / "metrics.jsonl").read_bytes()
+    again = _ok(_main(capsys, _cmd(demo_data, run, flags=("--resume",))))
+    assert "finished at step 7" in again.stdout, again.stdout
+    assert "sft dp=" not in again.stdout + again.stderr
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+
+    # A run folder without a complete checkpoint: a one-line error.
+    empty = tmp_path / "killed-early"
+    (empty / "checkpoints" / "step_000002.tmp").mkdir(parents=True)
+    shutil.copy(run / "config.yaml", empty / "config.yaml")
+    shutil.copytree(run / "tokenizer", empty / "tokenizer")
+    failed = _main(capsys, ["export", str(empty)])
+    assert failed.returncode == 2 and "no complete checkpoint" in failed.stderr, failed.stderr
+    assert "Traceback" not in failed.stderr
+
+
+def test_used_folder_is_refused_and_overwrite_replaces_only_the_run(
+    finished_run: Path, demo_data: DemoSplit, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _copy(finished_run, tmp_path / "run")
+    fresh = _run(_cmd(demo_data, run))
+    _one_line_error(fresh, str(run), "--resume", "--overwrite")
+    both = _main(capsys, _cmd(demo_data, run, flags=("--resume", "--overwrite")))
+    _one_line_error(both, "--resume", "--overwrite")
+
+    # --overwrite never deletes what is not the run's: refused, nothing removed.
+    (run / "notes.txt").write_text("mine")
+    foreign = _main(capsys, _cmd(demo_data, run, flags=("--overwrite",)))
+    _one_line_error(foreign, "notes.txt", str(run))
+    assert (run / "notes.txt").is_file() and _checkpoints(run) == ["step_000005", "step_000007"]
+    (run / "notes.txt").unlink()
+
+    # --overwrite: the old run's checkpoints (higher steps) go; pruning sees only this run's.
+    _ok(
+        _run(
+            _cmd(
+                demo_data,
+                run,
+                "train.steps=4",
+                "train.checkpoint_every=2",
+                "train.keep_checkpoints=1",
+                flags=("--overwrite",),
+            )
+        )
+    )
+    assert _checkpoints(run) == ["step_000004"]
+    assert sorted(_rows(run)) == [1, 2, 3, 4]
+    assert not (run / "hf_model").exists()
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == 4
+
+
+def test_config_changes_on_resume_are_applied_or_refused(
+    finished_run: Path, demo_data: DemoSplit, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _copy(finished_run, tmp_path / "run")
+    config_before = (run / "config.yaml").read_text()
+    refused = _main(
+        capsys,
+        _cmd(
+            demo_data,
+            run,
+            "train.steps=10",
+            "data.micro_batch_size=4",
+            "train.seed=1",
+            flags=("--resume",),
+        ),
+    )
+    _one_line_error(refused, "data.micro_batch_size: 8 -> 4", "train.seed: 0 -> 1")
+    assert (run / "config.yaml").read_text() == config_before
+
+    applied = _ok(
+        _run(
+            _cmd(
+                demo_data,
+                run,
+                "train.steps=10",
+                "optim.lr=1e-3",
+                "train.gradient_accumulation_steps=2",
+                flags=("--resume",),
+            )
+        )
+    )
+    assert "resume applies optim.lr: 0.003 -> 0.001" in applied.stdout, applied.stdout
+    rows = _rows(run)
+    assert sorted(rows) == list(range(1, 11))
+    # Linear warm-up over 30 steps: the logged rate after step s is lr * (s + 1) / 30, with the
+    # new peak from the resume on (the checkpoint's base rate would give 3e-3), and the
+    # schedule advances once per optimizer step (not once per micro-batch).
+    for step in range(1, 11):
+        peak = 3e-3 if step <= 7 else 1e-3
+        assert rows[step]["lr"] == pytest.approx(peak * (step + 1) / 30, rel=1e-12), step
+    # Two micro-batches per step after the resume: twice the loss tokens.
+    before = sum(rows[s]["loss_tokens"] for s in range(1, 8)) / 7
+    after = sum(rows[s]["loss_tokens"] for s in range(8, 11)) / 3
+    assert 1.7 < after / before < 2.3, (before, after)
+    # The records continue across the resume: the window average and the first loss.
+    losses = [rows[s]["loss"] for s in range(1, 9)]
+    assert rows[8]["loss_avg_window"] == pytest.approx(sum(losses) / 8, rel=1e-12)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["first_loss"] == rows[1]["loss"]
+    # config.yaml says what trains now; the history says what changed when.
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert config["optim"]["lr"] == 1e-3 and config["train"]["gradient_accumulation_steps"] == 2
+    history = [json.loads(x) for x in (run / "config_history.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in history] == [7]
+    changes = history[0]["changes"]
+    assert changes.pop("train.output_dir")[1] == str(run)  # the copied folder
+    assert changes == {
+        "optim.lr": [0.003, 0.001],
+        "train.export": [True, False],
+        "train.gradient_accumulation_steps": [1, 2],
+        "train.steps": [7, 10],
+    }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux)")
+@pytest.mark.timeout(300)
+def test_ranks_die_with_their_launcher_and_a_live_run_folder_is_locked(
+    demo_data: DemoSplit, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from train_recipes.run_folder import RunLock
+
+    run = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [*CLI, *_cmd(demo_data, run, "train.steps=100000", "train.checkpoint_every=0", nproc=2)],
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 200
+        metrics = run / "metrics.jsonl"
+        while time.monotonic() < deadline and launcher.poll() is None:
+            if metrics.is_file() and metrics.read_text().count("\n") >= 2:
+                break
+            time.sleep(0.2)
+        assert launcher.poll() is None and metrics.is_file(), "the ranks did not start training"
+        ranks = _descendants(launcher.pid)
+        assert len(ranks) >= 2, ranks
+
+        # A second job into the live run's folder: one line naming the folder and the holder.
+        second = _main(capsys, _cmd(demo_data, run, flags=("--resume",)))
+        _one_line_error(second, str(run), f"PID {launcher.pid}")
+
+        os.kill(launcher.pid, signal.SIGKILL)  # the launcher alone
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in ranks if _alive(p)], "ranks outlived their launcher"
+        RunLock(run).acquire().release()  # the dead job's lock is gone
+    finally:
+        # The elastic agent starts its ranks in their own process groups: kill them by PID.
+        for pid in [launcher.pid, *ranks]:
+            with contextlib.suppress(OSError):
+                if b"train_recipes" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(300)
+def test_resume_on_another_dp_size_continues_the_same_losses(
+    rank_pool: object, demo_data: DemoSplit, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """2 ranks x accumulation 1 and 1 rank x accumulation 2 over 2 logical shards take the
+    same global batches: a run saved on 2 ranks continues on 1 with the same losses."""
+    from _recipes_workers import run_sft_on_rank
+
+    ref = tmp_path / "dp2"
+    sets = ["train.steps=6", "train.checkpoint_every=3", "data.num_logical_shards=2"]
+    rank_pool.run(  # type: ignore[attr-defined]
+        2,
+        run_sft_on_rank,
+        [*data_overrides(demo_data), *TINY, *sets, f"train.output_dir={ref}"],
+        [[3, 4]],
+        timeout_s=240,
+    )
+    ref_rows = _rows(ref)
+    run = _copy(ref, tmp_path / "dp1")
+    shutil.rmtree(run / "checkpoints" / "step_000006")  # as if killed after step 5
+
+    mismatched = _main(
+        capsys, _cmd(demo_data, run, *sets, "data.num_logical_shards=4", flags=("--resume",))
+    )
+    _one_line_error(mismatched, "data.num_logical_shards", "2 logical shards")
+
+    resumed = _ok(
+        _run(
+            _cmd(
+                demo_data,
+                run,
+                *sets,
+                "train.gradient_accumulation_steps=2",
+                flags=("--resume",),
+            )
+        )
+    )
+    assert "the same global batch" in resumed.stdout, resumed.stdout
+    rows = _rows(run)
+    assert sorted(rows) == list(range(1, 7))
+    for key in ("loss", "loss_avg_window"):
+        got = torch.tensor([rows[s][key] for s in range(4, 7)], dtype=torch.float64)
+        want = torch.tensor([ref_rows[s][key] for s in range(4, 7)], dtype=torch.float64)
+        torch.testing.assert_close(
+            got, want, rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k}: {m}"
+        )
+
+
+def _kill_when(
+    cmd: list[str], trigger: Callable[[], bool], log: Path, timeout: float = 200
+) -> None:
+    """Start ``cmd``, freeze it (SIGSTOP) the moment ``trigger()`` holds, then SIGKILL it."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [*CLI, *cmd], env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + timeout
+        while not trigger():
+            assert proc.poll() is None, f"the run ended before the kill point:\n{log.read_text()}"
+            assert time.monotonic() < deadline, "the kill point never came"
+            time.sleep(0.001)
+        os.killpg(proc.pid, signal.SIGSTOP)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def _assert_nothing_half_written(run: Path) -> None:
+    from train_recipes.resume import complete_checkpoints
+
+    root = run / "checkpoints"
+    plain = [p for p in root.iterdir() if "." not in p.name] if root.is_dir() else []
+    # Every checkpoint a reader can name is complete; the rest are .tmp/.old leftovers.
+    complete = {p.name for p in complete_checkpoints(run)}
+    newest = max((p.name for p in plain), default=None)
+    assert newest is None or newest in complete, (sorted(p.name for p in plain), complete)
+    if (run / "config.yaml").exists():
+        assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == 7
+    assert not (run / "hf_model").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigkill_at_any_point_then_resume_is_exact(
+    finished_run: Path, demo_data: DemoSplit, tmp_path: Path
+) -> None:
+    """Killed during the first checkpoint write (none complete: a clean start), during a later
+    write, and after a checkpoint; each --resume continues, and the run ends with the
+    uninterrupted run's losses, loss windows, summary and final weights, bit for bit."""
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    cmd = _cmd(demo_data, run, "train.checkpoint_every=2", "train.keep_checkpoints=2")
+    resume = [*cmd, "--resume"]
+
+    # 1. Frozen while step 2's save is in flight: its .tmp exists, the final name does not.
+    for _ in range(5):
+        shutil.rmtree(run, ignore_errors=True)
+        _kill_when(cmd, lambda: (ckpts / "step_000002.tmp").is_dir(), tmp_path / "1.log")
+        if not (ckpts / "step_000002").exists():
+            break
+    assert (ckpts / "step_000002.tmp").is_dir() and not (ckpts / "step_000002").exists()
+    _assert_nothing_half_written(run)
+
+    # 2. The resume starts clean (nothing complete) and is killed during step 4's save.
+    _kill_when(resume, lambda: (ckpts / "step_000004.tmp").is_dir(), tmp_path / "2.log")
+    assert "no complete checkpoint" in (tmp_path / "2.log").read_text()
+    _assert_nothing_half_written(run)
+
+    # 3. The next resume continues from step 2 (or 4) and is killed right after step 6's save.
+    _kill_when(resume, lambda: (ckpts / "step_000006").is_dir(), tmp_path / "3.log")
+    assert "resumed from" in (tmp_path / "3.log").read_text()
+    _assert_nothing_half_written(run)
+
+    # 4. The last resume finishes the run.
+    _ok(_run(resume))
+    got, want = _rows(run), _rows(finished_run)
+    assert sorted(got) == sorted(want) == list(range(1, 8))
+    for step in want:
+        for key in ("loss", "loss_avg_window", "lr", "grad_norm"):
+            assert got[step][key] == want[step][key], (step, key, got[step][key], want[step][key])
+    summary = json.loads((run / "summary.json").read_text())
+    reference = json.loads((finished_run / "summary.json").read_text())
+    assert (summary["first_loss"], summary["last_loss"]) == (
+        reference["first_loss"],
+        reference["last_loss"],
+    )
+    out = tmp_path / "exported"
+    _ok(_run(["export", str(run), "--out", str(out)]))
+    _assert_same_weights(out, finished_run / "hf_model")
