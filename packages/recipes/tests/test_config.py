@@ -105,7 +105,11 @@ def test_overrides_are_typed() -> None:
         (["model.tiny.num_heads=3"], 2, "model.tiny.num_heads"),
         (["parallel.cp=2", "data.packing=true"], 2, "data.packing"),
         (["parallel.tp=2"], 2, "parallel.tp"),
-        (["parallel.tp=2", "parallel.data_parallel=fsdp2"], 2, "model.tiny.tie_word_embeddings"),
+        (
+            ["parallel.tp=2", "parallel.data_parallel=fsdp2", "model.tiny.num_kv_heads=1"],
+            2,
+            "model.tiny.num_kv_heads",
+        ),
         (["parallel.tp=2", "parallel.cp=2"], 2, "parallel.tp"),
         (["data.demo=shapes"], 2, "data.model_family"),
         (["data.demo=shapes", "data.model_family=qwen2_5_vl", "parallel.cp=2"], 2, "parallel.cp"),

@@ -45,8 +45,8 @@ class TinyModelConfig:
         num_heads: attention heads (H must be divisible by it).
         num_kv_heads: key/value heads (grouped-query attention); must divide num_heads.
         intermediate_size: MLP width; None means 3*H.
-        tie_word_embeddings: share the input embedding with the output projection (must be
-            false for tp > 1, which shards the output projection alone).
+        tie_word_embeddings: share the input embedding with the output projection (kept
+            tied under tp > 1: both are sharded over the vocabulary).
     """
 
     hidden_size: int = 64
@@ -71,6 +71,9 @@ class ModelConfig:
             wrapping; parameter names and checkpoints are unchanged). Pays off on GPUs.
         sdpa_backends: scaled_dot_product_attention backends to allow, in priority order
             ("cudnn", "flash", "efficient", "math"); None leaves torch's choice.
+        activation_checkpointing: recompute each checkpointed decoder layer's activations in
+            backward instead of keeping them (less memory, about one more forward of compute).
+        activation_checkpointing_every: checkpoint decoder layers 0, k, 2k, ... (1: all).
     """
 
     path: str | None = None
@@ -79,6 +82,8 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     compile: bool = False
     sdpa_backends: tuple[Literal["cudnn", "flash", "efficient", "math"], ...] | None = None
+    activation_checkpointing: bool = False
+    activation_checkpointing_every: int = 1
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -182,7 +187,8 @@ class ParallelConfig:
     Attributes:
         data_parallel: "ddp" or "fsdp2".
         cp: context-parallel degree (cp-sharder); must divide the world size.
-        tp: tensor-parallel degree of the output projection (vocab-parallel loss).
+        tp: tensor-parallel degree of the whole model (attention heads, MLP, embedding and
+            output projection over the vocabulary; vocab-parallel loss). Needs fsdp2.
         ddp: DDP knobs.
         fsdp: FSDP2 knobs.
     """
@@ -687,22 +693,56 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
             "context parallelism for the VLM path (inputs_embeds sharding) is not wired into "
             "this recipe yet; use cp=1",
         )
+    if model.activation_checkpointing_every < 1:
+        raise ConfigError(
+            "model.activation_checkpointing_every",
+            f"must be >= 1 (1 checkpoints every decoder layer), got "
+            f"{model.activation_checkpointing_every}",
+        )
     if config.parallel.tp > 1:
-        if config.parallel.data_parallel != "fsdp2":
-            raise ConfigError(
-                "parallel.tp",
-                "tp > 1 (a vocab-sharded output projection, DTensor) needs "
-                "parallel.data_parallel=fsdp2; DDP does not take DTensor parameters",
-            )
-        if model.path is None and model.tiny.tie_word_embeddings:
-            raise ConfigError(
-                "model.tiny.tie_word_embeddings",
-                "tp > 1 shards the output projection alone; set tie_word_embeddings=false",
-            )
-        if vlm or config.lora.enabled:
-            raise ConfigError("parallel.tp", "tp > 1 is supported for text models without LoRA")
+        _check_tensor_parallel(config)
     if train.checkpoint_every < 0:
         raise ConfigError("train.checkpoint_every", f"must be >= 0, got {train.checkpoint_every}")
+
+
+def _check_tensor_parallel(config: SFTConfig) -> None:
+    """tp > 1: FSDP2, a model class with a TP plan, head counts divisible by tp, no LoRA."""
+    from train_recipes.tensor_parallel import SUPPORTED_ARCHITECTURES, tp_head_counts
+
+    tp, model = config.parallel.tp, config.model
+    if config.parallel.data_parallel != "fsdp2":
+        raise ConfigError(
+            "parallel.tp",
+            "tp > 1 (DTensor parameters) needs parallel.data_parallel=fsdp2; DDP does not take "
+            "DTensor parameters",
+        )
+    if config.lora.enabled:
+        raise ConfigError("parallel.tp", "tp > 1 is not supported with LoRA yet; use tp=1")
+    if model.path is None:
+        key = "model.tiny"
+        heads, kv_heads = model.tiny.num_heads, model.tiny.num_kv_heads
+    else:
+        import json
+
+        key = "model.path"
+        hf_config = json.loads((Path(model.path) / "config.json").read_text())
+        architecture = (hf_config.get("architectures") or ["<none in config.json>"])[0]
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                "parallel.tp",
+                f"tp > 1 has no tensor-parallel plan for {architecture} ({model.path}); "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (add one in "
+                "train_recipes.tensor_parallel), or use tp=1",
+            )
+        heads, kv_heads = tp_head_counts(hf_config)
+    for name, count in (("num_heads", heads), ("num_kv_heads", kv_heads)):
+        if count % tp:
+            raise ConfigError(
+                f"{key}.{name}" if model.path is None else "parallel.tp",
+                f"tp={tp} must divide the attention head counts (query heads {heads}, "
+                f"key/value heads {kv_heads}); each rank holds whole heads. Pick a tp that "
+                "divides both",
+            )
 
 
 def validate_retrieval(config: RetrievalConfig, *, world_size: int) -> None:

@@ -340,29 +340,6 @@ def _is_peft(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def apply_output_tp(model: nn.Module, tp_mesh: Any) -> nn.Module:
-    """Shard the output projection over the vocabulary (ColwiseParallel, logits Shard(-1)).
-
-    The logits stay a DTensor sharded on V, which vocab-parallel's losses consume without
-    gathering the vocabulary. The rest of the model is replicated over ``tp_mesh``.
-    """
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    config = getattr(model, "config", None)
-    if getattr(config, "tie_word_embeddings", False):
-        raise ValueError(
-            "tp > 1 shards lm_head alone but this model ties it to the input embedding "
-            "(config.tie_word_embeddings=True); use an untied model or tp=1"
-        )
-    parallelize_module(
-        model,
-        tp_mesh,
-        {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)},
-    )
-    return model
-
-
 def _full(logits: Any) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 

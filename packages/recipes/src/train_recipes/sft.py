@@ -23,15 +23,11 @@ import yaml
 from torch import Tensor
 
 from train_recipes import _integrations as data_api
-from train_recipes._dist import RankContext, engine_dp_config, init_distributed
+from train_recipes._dist import RankContext, init_distributed
 from train_recipes.config import SFTConfig, to_dict
 from train_recipes.metrics import RunLogger, plot_loss
 from train_recipes.modeling import (
     CausalFastPath,
-    apply_lora,
-    apply_output_tp,
-    build_model,
-    compile_decoder_layers,
     exact_match_accuracy,
     export_hf,
     is_vlm,
@@ -41,6 +37,7 @@ from train_recipes.modeling import (
     tokenizer_of,
     unwrap,
 )
+from train_recipes.parallelize import build_parallel_model
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +192,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
     Returns:
         The run summary, identical on every rank.
     """
-    from train_engine import Engine, LossWindow, apply_data_parallel, param_groups
+    from train_engine import Engine, LossWindow, param_groups
 
     train = config.train
     ctx = init_distributed(
@@ -212,18 +209,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
     tokenizer = tokenizer_of(processor)
     if ctx.is_main:
         processor.save_pretrained(out_dir / "tokenizer")
-    model = apply_lora(build_model(config, tokenizer), config).to(ctx.device)
-    model.train()
-    if config.model.compile:
-        compile_decoder_layers(model)
-    if ctx.tp_size > 1:
-        model = apply_output_tp(model, ctx.mesh["tp"])
-    model = apply_data_parallel(
-        model,
-        mesh=ctx.grad_mesh(),
-        config=engine_dp_config(config.parallel),
-        gradient_accumulation_steps=train.gradient_accumulation_steps,
-    )
+    model = build_parallel_model(config, tokenizer, ctx)
     optimizer = torch.optim.AdamW(
         param_groups(model, weight_decay=config.optim.weight_decay),
         lr=config.optim.lr,

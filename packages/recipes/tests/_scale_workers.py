@@ -1,0 +1,172 @@
+"""Tiny models and rank functions for the scaling tests (TP, activation checkpointing, sharded
+loading, streaming export); a light module: spawned ranks re-import it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 101  # odd: the vocabulary shards over tp=2 are uneven (51 + 50 rows)
+IMAGE_PAD, VISION_START, VISION_END = 98, 99, 100
+
+
+def tiny_hf_model(kind: str, *, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+    """A random-init transformers model of ``kind`` ("llama", "qwen3", "qwen2_5_vl")."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    common: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+    }
+    model: torch.nn.Module
+    if kind == "llama":
+        model = LlamaForCausalLM(
+            LlamaConfig(**common, tie_word_embeddings=False, attn_implementation="sdpa")
+        )
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(
+            Qwen3Config(**common, head_dim=16, tie_word_embeddings=True, attn_implementation="sdpa")
+        )
+    elif kind == "qwen2_5_vl":
+        config = Qwen2_5_VLConfig(
+            text_config={
+                **common,
+                "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]},
+                "tie_word_embeddings": True,
+            },
+            vision_config={
+                "depth": 1,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_heads": 2,
+                "patch_size": 14,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "out_hidden_size": 64,
+                "fullatt_block_indexes": [0],
+                "window_size": 56,
+                "in_channels": 3,
+            },
+            image_token_id=IMAGE_PAD,
+            vision_start_token_id=VISION_START,
+            vision_end_token_id=VISION_END,
+            tie_word_embeddings=True,
+            attn_implementation="sdpa",
+        )
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    else:
+        raise ValueError(kind)
+    return model.to(dtype)
+
+
+def save_tiny(kind: str, directory: Path, *, seed: int = 0) -> Path:
+    """save_pretrained a seeded tiny model (float32 on disk) into ``directory``."""
+    torch.manual_seed(seed)
+    model = tiny_hf_model(kind, dtype=torch.float32)
+    model.save_pretrained(directory)
+    return directory
+
+
+def batch_for(kind: str, *, seed: int = 1, dtype: torch.dtype = torch.float64) -> dict[str, Any]:
+    """Model inputs plus shifted ``labels`` [B, S] (-100 on the last position and images)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, IMAGE_PAD, (2, 12), generator=gen)
+    inputs: dict[str, Any] = {"input_ids": ids}
+    if kind == "qwen2_5_vl":
+        # One 56x56 image (4x4 patches of 14, merged 2x2: 4 placeholder tokens) in row 0.
+        ids[0, 2] = VISION_START
+        ids[0, 3:7] = IMAGE_PAD
+        ids[0, 7] = VISION_END
+        inputs["pixel_values"] = torch.randn(16, 3 * 2 * 14 * 14, generator=gen).to(dtype)
+        inputs["image_grid_thw"] = torch.tensor([[1, 4, 4]])
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    labels[(labels == IMAGE_PAD) | (labels == VISION_START)] = -100
+    inputs["labels"] = labels
+    return inputs
+
+
+def token_sum_loss_of(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    """-sum log p(label) through vocab-parallel (dense or ``Shard(-1)`` DTensor logits)."""
+    from vocab_parallel import token_log_probs
+
+    inputs = dict(batch)
+    labels = inputs.pop("labels")
+    logits = model(**inputs, use_cache=False).logits
+    return -token_log_probs(logits, labels).sum()
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient as a full plain tensor (DTensors gathered: collective)."""
+    out = {}
+    for name, param in model.named_parameters():
+        grad = param.grad
+        assert grad is not None, f"{name} got no gradient"
+        out[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+    return out
+
+
+def tp_loss_and_grads(rank: int, world_size: int, kind: str, model_dir: str) -> dict[str, Any]:
+    """Load the saved model (float64), shard it over tp=world, one forward and backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from train_recipes.tensor_parallel import apply_tensor_parallel
+
+    auto = AutoModelForImageTextToText if kind == "qwen2_5_vl" else AutoModelForCausalLM
+    model = auto.from_pretrained(model_dir, dtype=torch.float64)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    apply_tensor_parallel(model, mesh)
+    loss = token_sum_loss_of(model, batch_for(kind))
+    loss.backward()
+    local_q = (
+        model.get_submodule("model.language_model" if kind == "qwen2_5_vl" else "model")
+        .layers[0]
+        .self_attn.q_proj.weight.to_local()
+    )
+    return {
+        "loss": float(loss.detach()),
+        "grads": full_grads(model),
+        "local_q_rows": local_q.shape[0],
+    }
+
+
+def ac_under_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
+    """Loss and gradients of a tiny Llama with checkpointed + compiled decoder layers under
+    FSDP2 (float64); the test compares them with the plain model in one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from train_engine import FSDP2Config, apply_data_parallel
+    from train_recipes.checkpointing import apply_activation_checkpointing
+    from train_recipes.modeling import compile_decoder_layers
+
+    torch.manual_seed(0)
+    model = tiny_hf_model("llama")
+    names_before = list(model.state_dict())
+    checkpointed = apply_activation_checkpointing(model)
+    compile_decoder_layers(model, backend="aot_eager")
+    model = apply_data_parallel(
+        model, mesh=init_device_mesh("cpu", (world_size,)), config=FSDP2Config()
+    )
+    batch = batch_for("llama", seed=10 + rank)
+    loss = token_sum_loss_of(model, batch)
+    loss.backward()
+    return {
+        "checkpointed": checkpointed,
+        "names_unchanged": names_before == list(model.state_dict()),
+        "loss": float(loss.detach()),
+        "grads": full_grads(model),
+    }
