@@ -170,3 +170,80 @@ def ac_under_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
         "loss": float(loss.detach()),
         "grads": full_grads(model),
     }
+
+
+def _peak_rss_reset() -> int:
+    """Reset this process's peak RSS to its current RSS (Linux clear_refs 5); returns it (KiB)."""
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    return _status_kib("VmHWM")
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def sharded_load_on_rank(
+    rank: int, world_size: int, kind: str, model_dir: str, layout: str, probe: list[list[int]]
+) -> dict[str, Any]:
+    """Meta-init ``kind`` from ``model_dir``, shard it ("fsdp2" over the world, or "tp" over
+    the world then a 1-rank FSDP2), load it sharded; return the gathered state, the buffers,
+    the probe logits, the read statistics and the peak-RSS growth during the load."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from train_engine import FSDP2Config, apply_data_parallel
+    from train_recipes.loading import build_on_meta, load_sharded_safetensors
+    from train_recipes.tensor_parallel import apply_tensor_parallel
+
+    dims = (world_size, 1) if layout == "fsdp2" else (1, world_size)
+    mesh = init_device_mesh("cpu", dims, mesh_dim_names=("dp", "tp"))
+    model = build_on_meta(
+        model_dir,
+        dtype=torch.float32,
+        attn_implementation="sdpa",
+        image_text=kind == "qwen2_5_vl",
+    )
+    if layout == "tp":
+        apply_tensor_parallel(model, mesh["tp"])
+    model = apply_data_parallel(model, mesh=mesh["dp"], config=FSDP2Config())
+    before = _peak_rss_reset()
+    stats = load_sharded_safetensors(model, model_dir, device=torch.device("cpu"))
+    peak_growth = (_status_kib("VmHWM") - before) * 1024
+    state = {}
+    for name, value in model.state_dict().items():
+        state[name] = value.full_tensor() if hasattr(value, "full_tensor") else value
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(probe)).logits
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    return {
+        "state": state if rank == 0 else {},
+        "buffers": buffers if rank == 0 else {},
+        "logits": logits if rank == 0 else None,
+        "bytes_read": stats.bytes_read,
+        "file_bytes": stats.file_bytes,
+        "peak_growth": peak_growth,
+    }
+
+
+def save_medium_llama(directory: Path) -> Path:
+    """A ~35M-parameter float32 Llama (~140 MB on disk): large enough for the load's memory
+    to dominate the process's own."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    )
+    with torch.no_grad():
+        LlamaForCausalLM(config).save_pretrained(directory)
+    return directory

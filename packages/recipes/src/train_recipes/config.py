@@ -74,6 +74,9 @@ class ModelConfig:
         activation_checkpointing: recompute each checkpointed decoder layer's activations in
             backward instead of keeping them (less memory, about one more forward of compute).
         activation_checkpointing_every: checkpoint decoder layers 0, k, 2k, ... (1: all).
+        sharded_load: build ``path``'s model on the meta device, shard it (TP, FSDP2), then
+            read from its safetensors only each rank's slices. None: on with fsdp2 and a
+            ``path`` (no LoRA); false: ``from_pretrained`` on every rank.
     """
 
     path: str | None = None
@@ -84,6 +87,7 @@ class ModelConfig:
     sdpa_backends: tuple[Literal["cudnn", "flash", "efficient", "math"], ...] | None = None
     activation_checkpointing: bool = False
     activation_checkpointing_every: int = 1
+    sharded_load: bool | None = None
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -698,6 +702,12 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
             "model.activation_checkpointing_every",
             f"must be >= 1 (1 checkpoints every decoder layer), got "
             f"{model.activation_checkpointing_every}",
+        )
+    if model.sharded_load and (model.path is None or config.lora.enabled):
+        raise ConfigError(
+            "model.sharded_load",
+            "the sharded load reads a model folder's safetensors (needs model.path) and does "
+            "not combine with LoRA; set model.sharded_load=null or false",
         )
     if config.parallel.tp > 1:
         _check_tensor_parallel(config)
