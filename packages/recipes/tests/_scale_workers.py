@@ -247,3 +247,31 @@ def save_medium_llama(directory: Path) -> Path:
     with torch.no_grad():
         LlamaForCausalLM(config).save_pretrained(directory)
     return directory
+
+
+def export_on_rank(
+    rank: int, world_size: int, kind: str, model_dir: str, layout: str, out_dir: str
+) -> dict[str, Any]:
+    """Shard a saved model (FSDP2 over the world, or tp over the world), move its weights
+    away from the saved ones, stream-export it in small shards; return its probe logits."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from train_engine import FSDP2Config, apply_data_parallel
+    from train_recipes.streaming_export import export_streaming
+    from train_recipes.tensor_parallel import apply_tensor_parallel
+
+    dims = (world_size, 1) if layout == "fsdp2" else (1, world_size)
+    mesh = init_device_mesh("cpu", dims, mesh_dim_names=("dp", "tp"))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if layout == "tp":
+        apply_tensor_parallel(model, mesh["tp"])
+    model = apply_data_parallel(model, mesh=mesh["dp"], config=FSDP2Config())
+    with torch.no_grad():  # "training": every weight changes, identically on every rank
+        for param in model.parameters():
+            param.mul_(1.5).add_(0.01)
+    export_streaming(model, out_dir, max_shard_bytes=20_000)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[5, 17, 33, 2, 90, 41]])).logits
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    return {"logits": logits}

@@ -516,20 +516,6 @@ def exact_match_accuracy(
     return float(counts[0] / counts[1].clamp(min=1))
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The consolidated state dict of a plain, DDP or FSDP2 model on CPU (collective for FSDP2).
-
-    Only rank 0 gets the tensors for FSDP2 (others get an empty dict).
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    inner = unwrap(model)
-    state = get_model_state_dict(
-        inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
-
-
 def export_hf(
     model: nn.Module,
     tokenizer: Any,
@@ -540,7 +526,9 @@ def export_hf(
 ) -> Path | None:
     """Write the model in Hugging Face format (config + safetensors + tokenizer) on rank 0.
 
-    Collective for FSDP2 (the shards are gathered first). A peft LoRA model is written either
+    Collective under a process group: the weights are streamed shard by shard, each
+    safetensors file written by one rank (``streaming_export``), never gathered whole. A
+    peft LoRA model is written either
     merged into a plain model ("merged", from a copy: the live model keeps its adapters) or as
     the adapter alone ("adapter": adapter_config.json + adapter_model.safetensors, loadable with
     ``peft.PeftModel.from_pretrained(base, dir)``). Returns the directory on rank 0.
@@ -563,13 +551,11 @@ def export_hf(
         tokenizer.save_pretrained(out)
         logger.info("exported the LoRA model (%s) to %s", lora_export, out)
         return out
-    state = full_state_dict(model)
+    from train_recipes.streaming_export import export_streaming
+
+    out = export_streaming(unwrap(model), out_dir)
     if not is_main:
         return None
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    inner: Any = unwrap(model)
-    inner.save_pretrained(out, state_dict=state, safe_serialization=True)
     tokenizer.save_pretrained(out)
     logger.info("exported the model to %s", out)
     return out
