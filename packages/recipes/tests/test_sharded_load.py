@@ -74,7 +74,9 @@ def test_bfloat16_checkpoint_loads_bitwise_in_one_process(tmp_path: Path) -> Non
     from train_recipes.loading import build_on_meta, load_sharded_safetensors
 
     torch.manual_seed(0)
-    tiny_hf_model("qwen3", dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    saved: Any = tiny_hf_model("qwen3", dtype=torch.bfloat16)
+    saved.generation_config.max_length = 77  # not the default: must come from the folder
+    saved.save_pretrained(tmp_path / "bf16")
     model = build_on_meta(
         tmp_path / "bf16", dtype=torch.bfloat16, attn_implementation="sdpa", image_text=False
     )
@@ -87,6 +89,8 @@ def test_bfloat16_checkpoint_loads_bitwise_in_one_process(tmp_path: Path) -> Non
         assert torch.equal(model.state_dict()[name], value), name
     for name, value in eager.named_buffers():
         assert torch.equal(dict(model.named_buffers())[name], value), name
+    generation: Any = model
+    assert generation.generation_config.max_length == 77
 
 
 def test_missing_tensor_names_the_key_and_the_fix(tmp_path: Path) -> None:

@@ -203,6 +203,13 @@ def build_on_meta(
         model: nn.Module = auto.from_config(
             hf_config, dtype=dtype, attn_implementation=attn_implementation
         )
+    if (Path(folder) / "generation_config.json").is_file():
+        # from_config starts from defaults; keep the folder's own (end-of-turn ids, ...), as
+        # from_pretrained does, so that the export carries it on.
+        from transformers import GenerationConfig
+
+        generation: Any = model
+        generation.generation_config = GenerationConfig.from_pretrained(folder)
     return model
 
 
