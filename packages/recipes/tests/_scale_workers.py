@@ -275,3 +275,48 @@ def export_on_rank(
         logits = model(input_ids=torch.tensor([[5, 17, 33, 2, 90, 41]])).logits
         logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
     return {"logits": logits}
+
+
+def lora_fsdp2_on_rank(
+    rank: int, world_size: int, overrides: list[str], probe: list[list[int]], adapter_dir: str
+) -> dict[str, Any]:
+    """A LoRA SFT run under FSDP2 (merged export at the end of the run), then an adapter-only
+    export; every rank joins the forwards and exports (both are collective under FSDP2)."""
+    import json as json_module
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from train_recipes.config import SFTConfig, load_config, validate_sft
+    from train_recipes.demo import build_char_tokenizer
+    from train_recipes.modeling import build_model, export_hf
+    from train_recipes.sft import run_sft
+
+    config = load_config(SFTConfig, None, overrides)
+    validate_sft(config, world_size=world_size)
+    result = run_sft(config)
+    model: Any = result.model
+    with torch.no_grad():
+        model.eval()
+        logits = model(input_ids=torch.tensor(probe)).logits
+    export_hf(model, build_char_tokenizer(), adapter_dir, is_main=rank == 0, lora_export="adapter")
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if rank != 0:
+        return {}
+    torch.manual_seed(config.train.seed)
+    fresh = build_model(config, build_char_tokenizer()).state_dict()
+    prefix = "base_model.model."
+    base = {
+        k[len(prefix) :].replace(".base_layer", ""): v for k, v in state.items() if "lora_" not in k
+    }
+    rows = [
+        json_module.loads(x)
+        for x in (Path(config.train.output_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
+    return {
+        "losses": {r["step"]: r["loss"] for r in rows if "loss" in r},
+        "logits": logits,
+        "frozen_equal": all(torch.equal(fresh[k], v) for k, v in base.items() if k in fresh),
+        "compared": sum(k in fresh for k in base),
+        "trainable": [n for n, p in model.named_parameters() if p.requires_grad],
+        "export_dir": str(result.export_dir),
+    }

@@ -78,7 +78,7 @@ def test_tp_config_checks(tmp_path: Path) -> None:
     assert info.value.key == "model.tiny.num_kv_heads"
     with pytest.raises(ConfigError) as info:
         validate_sft(_tp_config("lora.enabled=true"), world_size=2)
-    assert info.value.key == "lora.enabled"
+    assert info.value.key == "parallel.tp"
     # A model folder: the architecture and the head counts come from its config.json.
     folder = tmp_path / "gpt2"
     folder.mkdir()

@@ -682,8 +682,6 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
         )
     if config.lora.enabled and config.parallel.cp > 1:
         raise ConfigError("lora.enabled", "LoRA is supported with cp=1 only in this version")
-    if config.lora.enabled and config.parallel.data_parallel == "fsdp2":
-        raise ConfigError("lora.enabled", "LoRA is supported with data_parallel='ddp' only")
     vlm = data.model_family == "qwen2_5_vl"
     if data.path is None and (data.demo == "shapes") != vlm:
         raise ConfigError(

@@ -535,22 +535,11 @@ def export_hf(
     """
     inner_model = unwrap(model)
     if _is_peft(inner_model):
-        if not is_main:
-            return None
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        peft_model: Any = inner_model
-        if lora_export == "adapter":
-            peft_model.save_pretrained(out, safe_serialization=True)
-        else:
-            import copy
+        from train_recipes.lora_export import export_lora
 
-            copy.deepcopy(peft_model).merge_and_unload().save_pretrained(
-                out, safe_serialization=True
-            )
-        tokenizer.save_pretrained(out)
-        logger.info("exported the LoRA model (%s) to %s", lora_export, out)
-        return out
+        return export_lora(
+            inner_model, tokenizer, out_dir, is_main=is_main, lora_export=lora_export
+        )
     from train_recipes.streaming_export import export_streaming
 
     out = export_streaming(unwrap(model), out_dir)
