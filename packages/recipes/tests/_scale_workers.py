@@ -280,7 +280,7 @@ def export_on_rank(
 def lora_fsdp2_on_rank(
     rank: int, world_size: int, overrides: list[str], probe: list[list[int]], adapter_dir: str
 ) -> dict[str, Any]:
-    """A LoRA SFT run under FSDP2 (merged export at the end of the run), then an adapter-only
+    """A LoRA SFT run under FSDP2 (dp or tp; merged export at the end of the run), then an adapter-only
     export; every rank joins the forwards and exports (both are collective under FSDP2)."""
     import json as json_module
 
@@ -298,6 +298,7 @@ def lora_fsdp2_on_rank(
     with torch.no_grad():
         model.eval()
         logits = model(input_ids=torch.tensor(probe)).logits
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
     export_hf(model, build_char_tokenizer(), adapter_dir, is_main=rank == 0, lora_export="adapter")
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     if rank != 0:
@@ -320,3 +321,47 @@ def lora_fsdp2_on_rank(
         "trainable": [n for n, p in model.named_parameters() if p.requires_grad],
         "export_dir": str(result.export_dir),
     }
+
+
+def lora_model(seed: int = 0) -> torch.nn.Module:
+    """The tiny float64 Llama with LoRA on every projection, both adapter matrices random (peft
+    starts B at zero, which would leave A without gradient)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        lora_dropout=0.0,
+        init_lora_weights=False,
+    )
+    model: torch.nn.Module = get_peft_model(tiny_hf_model("llama"), config)
+    return model
+
+
+def lora_tp_loss_and_grads(rank: int, world_size: int) -> dict[str, Any]:
+    """The LoRA model sharded over tp=world: loss and the adapters' full gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from train_recipes.tensor_parallel import apply_tensor_parallel
+
+    model = lora_model()
+    apply_tensor_parallel(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)))
+    loss = token_sum_loss_of(model, batch_for("llama"))
+    loss.backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            assert param.grad is not None, name
+            grad = param.grad
+            grads[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+    return {"loss": float(loss.detach()), "grads": grads}

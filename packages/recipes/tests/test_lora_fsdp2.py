@@ -1,5 +1,6 @@
-"""LoRA under FSDP2: only the adapters train, and the merged and adapter-only exports (gathered
-from the shards) reproduce the sharded model's logits."""
+"""LoRA under FSDP2 (dp=2, and tp=2): only the adapters train, and the merged and adapter-only
+exports (gathered from the shards) reproduce the sharded model's logits; at tp=2 the adapter
+gradients equal the single-process float64 model's."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ PROBE = [[3, 23, 24, 17, 25, 35, 5, 4]]
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("parallel", ["parallel.tp=1", "parallel.tp=2"])
 def test_lora_under_fsdp2_trains_adapters_and_exports(
-    rank_pool: Any, demo_data: Any, tmp_path: Path
+    rank_pool: Any, demo_data: Any, tmp_path: Path, parallel: str
 ) -> None:
     run = rank_pool.run(
         2,
@@ -28,6 +30,7 @@ def test_lora_under_fsdp2_trains_adapters_and_exports(
             *data_overrides(demo_data),
             f"train.output_dir={tmp_path / 'lora'}",
             "parallel.data_parallel=fsdp2",
+            parallel,
             "lora.enabled=true",
             "lora.export=merged",
             "optim.lr=1e-2",
@@ -65,3 +68,29 @@ def test_lora_under_fsdp2_trains_adapters_and_exports(
             torch.testing.assert_close(
                 model(input_ids=torch.tensor(PROBE)).logits, run["logits"], rtol=1e-4, atol=1e-4
             )
+
+
+@pytest.mark.timeout(300)
+def test_lora_at_tp2_matches_single_process_gradients(rank_pool: Any) -> None:
+    """Adapters on column- and row-parallel projections: the loss and every adapter gradient
+    at tp=2 equal the single-process float64 model's."""
+    from _scale_workers import batch_for, lora_model, lora_tp_loss_and_grads
+
+    results = rank_pool.run(2, lora_tp_loss_and_grads, timeout_s=240)
+    reference = lora_model()
+    batch = dict(batch_for("llama"))
+    labels = batch.pop("labels")
+    logits = reference(**batch, use_cache=False).logits
+    loss = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
+    loss.backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    assert len(ref_grads) == 2 * 7 * 2  # A and B, 7 projections, 2 layers
+    for rank, result in enumerate(results):
+        assert result["loss"] == pytest.approx(float(loss.detach()), rel=1e-6), rank
+        assert result["grads"].keys() == ref_grads.keys()
+        for name, grad in ref_grads.items():
+            scale = float(grad.abs().max())
+            err = float((result["grads"][name] - grad).abs().max())
+            assert scale > 0 and err <= 1e-6 * scale, f"{name}: error {err}, scale {scale}"

@@ -714,7 +714,7 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
 
 
 def _check_tensor_parallel(config: SFTConfig) -> None:
-    """tp > 1: FSDP2, a model class with a TP plan, head counts divisible by tp, no LoRA."""
+    """tp > 1: FSDP2, a model class with a TP plan, head counts divisible by tp."""
     from train_recipes.tensor_parallel import SUPPORTED_ARCHITECTURES, tp_head_counts
 
     tp, model = config.parallel.tp, config.model
@@ -724,8 +724,6 @@ def _check_tensor_parallel(config: SFTConfig) -> None:
             "tp > 1 (DTensor parameters) needs parallel.data_parallel=fsdp2; DDP does not take "
             "DTensor parameters",
         )
-    if config.lora.enabled:
-        raise ConfigError("parallel.tp", "tp > 1 is not supported with LoRA yet; use tp=1")
     if model.path is None:
         key = "model.tiny"
         heads, kv_heads = model.tiny.num_heads, model.tiny.num_kv_heads

@@ -114,7 +114,7 @@ def _get(model: nn.Module, path: str) -> nn.Module:
     return module
 
 
-def _check_no_partial_gradients(layer: nn.Module, plan: TPPlan) -> None:
+def _check_no_partial_gradients(layer: nn.Module, replicated: set[str]) -> None:
     """A plain parameter inside the sharded region would get only this rank's share of its
     gradient (silently wrong training): refuse any the plan does not declare replicated."""
     from torch.distributed.tensor import DTensor
@@ -122,7 +122,7 @@ def _check_no_partial_gradients(layer: nn.Module, plan: TPPlan) -> None:
     stray = [
         name
         for name, param in layer.named_parameters()
-        if not isinstance(param, DTensor) and name not in plan.replicated
+        if not isinstance(param, DTensor) and name not in replicated
     ]
     if stray:
         raise ValueError(
@@ -142,7 +142,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     projection is pointed back at the embedding's DTensor.
 
     Args:
-        model: a transformers model of a class in :data:`SUPPORTED_ARCHITECTURES`.
+        model: a transformers model of a class in :data:`SUPPORTED_ARCHITECTURES`, or a peft
+            LoRA model of one (adapters on the planned linears are sharded with them).
         tp_mesh: the 1-D tensor-parallel mesh (``RankContext.mesh["tp"]``).
 
     Returns:
@@ -159,9 +160,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         parallelize_module,
     )
 
-    plan = plan_for(type(model).__name__)
+    # A peft model: its base model's modules (LoRA layers replaced some linears in place).
+    wrapper: Any = model
+    base: Any = wrapper.get_base_model() if hasattr(wrapper, "get_base_model") else model
+    plan = plan_for(type(base).__name__)
     tp = tp_mesh.size()
-    config: Any = model.config
+    config: Any = base.config
     text_config = getattr(config, "text_config", None) or config
     heads = text_config.num_attention_heads
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
@@ -170,23 +174,42 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
             f"tensor parallelism over tp={tp} needs the query heads ({heads}) and key/value "
             f"heads ({kv_heads}) divisible by tp; pick a tp that divides both"
         )
-    text = _get(model, plan.text_model)
+    text = _get(base, plan.text_model)
     embed = text.get_submodule("embed_tokens")
-    head = _get(model, plan.lm_head)
+    head = _get(base, plan.lm_head)
     tied = head.weight is embed.weight
 
-    layer_plan: dict[str, Any] = {}
-    for name in plan.colwise:
-        layer_plan[name] = ColwiseParallel()
-    for name in plan.rowwise:
-        layer_plan[name] = RowwiseParallel()
-    for name in plan.head_norms:
-        # The input [B, S, heads_local, head_dim] is sharded over heads (dim 2).
-        layer_plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
     layers: Any = text.get_submodule("layers")
     for layer in layers:
+        layer_plan: dict[str, Any] = {}
+        replicated = set(plan.replicated)
+        for names, style, plain_side in (
+            (plan.colwise, ColwiseParallel, "lora_A"),
+            (plan.rowwise, RowwiseParallel, "lora_B"),
+        ):
+            for name in names:
+                module = layer.get_submodule(name)
+                if not hasattr(module, "base_layer"):
+                    layer_plan[name] = style()
+                    continue
+                # A peft LoRA layer: y = base(x) + B(A(x)) * scale. Column-parallel: base and B
+                # split the output features, A (in -> r) stays whole and gets the complete
+                # gradient (B's input gradient is all-reduced). Row-parallel: base and A split
+                # the input features, B (r -> out) sees the all-reduced A(x) and stays whole.
+                layer_plan[f"{name}.base_layer"] = style()
+                sharded_side = "lora_B" if plain_side == "lora_A" else "lora_A"
+                for adapter in getattr(module, sharded_side):
+                    layer_plan[f"{name}.{sharded_side}.{adapter}"] = style()
+                replicated |= {
+                    f"{name}.{plain_side}.{adapter}.{p}"
+                    for adapter, sub in getattr(module, plain_side).items()
+                    for p, _ in sub.named_parameters()
+                }
+        for name in plan.head_norms:
+            # The input [B, S, heads_local, head_dim] is sharded over heads (dim 2).
+            layer_plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(layer, tp_mesh, layer_plan)
-        _check_no_partial_gradients(layer, plan)
+        _check_no_partial_gradients(layer, replicated)
     parallelize_module(
         embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     )
