@@ -10,6 +10,10 @@ Variants (each in this process, one after the other; random init from a config):
   shape, 8.03B parameters), every layer checkpointed; FSDP2 reshards after forward. With
   ``--cpu-offload`` (used only if it does not fit otherwise) FSDP2 keeps parameters, gradients
   and optimizer state on the host.
+- ``load``: the 8B model saved in bf16 (safetensors, 5 GB shards) into ``--load-dir``, then loaded
+  onto the GPU twice in this process: ``from_pretrained`` + ``.to(cuda)`` + FSDP2, and the
+  recipe's meta-device build + FSDP2 + sharded load; seconds and peak host memory growth (VmHWM)
+  of each.
 
 Every variant: the recipe's parts (build_parallel_model's order: checkpointing, compiled decoder
 layers, FSDP2 with bf16 compute, fp32 master weights and fp32 gradient reduction), the
@@ -19,7 +23,8 @@ Median of CUDA-event step times after warm-up; model FLOPs per token = 6 * param
 shows as lower MFU); MFU against ``--peak-tflops`` (989: H100/H200 SXM dense bf16).
 
     python packages/recipes/bench/dense_8b.py --out dense_8b.json
-    python packages/recipes/bench/dense_8b.py --variants 8b+ac --batch 2 --seq 4096
+    python packages/recipes/bench/dense_8b.py --variants 8b+ac --batch 2 --seq 4096 --ac-every 2
+    python packages/recipes/bench/dense_8b.py --variants load --load-dir /tmp/llama8b
     python packages/recipes/bench/dense_8b.py --quick      # tiny models on the CPU (CI)
 """
 
@@ -29,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -49,6 +55,73 @@ SHAPES = {
 }
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
 VARIANTS = {"1.5b": ("1.5b", False), "1.5b+ac": ("1.5b", True), "8b+ac": ("8b", True)}
+
+
+def _vmhwm_bytes(reset: bool = False) -> int:
+    """This process's peak RSS (Linux); ``reset`` first lowers it to the current RSS."""
+    if reset:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def run_load(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    """from_pretrained vs the sharded load of the same checkpoint, on one rank."""
+    folder = args.load_dir or tempfile.mkdtemp(prefix="dense_8b_ckpt_")
+    try:
+        return _compare_loads(folder, args, device)
+    finally:
+        if args.load_dir is None:  # a checkpoint this run wrote for itself
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _compare_loads(
+    folder: str, args: argparse.Namespace, device: torch.device
+) -> list[dict[str, Any]]:
+    from transformers import AutoModelForCausalLM
+
+    from train_recipes.loading import build_on_meta, load_sharded_safetensors
+
+    shape = TINY if args.quick else SHAPES["8b"]
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        torch.manual_seed(0)
+        model = _model(shape, vocab=256 if args.quick else 128256, device=device)
+        model.to(torch.bfloat16).save_pretrained(folder, max_shard_size="5GB")
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    mesh = init_device_mesh(device.type, (1,))
+    rows = []
+    for name in ("from_pretrained", "sharded_load"):
+        base = _vmhwm_bytes(reset=True)
+        t0 = time.perf_counter()
+        if name == "from_pretrained":
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
+            model = apply_data_parallel(model, mesh=mesh, config=FSDP2Config())
+        else:
+            model = build_on_meta(
+                folder, dtype=torch.float32, attn_implementation="sdpa", image_text=False
+            )
+            model = apply_data_parallel(model, mesh=mesh, config=FSDP2Config())
+            load_sharded_safetensors(model, folder, device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t0
+        rows.append(
+            {
+                "variant": f"load:{name}",
+                "seconds": seconds,
+                "host_peak_growth_gib": (_vmhwm_bytes() - base) / 2**30,
+            }
+        )
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
 
 
 def _model(shape: dict[str, int], *, vocab: int, device: torch.device) -> torch.nn.Module:
@@ -77,7 +150,7 @@ def run_variant(name: str, args: argparse.Namespace, device: torch.device) -> di
     model = _model(shape, vocab=vocab, device=device)
     params = sum(p.numel() for p in model.parameters())
     if checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, every=args.ac_every)
     if args.compile:
         compile_decoder_layers(model, backend="inductor" if device.type == "cuda" else "aot_eager")
     big = shape_name == "8b"
@@ -157,6 +230,8 @@ def main() -> None:
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--cpu-offload", action="store_true", help="8B: FSDP2 CPU offload")
     parser.add_argument("--quick", action="store_true", help="tiny models on the CPU")
+    parser.add_argument("--ac-every", type=int, default=1, help="checkpoint every k-th layer")
+    parser.add_argument("--load-dir", default=None, help="load variant: checkpoint folder")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
     if args.quick:
@@ -176,6 +251,9 @@ def main() -> None:
     try:
         for name in args.variants.split(","):
             try:
+                if name == "load":
+                    rows.extend(run_load(args, device))
+                    continue
                 rows.append(run_variant(name, args, device))
             except torch.OutOfMemoryError:
                 rows.append({"variant": name, "error": "out of memory (try --cpu-offload)"})
@@ -188,6 +266,11 @@ def main() -> None:
         f"{'variant':10} {'params':>8} {'ms/step':>9} {'tokens/s':>10} {'MFU':>7} {'peak GiB':>9}"
     )
     for r in rows:
+        if "seconds" in r:
+            print(
+                f"{r['variant']:22} {r['seconds']:7.1f} s, host peak +{r['host_peak_growth_gib']:.2f} GiB"
+            )
+            continue
         if "error" in r:
             print(f"{r['variant']:10} {r['error']}")
             continue
@@ -204,6 +287,7 @@ def main() -> None:
             "batch": args.batch,
             "seq": args.seq,
             "compile": args.compile,
+            "ac_every": args.ac_every,
         }
         with open(args.out, "w") as handle:
             json.dump({"meta": meta, "rows": rows}, handle, indent=2)
