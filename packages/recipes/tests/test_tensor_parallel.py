@@ -77,6 +77,9 @@ def test_tp_config_checks(tmp_path: Path) -> None:
         )
     assert info.value.key == "model.tiny.num_kv_heads"
     validate_sft(_tp_config("lora.enabled=true"), world_size=2)  # LoRA adapters shard too
+    with pytest.raises(ConfigError) as info:
+        validate_sft(_tp_config("model.compile=true"), world_size=2)
+    assert info.value.key == "model.compile"
     # A model folder: the architecture and the head counts come from its config.json.
     folder = tmp_path / "gpt2"
     folder.mkdir()

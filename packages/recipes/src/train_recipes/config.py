@@ -724,6 +724,12 @@ def _check_tensor_parallel(config: SFTConfig) -> None:
             "tp > 1 (DTensor parameters) needs parallel.data_parallel=fsdp2; DDP does not take "
             "DTensor parameters",
         )
+    if model.compile:
+        raise ConfigError(
+            "model.compile",
+            "compiled decoder layers with tp > 1 (DTensor hooks inside the compiled region) "
+            "fail in backward with torch 2.15; set model.compile=false or parallel.tp=1",
+        )
     if model.path is None:
         key = "model.tiny"
         heads, kv_heads = model.tiny.num_heads, model.tiny.num_kv_heads
