@@ -105,11 +105,25 @@ def test_overrides_are_typed() -> None:
         (["model.path=/nonexistent/model"], 2, "model.path"),
         (["model.tiny.num_heads=3"], 2, "model.tiny.num_heads"),
         (["parallel.tp=2"], 2, "parallel.tp"),
-        (["parallel.tp=2", "parallel.data_parallel=fsdp2"], 2, "model.tiny.tie_word_embeddings"),
+        (
+            ["parallel.tp=2", "parallel.data_parallel=fsdp2", "model.tiny.num_kv_heads=1"],
+            2,
+            "model.tiny.num_kv_heads",
+        ),
         (["parallel.tp=2", "parallel.cp=2"], 2, "parallel.tp"),
         (["data.demo=shapes"], 2, "data.model_family"),
         (["data.model_family=no_such_family"], 2, "data.model_family"),
         (["data.num_logical_shards=3"], 2, "data.num_logical_shards"),
+        (
+            ["model.activation_checkpointing=true", "data.packing=true"],
+            2,
+            "model.activation_checkpointing",
+        ),
+        (
+            ["model.activation_checkpointing=true", "parallel.cp=2"],
+            2,
+            "model.activation_checkpointing",
+        ),
     ],
 )
 def test_bad_sft_config_names_the_key(overrides: list[str], world: int, key: str) -> None:

@@ -132,16 +132,14 @@ def test_vlm_demo_trains_on_two_ranks(
 
 
 @pytest.mark.timeout(300)
-def test_vocab_sharded_output_projection_matches_dp(
+def test_tensor_parallel_with_activation_checkpointing_matches_dp(
     rank_pool: object, demo_data: DemoSplit, tmp_path: Path
 ) -> None:
-    """tp=2 shards lm_head over the vocabulary (odd vocab: uneven shards) and the loss runs
-    on the sharded logits (vocab-parallel); it must follow the dp=2 losses (FSDP2, untied)."""
-    common = [
-        "parallel.data_parallel=fsdp2",
-        "model.tiny.tie_word_embeddings=false",
-        "train.export=true",
-    ]
+    """tp=2 shards the whole model (heads, MLP, the tied embedding and output projection over
+    an odd vocabulary: uneven shards) on the (dp=1, tp=2) mesh under FSDP2, with activation
+    checkpointing on, and the loss runs on the vocab-sharded logits; it must follow the dp=2
+    losses (FSDP2, no checkpointing), and the export must give the trained logits."""
+    common = ["parallel.data_parallel=fsdp2", "train.export=true"]
     dp_run = rank_pool.run(  # type: ignore[attr-defined]
         2,
         run_sft_on_rank,
@@ -156,6 +154,7 @@ def test_vocab_sharded_output_projection_matches_dp(
             *_common(demo_data, tmp_path / "tp2"),
             *common,
             "parallel.tp=2",
+            "model.activation_checkpointing=true",
             "train.gradient_accumulation_steps=2",
         ],
         PROBE,
@@ -169,7 +168,7 @@ def test_vocab_sharded_output_projection_matches_dp(
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tp_run["export_dir"]).eval()
-    assert not model.config.tie_word_embeddings
+    assert model.config.tie_word_embeddings
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(PROBE)).logits
     torch.testing.assert_close(logits, tp_run["logits"], rtol=1e-5, atol=1e-5)

@@ -59,8 +59,8 @@ class TinyModelConfig:
         num_heads: attention heads (H must be divisible by it).
         num_kv_heads: key/value heads (grouped-query attention); must divide num_heads.
         intermediate_size: MLP width; None means 3*H.
-        tie_word_embeddings: share the input embedding with the output projection (must be
-            false for tp > 1, which shards the output projection alone).
+        tie_word_embeddings: share the input embedding with the output projection (kept
+            tied under tp > 1: both are sharded over the vocabulary).
     """
 
     hidden_size: int = 64
@@ -85,6 +85,12 @@ class ModelConfig:
             wrapping; parameter names and checkpoints are unchanged). Pays off on GPUs.
         sdpa_backends: scaled_dot_product_attention backends to allow, in priority order
             ("cudnn", "flash", "efficient", "math"); None leaves torch's choice.
+        activation_checkpointing: recompute each checkpointed decoder layer's activations in
+            backward instead of keeping them (less memory, about one more forward of compute).
+        activation_checkpointing_every: checkpoint decoder layers 0, k, 2k, ... (1: all).
+        sharded_load: build ``path``'s model on the meta device, shard it (TP, FSDP2), then
+            read from its safetensors only each rank's slices. None: on with fsdp2 and a
+            ``path`` (no LoRA); false: ``from_pretrained`` on every rank.
     """
 
     path: str | None = None
@@ -93,6 +99,9 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     compile: bool = False
     sdpa_backends: tuple[Literal["cudnn", "flash", "efficient", "math"], ...] | None = None
+    activation_checkpointing: bool = False
+    activation_checkpointing_every: int = 1
+    sharded_load: bool | None = None
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -204,7 +213,8 @@ class ParallelConfig:
     Attributes:
         data_parallel: "ddp" or "fsdp2".
         cp: context-parallel degree (cp-sharder); must divide the world size.
-        tp: tensor-parallel degree of the output projection (vocab-parallel loss).
+        tp: tensor-parallel degree of the whole model (attention heads, MLP, embedding and
+            output projection over the vocabulary; vocab-parallel loss). Needs fsdp2.
         ddp: DDP knobs.
         fsdp: FSDP2 knobs.
     """
@@ -566,8 +576,6 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
         )
     if config.lora.enabled and config.parallel.cp > 1:
         raise ConfigError("lora.enabled", "LoRA is supported with cp=1 only in this version")
-    if config.lora.enabled and config.parallel.data_parallel == "fsdp2":
-        raise ConfigError("lora.enabled", "LoRA is supported with data_parallel='ddp' only")
     vlm = _family_takes_images(data.model_family)
     if data.path is None and (data.demo == "shapes") != vlm:
         raise ConfigError(
@@ -576,20 +584,29 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
             f"{'a vision model_family (qwen2_5_vl)' if data.demo == 'shapes' else 'model_family text'}"
             f", got {data.model_family!r}",
         )
+    if model.activation_checkpointing and (data.packing or config.parallel.cp > 1):
+        # The sharder's attention context covers the forward only; a checkpointed layer's
+        # recomputation in backward would run the model's own attention (wrong gradients).
+        raise ConfigError(
+            "model.activation_checkpointing",
+            "activation checkpointing does not combine with cp-sharder's attention yet "
+            "(data.packing=true or parallel.cp>1): the recomputation in backward runs outside "
+            "the sharder's context; set model.activation_checkpointing=false",
+        )
+    if model.activation_checkpointing_every < 1:
+        raise ConfigError(
+            "model.activation_checkpointing_every",
+            f"must be >= 1 (1 checkpoints every decoder layer), got "
+            f"{model.activation_checkpointing_every}",
+        )
+    if model.sharded_load and (model.path is None or config.lora.enabled):
+        raise ConfigError(
+            "model.sharded_load",
+            "the sharded load reads a model folder's safetensors (needs model.path) and does "
+            "not combine with LoRA; set model.sharded_load=null or false",
+        )
     if config.parallel.tp > 1:
-        if config.parallel.data_parallel != "fsdp2":
-            raise ConfigError(
-                "parallel.tp",
-                "tp > 1 (a vocab-sharded output projection, DTensor) needs "
-                "parallel.data_parallel=fsdp2; DDP does not take DTensor parameters",
-            )
-        if model.path is None and model.tiny.tie_word_embeddings:
-            raise ConfigError(
-                "model.tiny.tie_word_embeddings",
-                "tp > 1 shards the output projection alone; set tie_word_embeddings=false",
-            )
-        if vlm or config.lora.enabled:
-            raise ConfigError("parallel.tp", "tp > 1 is supported for text models without LoRA")
+        _check_tensor_parallel(config)
     if train.checkpoint_every < 0:
         raise ConfigError("train.checkpoint_every", f"must be >= 0, got {train.checkpoint_every}")
     _check_loop(config, world_size)
@@ -645,6 +662,50 @@ def _check_loop(config: SFTConfig, world_size: int) -> None:
         raise ConfigError(
             "train.collective_timeout_s", f"must be > 0 seconds, got {train.collective_timeout_s}"
         )
+
+
+def _check_tensor_parallel(config: SFTConfig) -> None:
+    """tp > 1: FSDP2, a model class with a TP plan, head counts divisible by tp."""
+    from train_recipes.tensor_parallel import SUPPORTED_ARCHITECTURES, tp_head_counts
+
+    tp, model = config.parallel.tp, config.model
+    if config.parallel.data_parallel != "fsdp2":
+        raise ConfigError(
+            "parallel.tp",
+            "tp > 1 (DTensor parameters) needs parallel.data_parallel=fsdp2; DDP does not take "
+            "DTensor parameters",
+        )
+    if model.compile:
+        raise ConfigError(
+            "model.compile",
+            "compiled decoder layers with tp > 1 (DTensor hooks inside the compiled region) "
+            "fail in backward with torch 2.15; set model.compile=false or parallel.tp=1",
+        )
+    if model.path is None:
+        key = "model.tiny"
+        heads, kv_heads = model.tiny.num_heads, model.tiny.num_kv_heads
+    else:
+        import json
+
+        key = "model.path"
+        hf_config = json.loads((Path(model.path) / "config.json").read_text())
+        architecture = (hf_config.get("architectures") or ["<none in config.json>"])[0]
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                "parallel.tp",
+                f"tp > 1 has no tensor-parallel plan for {architecture} ({model.path}); "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (add one in "
+                "train_recipes.tensor_parallel), or use tp=1",
+            )
+        heads, kv_heads = tp_head_counts(hf_config)
+    for name, count in (("num_heads", heads), ("num_kv_heads", kv_heads)):
+        if count % tp:
+            raise ConfigError(
+                f"{key}.{name}" if model.path is None else "parallel.tp",
+                f"tp={tp} must divide the attention head counts (query heads {heads}, "
+                f"key/value heads {kv_heads}); each rank holds whole heads. Pick a tp that "
+                "divides both",
+            )
 
 
 def validate_retrieval(config: RetrievalConfig, *, world_size: int) -> None:

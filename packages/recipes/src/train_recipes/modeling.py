@@ -361,29 +361,6 @@ def _is_peft(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def apply_output_tp(model: nn.Module, tp_mesh: Any) -> nn.Module:
-    """Shard the output projection over the vocabulary (ColwiseParallel, logits Shard(-1)).
-
-    The logits stay a DTensor sharded on V, which vocab-parallel's losses consume without
-    gathering the vocabulary. The rest of the model is replicated over ``tp_mesh``.
-    """
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    config = getattr(model, "config", None)
-    if getattr(config, "tie_word_embeddings", False):
-        raise ValueError(
-            "tp > 1 shards lm_head alone but this model ties it to the input embedding "
-            "(config.tie_word_embeddings=True); use an untied model or tp=1"
-        )
-    parallelize_module(
-        model,
-        tp_mesh,
-        {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)},
-    )
-    return model
-
-
 def _full(logits: Any) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -560,20 +537,6 @@ def exact_match_accuracy(
     return float(counts[0] / counts[1].clamp(min=1))
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The consolidated state dict of a plain, DDP or FSDP2 model on CPU (collective for FSDP2).
-
-    Only rank 0 gets the tensors for FSDP2 (others get an empty dict).
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    inner = unwrap(model)
-    state = get_model_state_dict(
-        inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
-
-
 def export_hf(
     model: nn.Module,
     tokenizer: Any,
@@ -584,36 +547,25 @@ def export_hf(
 ) -> Path | None:
     """Write the model in Hugging Face format (config + safetensors + tokenizer) on rank 0.
 
-    Collective for FSDP2 (the shards are gathered first). A peft LoRA model is written either
+    Collective under a process group: the weights are streamed shard by shard, each
+    safetensors file written by one rank (``streaming_export``), never gathered whole. A
+    peft LoRA model is written either
     merged into a plain model ("merged", from a copy: the live model keeps its adapters) or as
     the adapter alone ("adapter": adapter_config.json + adapter_model.safetensors, loadable with
     ``peft.PeftModel.from_pretrained(base, dir)``). Returns the directory on rank 0.
     """
     inner_model = unwrap(model)
     if _is_peft(inner_model):
-        if not is_main:
-            return None
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        peft_model: Any = inner_model
-        if lora_export == "adapter":
-            peft_model.save_pretrained(out, safe_serialization=True)
-        else:
-            import copy
+        from train_recipes.lora_export import export_lora
 
-            copy.deepcopy(peft_model).merge_and_unload().save_pretrained(
-                out, safe_serialization=True
-            )
-        tokenizer.save_pretrained(out)
-        logger.info("exported the LoRA model (%s) to %s", lora_export, out)
-        return out
-    state = full_state_dict(model)
+        return export_lora(
+            inner_model, tokenizer, out_dir, is_main=is_main, lora_export=lora_export
+        )
+    from train_recipes.streaming_export import export_streaming
+
+    out = export_streaming(unwrap(model), out_dir)
     if not is_main:
         return None
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    inner: Any = unwrap(model)
-    inner.save_pretrained(out, state_dict=state, safe_serialization=True)
     tokenizer.save_pretrained(out)
     logger.info("exported the model to %s", out)
     return out

@@ -25,7 +25,6 @@ from train_recipes import resume as checkpoints
 from train_recipes._dist import (
     RankContext,
     describe_device,
-    engine_dp_config,
     init_distributed,
     process_group_timeout_s,
 )
@@ -40,11 +39,7 @@ from train_recipes.health import (
 from train_recipes.metrics import RunLogger, StartupClock, loss_plot_or_notice
 from train_recipes.modeling import (
     CausalFastPath,
-    apply_lora,
-    apply_output_tp,
     attention_path,
-    build_model,
-    compile_decoder_layers,
     exact_match_accuracy,
     export_hf,
     is_vlm,
@@ -54,6 +49,7 @@ from train_recipes.modeling import (
     tokenizer_of,
     unwrap,
 )
+from train_recipes.parallelize import build_parallel_model
 from train_recipes.run_folder import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
@@ -207,7 +203,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
 
 
 def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -> SFTResult:
-    from train_engine import Engine, LossWindow, apply_data_parallel, param_groups
+    from train_engine import Engine, LossWindow, param_groups
 
     ctx = init_distributed(
         device_preference=config.train.device,
@@ -237,20 +233,8 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
     if ctx.is_main:  # written whole: `train-recipes export` reads it
         processor.save_pretrained(staging := staging_dir(out_dir / "tokenizer"))
         publish_dir(staging, out_dir / "tokenizer")
-    clock.start("building model")
-    model = apply_lora(build_model(config, tokenizer), config).to(ctx.device)
-    model.train()
-    if config.model.compile:
-        compile_decoder_layers(model)
-    clock.start("wrapping")
-    if ctx.tp_size > 1:
-        model = apply_output_tp(model, ctx.mesh["tp"])
-    model = apply_data_parallel(
-        model,
-        mesh=ctx.grad_mesh(),
-        config=engine_dp_config(config.parallel),
-        gradient_accumulation_steps=train.gradient_accumulation_steps,
-    )
+    clock.start("building and wrapping the model")
+    model = build_parallel_model(config, tokenizer, ctx)
     optimizer = torch.optim.AdamW(
         param_groups(model, weight_decay=config.optim.weight_decay),
         lr=config.optim.lr,

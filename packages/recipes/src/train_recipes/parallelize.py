@@ -1,0 +1,77 @@
+"""Build the SFT model and distribute it, in torchtitan's order: tensor parallelism, activation
+checkpointing, compile, then data parallelism (DDP or FSDP2 on the (dp, cp) gradient mesh)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from train_recipes._dist import RankContext, engine_dp_config
+from train_recipes.checkpointing import apply_activation_checkpointing
+from train_recipes.config import SFTConfig
+from train_recipes.loading import build_on_meta, load_sharded_safetensors
+from train_recipes.modeling import apply_lora, build_model, compile_decoder_layers, is_vlm
+from train_recipes.tensor_parallel import apply_tensor_parallel
+
+__all__ = ["build_parallel_model", "uses_sharded_load"]
+
+logger = logging.getLogger(__name__)
+
+
+def uses_sharded_load(config: SFTConfig) -> bool:
+    """``model.sharded_load``, with None resolved: on for a model folder under FSDP2, no LoRA."""
+    if config.model.sharded_load is not None:
+        return config.model.sharded_load
+    return (
+        config.model.path is not None
+        and config.parallel.data_parallel == "fsdp2"
+        and not config.lora.enabled
+    )
+
+
+def build_parallel_model(config: SFTConfig, tokenizer: Any, ctx: RankContext) -> nn.Module:
+    """The model of ``config`` on ``ctx.device``, sharded and wrapped for training.
+
+    Call after seeding (a random-init model's weights come from the global RNG). With
+    :func:`uses_sharded_load`, the model is built on the meta device, distributed, and then
+    each rank reads its own slices of ``model.path``'s safetensors.
+
+    Returns:
+        The DDP wrapper, or the model itself under FSDP2 (which works in place).
+    """
+    from train_engine import apply_data_parallel
+
+    sharded = uses_sharded_load(config)
+    if sharded:
+        assert config.model.path is not None  # validate_sft enforces it
+        model = build_on_meta(
+            config.model.path,
+            dtype=getattr(torch, config.model.dtype),
+            attn_implementation=config.model.attn_implementation,
+            image_text=is_vlm(config),
+        )
+    else:
+        model = apply_lora(build_model(config, tokenizer), config).to(ctx.device)
+    model.train()
+    if ctx.tp_size > 1:
+        model = apply_tensor_parallel(model, ctx.mesh["tp"])
+    if config.model.activation_checkpointing:
+        apply_activation_checkpointing(model, every=config.model.activation_checkpointing_every)
+    if config.model.compile:
+        compile_decoder_layers(model)
+    model = apply_data_parallel(
+        model,
+        mesh=ctx.grad_mesh(),
+        config=engine_dp_config(config.parallel),
+        gradient_accumulation_steps=config.train.gradient_accumulation_steps,
+    )
+    if sharded:
+        assert config.model.path is not None
+        stats = load_sharded_safetensors(model, config.model.path, device=ctx.device)
+        logger.info(
+            "rank %d read %.1f of %.1f MB", ctx.rank, stats.bytes_read / 1e6, stats.file_bytes / 1e6
+        )
+    return model

@@ -1,0 +1,367 @@
+"""Tiny models and rank functions for the scaling tests (TP, activation checkpointing, sharded
+loading, streaming export); a light module: spawned ranks re-import it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 101  # odd: the vocabulary shards over tp=2 are uneven (51 + 50 rows)
+IMAGE_PAD, VISION_START, VISION_END = 98, 99, 100
+
+
+def tiny_hf_model(kind: str, *, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+    """A random-init transformers model of ``kind`` ("llama", "qwen3", "qwen2_5_vl")."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    common: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+    }
+    model: torch.nn.Module
+    if kind == "llama":
+        model = LlamaForCausalLM(
+            LlamaConfig(**common, tie_word_embeddings=False, attn_implementation="sdpa")
+        )
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(
+            Qwen3Config(**common, head_dim=16, tie_word_embeddings=True, attn_implementation="sdpa")
+        )
+    elif kind == "qwen2_5_vl":
+        config = Qwen2_5_VLConfig(
+            text_config={
+                **common,
+                "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]},
+                "tie_word_embeddings": True,
+            },
+            vision_config={
+                "depth": 1,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_heads": 2,
+                "patch_size": 14,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "out_hidden_size": 64,
+                "fullatt_block_indexes": [0],
+                "window_size": 56,
+                "in_channels": 3,
+            },
+            image_token_id=IMAGE_PAD,
+            vision_start_token_id=VISION_START,
+            vision_end_token_id=VISION_END,
+            tie_word_embeddings=True,
+            attn_implementation="sdpa",
+        )
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    else:
+        raise ValueError(kind)
+    return model.to(dtype)
+
+
+def save_tiny(kind: str, directory: Path, *, seed: int = 0) -> Path:
+    """save_pretrained a seeded tiny model (float32 on disk) into ``directory``."""
+    torch.manual_seed(seed)
+    model = tiny_hf_model(kind, dtype=torch.float32)
+    model.save_pretrained(directory)
+    return directory
+
+
+def batch_for(kind: str, *, seed: int = 1, dtype: torch.dtype = torch.float64) -> dict[str, Any]:
+    """Model inputs plus shifted ``labels`` [B, S] (-100 on the last position and images)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, IMAGE_PAD, (2, 12), generator=gen)
+    inputs: dict[str, Any] = {"input_ids": ids}
+    if kind == "qwen2_5_vl":
+        # One 56x56 image (4x4 patches of 14, merged 2x2: 4 placeholder tokens) in row 0.
+        ids[0, 2] = VISION_START
+        ids[0, 3:7] = IMAGE_PAD
+        ids[0, 7] = VISION_END
+        inputs["pixel_values"] = torch.randn(16, 3 * 2 * 14 * 14, generator=gen).to(dtype)
+        inputs["image_grid_thw"] = torch.tensor([[1, 4, 4]])
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    labels[(labels == IMAGE_PAD) | (labels == VISION_START)] = -100
+    inputs["labels"] = labels
+    return inputs
+
+
+def token_sum_loss_of(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    """-sum log p(label) through vocab-parallel (dense or ``Shard(-1)`` DTensor logits)."""
+    from vocab_parallel import token_log_probs
+
+    inputs = dict(batch)
+    labels = inputs.pop("labels")
+    logits = model(**inputs, use_cache=False).logits
+    return -token_log_probs(logits, labels).sum()
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient as a full plain tensor (DTensors gathered: collective)."""
+    out = {}
+    for name, param in model.named_parameters():
+        grad = param.grad
+        assert grad is not None, f"{name} got no gradient"
+        out[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+    return out
+
+
+def tp_loss_and_grads(rank: int, world_size: int, kind: str, model_dir: str) -> dict[str, Any]:
+    """Load the saved model (float64), shard it over tp=world, one forward and backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from train_recipes.tensor_parallel import apply_tensor_parallel
+
+    auto = AutoModelForImageTextToText if kind == "qwen2_5_vl" else AutoModelForCausalLM
+    model = auto.from_pretrained(model_dir, dtype=torch.float64)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    apply_tensor_parallel(model, mesh)
+    loss = token_sum_loss_of(model, batch_for(kind))
+    loss.backward()
+    local_q = (
+        model.get_submodule("model.language_model" if kind == "qwen2_5_vl" else "model")
+        .layers[0]
+        .self_attn.q_proj.weight.to_local()
+    )
+    return {
+        "loss": float(loss.detach()),
+        "grads": full_grads(model),
+        "local_q_rows": local_q.shape[0],
+    }
+
+
+def ac_under_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
+    """Loss and gradients of a tiny Llama with checkpointed + compiled decoder layers under
+    FSDP2 (float64); the test compares them with the plain model in one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from train_engine import FSDP2Config, apply_data_parallel
+    from train_recipes.checkpointing import apply_activation_checkpointing
+    from train_recipes.modeling import compile_decoder_layers
+
+    torch.manual_seed(0)
+    model = tiny_hf_model("llama")
+    names_before = list(model.state_dict())
+    checkpointed = apply_activation_checkpointing(model)
+    compile_decoder_layers(model, backend="aot_eager")
+    model = apply_data_parallel(
+        model, mesh=init_device_mesh("cpu", (world_size,)), config=FSDP2Config()
+    )
+    batch = batch_for("llama", seed=10 + rank)
+    loss = token_sum_loss_of(model, batch)
+    loss.backward()
+    return {
+        "checkpointed": checkpointed,
+        "names_unchanged": names_before == list(model.state_dict()),
+        "loss": float(loss.detach()),
+        "grads": full_grads(model),
+    }
+
+
+def _peak_rss_reset() -> int:
+    """Reset this process's peak RSS to its current RSS (Linux clear_refs 5); returns it (KiB)."""
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    return _status_kib("VmHWM")
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def sharded_load_on_rank(
+    rank: int, world_size: int, kind: str, model_dir: str, layout: str, probe: list[list[int]]
+) -> dict[str, Any]:
+    """Meta-init ``kind`` from ``model_dir``, shard it ("fsdp2" over the world, or "tp" over
+    the world then a 1-rank FSDP2), load it sharded; return the gathered state, the buffers,
+    the probe logits, the read statistics and the peak-RSS growth during the load."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from train_engine import FSDP2Config, apply_data_parallel
+    from train_recipes.loading import build_on_meta, load_sharded_safetensors
+    from train_recipes.tensor_parallel import apply_tensor_parallel
+
+    dims = (world_size, 1) if layout == "fsdp2" else (1, world_size)
+    mesh = init_device_mesh("cpu", dims, mesh_dim_names=("dp", "tp"))
+    model = build_on_meta(
+        model_dir,
+        dtype=torch.float32,
+        attn_implementation="sdpa",
+        image_text=kind == "qwen2_5_vl",
+    )
+    if layout == "tp":
+        apply_tensor_parallel(model, mesh["tp"])
+    model = apply_data_parallel(model, mesh=mesh["dp"], config=FSDP2Config())
+    before = _peak_rss_reset()
+    stats = load_sharded_safetensors(model, model_dir, device=torch.device("cpu"))
+    peak_growth = (_status_kib("VmHWM") - before) * 1024
+    state = {}
+    for name, value in model.state_dict().items():
+        state[name] = value.full_tensor() if hasattr(value, "full_tensor") else value
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(probe)).logits
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    return {
+        "state": state if rank == 0 else {},
+        "buffers": buffers if rank == 0 else {},
+        "logits": logits if rank == 0 else None,
+        "bytes_read": stats.bytes_read,
+        "file_bytes": stats.file_bytes,
+        "peak_growth": peak_growth,
+    }
+
+
+def save_medium_llama(directory: Path) -> Path:
+    """A ~35M-parameter float32 Llama (~140 MB on disk): large enough for the load's memory
+    to dominate the process's own."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    )
+    with torch.no_grad():
+        LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def export_on_rank(
+    rank: int, world_size: int, kind: str, model_dir: str, layout: str, out_dir: str
+) -> dict[str, Any]:
+    """Shard a saved model (FSDP2 over the world, or tp over the world), move its weights
+    away from the saved ones, stream-export it in small shards; return its probe logits."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from train_engine import FSDP2Config, apply_data_parallel
+    from train_recipes.streaming_export import export_streaming
+    from train_recipes.tensor_parallel import apply_tensor_parallel
+
+    dims = (world_size, 1) if layout == "fsdp2" else (1, world_size)
+    mesh = init_device_mesh("cpu", dims, mesh_dim_names=("dp", "tp"))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if layout == "tp":
+        apply_tensor_parallel(model, mesh["tp"])
+    model = apply_data_parallel(model, mesh=mesh["dp"], config=FSDP2Config())
+    with torch.no_grad():  # "training": every weight changes, identically on every rank
+        for param in model.parameters():
+            param.mul_(1.5).add_(0.01)
+    export_streaming(model, out_dir, max_shard_bytes=20_000)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[5, 17, 33, 2, 90, 41]])).logits
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    return {"logits": logits}
+
+
+def lora_fsdp2_on_rank(
+    rank: int, world_size: int, overrides: list[str], probe: list[list[int]], adapter_dir: str
+) -> dict[str, Any]:
+    """A LoRA SFT run under FSDP2 (dp or tp; merged export at the end of the run), then an adapter-only
+    export; every rank joins the forwards and exports (both are collective under FSDP2)."""
+    import json as json_module
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from train_recipes.config import SFTConfig, load_config, validate_sft
+    from train_recipes.demo import build_char_tokenizer
+    from train_recipes.modeling import build_model, export_hf
+    from train_recipes.sft import run_sft
+
+    config = load_config(SFTConfig, None, overrides)
+    validate_sft(config, world_size=world_size)
+    result = run_sft(config)
+    model: Any = result.model
+    with torch.no_grad():
+        model.eval()
+        logits = model(input_ids=torch.tensor(probe)).logits
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    export_hf(model, build_char_tokenizer(), adapter_dir, is_main=rank == 0, lora_export="adapter")
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if rank != 0:
+        return {}
+    torch.manual_seed(config.train.seed)
+    fresh = build_model(config, build_char_tokenizer()).state_dict()
+    prefix = "base_model.model."
+    base = {
+        k[len(prefix) :].replace(".base_layer", ""): v for k, v in state.items() if "lora_" not in k
+    }
+    rows = [
+        json_module.loads(x)
+        for x in (Path(config.train.output_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
+    return {
+        "losses": {r["step"]: r["loss"] for r in rows if "loss" in r},
+        "logits": logits,
+        "frozen_equal": all(torch.equal(fresh[k], v) for k, v in base.items() if k in fresh),
+        "compared": sum(k in fresh for k in base),
+        "trainable": [n for n, p in model.named_parameters() if p.requires_grad],
+        "export_dir": str(result.export_dir),
+    }
+
+
+def lora_model(seed: int = 0) -> torch.nn.Module:
+    """The tiny float64 Llama with LoRA on every projection, both adapter matrices random (peft
+    starts B at zero, which would leave A without gradient)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        lora_dropout=0.0,
+        init_lora_weights=False,
+    )
+    model: torch.nn.Module = get_peft_model(tiny_hf_model("llama"), config)
+    return model
+
+
+def lora_tp_loss_and_grads(rank: int, world_size: int) -> dict[str, Any]:
+    """The LoRA model sharded over tp=world: loss and the adapters' full gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from train_recipes.tensor_parallel import apply_tensor_parallel
+
+    model = lora_model()
+    apply_tensor_parallel(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)))
+    loss = token_sum_loss_of(model, batch_for("llama"))
+    loss.backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            assert param.grad is not None, name
+            grad = param.grad
+            grads[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+    return {"loss": float(loss.detach()), "grads": grads}
