@@ -110,3 +110,44 @@ def test_fused_update_on_cuda_never_syncs_and_skips_exactly() -> None:
     for a, b in zip(engine.module.parameters(), clean.module.parameters(), strict=True):
         assert torch.equal(a, b)
     assert engine.lr_scheduler.state_dict() == clean.lr_scheduler.state_dict()
+
+
+@requires_cuda(1)
+def test_cuda_token_counts_are_validated_without_a_sync() -> None:
+    """A token count on the GPU is checked on the device: backward() and step() stay free of
+    host synchronisation (sync debug mode), a valid count gives the update of the same count
+    passed as a Python int, and a nan count or one that changes within the window skips the
+    update (the window's gradient is NaN) instead of scaling it wrongly."""
+    from _engine_models import IGNORE, global_batch, make_model, token_loss_sum
+    from train_engine import Engine
+
+    def run(windows: list[tuple[object, object]]) -> tuple[Engine, list]:
+        torch.manual_seed(0)
+        model = make_model().cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+        engine = Engine(model, opt, max_grad_norm=0.3, gradient_accumulation_steps=2)
+        ids, labels = global_batch(5, 4)
+        results = []
+        for counts in windows:
+            for part, count in zip((slice(0, 2), slice(2, 4)), counts, strict=True):
+                loss = token_loss_sum(engine(ids[part].cuda()), labels[part].cuda())
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    engine.backward(loss, num_tokens=count)
+                    results.append(engine.step())
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+        return engine, results
+
+    n = int((global_batch(5, 4)[1] != IGNORE).sum())
+    on_host, _ = run([(n, n), (n, n)])
+    count = torch.tensor(n, device="cuda")
+    same = torch.tensor(float(n), device="cuda")  # an equal count in another tensor
+    on_device, results = run([(count, count), (count, same)])
+    assert [r.updated for r in results] == [False, True, False, True]
+    for a, b in zip(on_device.module.parameters(), on_host.module.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    nan = torch.tensor(float("nan"), device="cuda")
+    for counts in [(nan, nan), (count, torch.tensor(n + 1, device="cuda"))]:
+        poisoned, results = run([counts])
+        assert results[-1].skipped and poisoned.optimizer_steps == 0, counts

@@ -56,3 +56,55 @@ def test_loss_window_local() -> None:
         LossWindow(steps=0)
     with pytest.raises(ValueError, match="one value"):
         LossWindow().update(torch.ones(2))
+
+
+@pytest.mark.parametrize("saved_after", [0, 2, 5, 7, 11])
+def test_loss_window_state_dict_resumes_exactly(saved_after: int, tmp_path) -> None:
+    # Values of very different magnitudes: a different summation order changes the last bits,
+    # so the comparison is bitwise, not approximate.
+    gen = torch.Generator().manual_seed(saved_after)
+    losses = (
+        torch.rand(16, generator=gen, dtype=torch.float64)
+        * 10.0 ** torch.randint(-8, 8, (16,), generator=gen)
+    ).tolist()
+    uninterrupted, before = LossWindow(steps=5), LossWindow(steps=5)
+    for value in losses[:saved_after]:
+        uninterrupted.update(torch.tensor(value, dtype=torch.float32).double())
+        before.update(torch.tensor(value, dtype=torch.float32).double())
+    state = before.state_dict()
+    assert {type(v) for v in state["values"]} <= {float}
+    torch.save(state, tmp_path / "window.pt")
+    resumed = LossWindow(steps=5)
+    resumed.update(123.0)  # contents are replaced, not merged
+    resumed.load_state_dict(torch.load(tmp_path / "window.pt", weights_only=True))
+    assert len(resumed) == len(uninterrupted)
+    assert resumed.average() == uninterrupted.average()
+    assert resumed.last() == uninterrupted.last()
+    for value in losses[saved_after:]:
+        for window in (uninterrupted, resumed):
+            window.update(torch.tensor(value, dtype=torch.float32).double())
+        assert resumed.average() == uninterrupted.average()
+        assert resumed.last() == uninterrupted.last()
+    assert resumed.state_dict() == uninterrupted.state_dict()
+
+
+def test_loss_window_state_dict_other_length_and_errors() -> None:
+    saved = LossWindow(steps=4)
+    for value in [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]:  # ring [5, 6, 3, 4]
+        saved.update(value)
+    shorter = LossWindow(steps=3)
+    shorter.load_state_dict(saved.state_dict())
+    assert (len(shorter), shorter.average(), shorter.last()) == (3, 5.0, 6.0)
+    shorter.update(10.0)  # overwrites the oldest kept loss (4.0)
+    assert shorter.average() == pytest.approx((5 + 6 + 10) / 3)
+    longer = LossWindow(steps=8)
+    longer.load_state_dict(saved.state_dict())
+    assert (len(longer), longer.average(), longer.last()) == (4, 4.5, 6.0)
+    empty = LossWindow(steps=4)
+    empty.update(1.0)
+    empty.load_state_dict(LossWindow(steps=4).state_dict())
+    assert len(empty) == 0 and empty.average() is None
+    with pytest.raises(ValueError, match="not a LossWindow state of version 1"):
+        empty.load_state_dict({"steps": 4})
+    with pytest.raises(ValueError, match="inconsistent LossWindow state"):
+        empty.load_state_dict({"version": 1, "steps": 4, "count": 6, "values": [1.0]})

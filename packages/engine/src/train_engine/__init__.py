@@ -3,7 +3,9 @@
 from importlib.metadata import version as _version
 
 from train_engine.checkpoint import (
+    CheckpointCorruptError,
     LoadedCheckpoint,
+    complete_checkpoints,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -17,6 +19,7 @@ from train_engine.setup import DDPConfig, FSDP2Config, apply_data_parallel
 __version__ = _version("train-engine")
 
 __all__ = [
+    "CheckpointCorruptError",
     "DDPConfig",
     "Engine",
     "FSDP2Config",
@@ -27,6 +30,7 @@ __all__ = [
     "__version__",
     "apply_data_parallel",
     "clip_grads_with_norm_",
+    "complete_checkpoints",
     "global_grad_norm",
     "latest_checkpoint",
     "load_checkpoint",

@@ -23,7 +23,13 @@ from train_engine._device_update import (
     step_on_device,
     supports_device_update,
 )
+from train_engine._step_result import StepResult
 from train_engine._topology import detect_topology
+from train_engine._validation import (
+    check_optimizer_params,
+    device_token_scale,
+    host_num_tokens,
+)
 from train_engine.grad_norm import clip_grads_with_norm_, global_grad_norm
 
 __all__ = ["Engine", "NonFiniteGradientError", "StepResult"]
@@ -37,72 +43,6 @@ _POLICIES = ("skip", "raise", "step")
 class NonFiniteGradientError(FloatingPointError):
     """Raised by :meth:`Engine.step` on every rank when ``nonfinite="raise"`` and the global
     gradient norm is inf or NaN. The window's gradients are cleared; the Engine stays usable."""
-
-
-class StepResult:
-    """What one :meth:`Engine.step` call did.
-
-    Attributes:
-        updated: the optimizer (and scheduler) stepped.
-        skipped: a window ended but its update was skipped (non-finite gradients).
-        grad_norm: global gradient norm before clipping, a 0-dim float64 device tensor (read
-            it with ``float()`` when you need it on the host); None off the boundary.
-        lrs: learning rate of each optimizer parameter group used by this update (the rates in
-            force at this call when nothing was updated).
-        optimizer_steps: number of optimizer updates done so far, this one included.
-
-    With a fused optimizer and ``nonfinite="skip"`` the skip is decided on the device;
-    ``updated``, ``skipped`` and ``optimizer_steps`` then read its flag when first accessed
-    (which waits for the gradient norm, not for the update).
-    """
-
-    __slots__ = (
-        "_optimizer_steps",
-        "_pending",
-        "_skipped",
-        "_updated_without_pending",
-        "grad_norm",
-        "lrs",
-    )
-
-    def __init__(
-        self,
-        *,
-        updated: bool,
-        skipped: bool,
-        grad_norm: Tensor | None,
-        lrs: tuple[float, ...],
-        optimizer_steps: int,
-        pending: PendingUpdate | None = None,
-    ) -> None:
-        if updated and skipped:
-            raise ValueError("a step cannot be both updated and skipped")
-        self._skipped = skipped
-        self._optimizer_steps = optimizer_steps
-        self._pending = pending
-        self.grad_norm = grad_norm
-        self.lrs = lrs
-        self._updated_without_pending = updated
-
-    @property
-    def skipped(self) -> bool:
-        return self._skipped if self._pending is None else self._pending.resolve()
-
-    @property
-    def updated(self) -> bool:
-        if self._pending is None:
-            return self._updated_without_pending
-        return not self._pending.resolve()
-
-    @property
-    def optimizer_steps(self) -> int:
-        return self._optimizer_steps - int(self._pending is not None and self._pending.resolve())
-
-    def __repr__(self) -> str:
-        return (
-            f"StepResult(updated={self.updated}, skipped={self.skipped}, "
-            f"grad_norm={self.grad_norm}, lrs={self.lrs}, optimizer_steps={self.optimizer_steps})"
-        )
 
 
 class Engine:
@@ -169,6 +109,7 @@ class Engine:
         self.norm_type = float(norm_type)
         self.defer_grad_sync = defer_grad_sync
         self.nonfinite: NonFinitePolicy = nonfinite
+        check_optimizer_params(model, optimizer)
         self._topology = detect_topology(model)
         if dp_group is None:
             self._dp_groups = self._topology.dp_groups
@@ -186,12 +127,16 @@ class Engine:
         self._optimizer_steps = 0
         self._skipped_steps = 0
         self._windows = 0
+        # Not saved (the saved counters keep their keys): restarts at 0 after a resume.
+        self._consecutive_skipped = 0
+        self._pending_window = 0  # the window of the pending device-decided update
         # Per-window bookkeeping.
         self._backward_since_step = False
         self._forward_since_step = False
         self._window_backwards = 0
         self._contract: str | None = None
-        self._window_num_tokens: float | None = None
+        # The window's first count: a checked host value, or a tensor on an accelerator.
+        self._window_num_tokens: float | Tensor | None = None
         self._sync_state: bool | None = None
         self._broken: str | None = None
         self._last_norm: Tensor | None = None
@@ -215,6 +160,18 @@ class Engine:
         """Windows whose update was skipped for non-finite gradients."""
         self._settle()
         return self._skipped_steps
+
+    @property
+    def consecutive_skipped_steps(self) -> int:
+        """Windows skipped in a row since the last real update (0 after an update).
+
+        Like :attr:`skipped_steps` it reads the last device-decided skip flag (with a fused
+        optimizer), which waits only for the gradient norm of the last window, not for the
+        update. A loop that aborts after N skips in a row reads it after each boundary
+        ``step()``. Not saved in :meth:`state_dict`: it restarts at 0 after a resume.
+        """
+        self._settle()
+        return self._consecutive_skipped
 
     @property
     def micro_step(self) -> int:
@@ -342,11 +299,35 @@ class Engine:
             ranks and micro-batches. A window with zero tokens gives zero gradients (the
             backward still runs, so every rank joins the reduction).
 
+        Exactly one backward per micro-batch: call :meth:`step` after each (off the boundary
+        it only advances the micro-batch), so a window never takes more backwards than its
+        length.
+
         Args:
             loss: 0-dim tensor attached to the graph.
-            num_tokens: see (b); the same value for every micro-batch of a window.
+            num_tokens: see (b); the same value for every micro-batch of a window. A Python
+                number or CPU tensor is checked at once (finite, >= 0, unchanged in the
+                window); a count on an accelerator is checked on the device, without a host
+                sync: an invalid one makes the window's gradient NaN, so the non-finite
+                policy skips the update (or raises).
+
+        Raises:
+            RuntimeError: a second backward() in the same micro-batch (it would count the
+                micro-batch twice).
+            TypeError: ``loss`` is not a tensor, or ``num_tokens`` is a bool.
+            ValueError: a non-scalar loss, a loss with no autograd graph (detached, or a leaf
+                that does not depend on the model), mixed contracts, or a ``num_tokens`` that
+                is nan, inf, negative or changed within the window.
         """
         self._check_usable()
+        if self._backward_since_step:
+            raise RuntimeError(
+                f"backward() called twice in micro-batch {self._micro_step + 1} of a "
+                f"{self._window}-step window, without step() in between: the gradient would "
+                "count this micro-batch twice. Call engine.step() after every engine.backward() "
+                "(off the window's boundary it only advances the micro-batch); to backpropagate "
+                "several losses of one micro-batch, add them and call backward() once"
+            )
         if not isinstance(loss, Tensor):
             raise TypeError(f"loss must be a torch.Tensor, got {type(loss).__name__}")
         if loss.ndim != 0:
@@ -359,6 +340,12 @@ class Engine:
                 "loss does not require grad (computed under torch.no_grad(), or detached); "
                 "compute it from the model's output with gradients enabled"
             )
+        if loss.grad_fn is None:
+            raise ValueError(
+                "loss is a leaf tensor (requires_grad=True but no grad_fn): it was not computed "
+                "from the model's output, so its backward reaches no parameter; compute the "
+                "loss from engine(...)'s output"
+            )
         contract = "mean" if num_tokens is None else "sum"
         if self._contract is not None and contract != self._contract:
             raise ValueError(
@@ -366,14 +353,13 @@ class Engine:
                 f"that started with the {self._contract!r} contract; use one contract per "
                 "window (pass num_tokens on every micro-batch or on none)"
             )
-        if isinstance(num_tokens, int | float) and not isinstance(num_tokens, bool):
-            if num_tokens < 0:
-                raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-            if self._window_num_tokens is not None and num_tokens != self._window_num_tokens:
-                raise ValueError(
-                    f"num_tokens changed within a window ({self._window_num_tokens} then "
-                    f"{num_tokens}); pass the whole window's global token count every time"
-                )
+        host_tokens = None if num_tokens is None else host_num_tokens(num_tokens)
+        reference = self._window_num_tokens
+        if host_tokens is not None and isinstance(reference, float) and host_tokens != reference:
+            raise ValueError(
+                f"num_tokens changed within a window ({reference:g} then {host_tokens:g}); pass "
+                "the whole window's global token count (engine.global_num_tokens) every time"
+            )
         if (
             self._topology.kind == "ddp"
             and self.defer_grad_sync
@@ -386,7 +372,7 @@ class Engine:
                 "backward all-reduces, so call engine(...) instead of model(...) (or build the "
                 "Engine with defer_grad_sync=False)"
             )
-        scaled = self._scale(loss, num_tokens)
+        scaled = self._scale(loss, num_tokens, host_tokens)
         self._set_grad_sync()
         try:
             scaled.backward()
@@ -394,21 +380,27 @@ class Engine:
             self._broken = f"{type(err).__name__}: {err}"
             raise
         self._contract = contract
-        if isinstance(num_tokens, int | float):
-            self._window_num_tokens = float(num_tokens)
+        if self._window_num_tokens is None and num_tokens is not None:
+            self._window_num_tokens = host_tokens if host_tokens is not None else num_tokens
         self._backward_since_step = True
         self._window_backwards += 1
 
-    def _scale(self, loss: Tensor, num_tokens: int | float | Tensor | None) -> Tensor:
+    def _scale(
+        self, loss: Tensor, num_tokens: int | float | Tensor | None, host_tokens: float | None
+    ) -> Tensor:
         if num_tokens is None:
             return loss / self._window if self._window > 1 else loss
         size = self._topology.grad_average_size
-        if isinstance(num_tokens, Tensor):
-            n = num_tokens.detach().to(device=loss.device, dtype=torch.float64).reshape(())
-            # G / inf = 0: a window without tokens contributes a graph-connected zero.
-            scale = size / torch.where(n > 0, n, torch.full_like(n, float("inf")))
+        reference = self._window_num_tokens
+        if host_tokens is None or isinstance(reference, Tensor):
+            # The count (or the window's first count) is on an accelerator: reading it would
+            # stall the host, so it is validated on the device (NaN gradient when invalid).
+            count = num_tokens if isinstance(num_tokens, Tensor) else torch.tensor(host_tokens)
+            scale = device_token_scale(count, size, reference=reference, device=loss.device)
             return loss * scale.to(loss.dtype)
-        return loss * (size / num_tokens if num_tokens > 0 else 0.0)
+        # A Python number or a CPU tensor, checked on the host: G / n, or 0 (a window
+        # without tokens contributes a graph-connected zero).
+        return loss * (size / host_tokens if host_tokens > 0 else 0.0)
 
     # -------------------------------------------------------------------------------- step
 
@@ -439,13 +431,29 @@ class Engine:
     def _settle(self) -> None:
         """Account for the last device-decided update once its skip flag is known."""
         pending, self._pending = self._pending, None
-        if pending is not None and pending.resolve():
+        if pending is None:
+            return
+        if pending.resolve():
             self._optimizer_steps -= 1
-            self._skipped_steps += 1
-            logger.warning(
-                "skipped optimizer step %d: non-finite global gradient norm",
-                self._optimizer_steps,
-            )
+            self._count_skip(self._pending_window, decided="on the device")
+        else:
+            self._consecutive_skipped = 0
+
+    def _count_skip(self, window: int, *, decided: str) -> None:
+        """Count a skipped window and log it under the step number a training loop shows."""
+        self._skipped_steps += 1
+        self._consecutive_skipped += 1
+        logger.warning(
+            "skipped the update of step %d (accumulation window %d, skipped ones counted): "
+            "non-finite global gradient norm, decided %s; %d optimizer updates so far, "
+            "%d skipped in total, %d in a row",
+            window,
+            window,
+            decided,
+            self._optimizer_steps,
+            self._skipped_steps,
+            self._consecutive_skipped,
+        )
 
     def _update_on_device(self, norm: Tensor) -> StepResult:
         """Clip, skip and update inside a fused optimizer's kernel: no host synchronisation."""
@@ -469,6 +477,10 @@ class Engine:
             self.lr_scheduler.step()
         self._optimizer_steps += 1
         self._pending = pending
+        if pending is None:
+            self._consecutive_skipped = 0
+        else:
+            self._pending_window = self._windows + 1  # for the warning once it is known
         self._end_window()
         return StepResult(
             updated=True,
@@ -515,6 +527,17 @@ class Engine:
             )
         # The previous update's skip flag is long computed: reading it now does not stall.
         self._settle()
+        # Host-only (is None tests): after the window's gradient reduction, every wrapper
+        # (DDP, FSDP2) has set the gradients of the parameters the loss reached.
+        if not any(p.grad is not None for p in self._params):
+            self._clear_grads()
+            self._reset_window()
+            raise RuntimeError(
+                f"no trainable parameter of the model received a gradient in accumulation "
+                f"window {self._windows + 1}: the losses passed to backward() are not connected "
+                "to the model (computed from another module or tensor). Compute the loss from "
+                "engine(...)'s output; the window was discarded"
+            )
         norm = global_grad_norm(self._params, self.norm_type)
         self._last_norm = norm
         if (
@@ -524,18 +547,18 @@ class Engine:
         ):
             return self._update_on_device(norm)
         if self.nonfinite != "step" and self._nonfinite_everywhere(norm):
+            window = self._windows + 1
             self._end_window()
-            self._skipped_steps += 1
             if self.nonfinite == "raise":
+                self._skipped_steps += 1
+                self._consecutive_skipped += 1
                 raise NonFiniteGradientError(
-                    f"non-finite global gradient norm at optimizer step {self._optimizer_steps} "
-                    "(on at least one rank); the window's gradients were cleared and no update "
-                    "was made. Use nonfinite='skip' to continue past such windows"
+                    f"non-finite global gradient norm at step {window} (accumulation window "
+                    f"{window}, after {self._optimizer_steps} optimizer updates; on at least one "
+                    "rank); the window's gradients were cleared and no update was made. Use "
+                    "nonfinite='skip' to continue past such windows"
                 )
-            logger.warning(
-                "skipping optimizer step %d: non-finite global gradient norm",
-                self._optimizer_steps,
-            )
+            self._count_skip(window, decided="on the host")
             return StepResult(
                 updated=False,
                 skipped=True,
@@ -623,6 +646,7 @@ class Engine:
         self._optimizer_steps = int(state["optimizer_steps"])
         self._skipped_steps = int(state["skipped_steps"])
         self._windows = int(state["windows"])
+        self._consecutive_skipped = 0
 
     def _require_between_windows(self, what: str) -> None:
         if self._micro_step != 0 or self._backward_since_step:
@@ -640,7 +664,9 @@ class Engine:
         share). See :func:`train_engine.checkpoint.save_checkpoint`.
 
         Args:
-            directory: the checkpoint directory; replaced atomically if it exists.
+            directory: the checkpoint directory; an earlier checkpoint there is replaced
+                atomically. A file or a non-empty directory that is not a checkpoint is
+                refused (FileExistsError on every rank), never moved aside.
             extra_state: any picklable per-rank object (e.g. a data loader's state), returned
                 on this rank by :meth:`load_checkpoint`.
         """
@@ -659,14 +685,30 @@ class Engine:
             extra_state=extra_state,
         )
 
-    def load_checkpoint(self, directory: str | os.PathLike[str]) -> Any:
-        """Restore a checkpoint written by :meth:`save_checkpoint`; returns this rank's extra state."""
+    def load_checkpoint(self, directory: str | os.PathLike[str], *, verify: bool = True) -> Any:
+        """Restore a checkpoint written by :meth:`save_checkpoint`; returns this rank's extra state.
+
+        Collective. See :func:`train_engine.checkpoint.load_checkpoint`.
+
+        Args:
+            directory: the checkpoint directory (:func:`train_engine.complete_checkpoints`).
+            verify: check the recorded file checksums before anything is loaded.
+
+        Raises:
+            CheckpointCorruptError: on every rank, with the model, optimizer, scheduler,
+                counters and RNG unchanged: load an earlier checkpoint instead.
+            FileNotFoundError: no complete checkpoint at ``directory``.
+        """
         from train_engine.checkpoint import load_checkpoint
 
         self._check_usable()
         self._require_between_windows("load_checkpoint")
         loaded = load_checkpoint(
-            directory, model=self.module, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler
+            directory,
+            model=self.module,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            verify=verify,
         )
         self.load_state_dict(loaded.engine_state)
         self._last_norm = None

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["LossWindow"]
+
+_STATE_VERSION = 1
 
 
 class LossWindow:
@@ -41,6 +45,10 @@ class LossWindow:
             raise ValueError(f"loss must hold one value, got shape {tuple(value.shape)}")
         if self._buffer is None:
             self._buffer = torch.zeros(self.steps, dtype=torch.float64, device=value.device)
+        elif self._buffer.device != value.device:
+            # Once, after load_state_dict (which restores on the CPU): follow the losses'
+            # device so that later updates stay device-side copies.
+            self._buffer = self._buffer.to(value.device)
         self._buffer[self._count % self.steps].copy_(value.reshape(()))
         self._count += 1
 
@@ -66,6 +74,65 @@ class LossWindow:
         if self._buffer is None:
             return None
         return self._dp_mean(self._buffer[(self._count - 1) % self.steps].clone())
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's window as plain Python numbers (one host read; call at checkpoint time).
+
+        The values are the local, not yet DP-averaged, losses, so the state is per rank: save
+        it in each rank's extra state. It holds only ints, floats and a list of floats, so it
+        pickles and loads with ``torch.load(weights_only=True)``.
+
+        Returns:
+            ``{"version": 1, "steps": int, "count": int, "values": list[float]}``: ``values``
+            is the ring buffer as stored (``len(self)`` entries, slot ``count % steps`` next
+            to be overwritten), so a restored window sums in the same order and
+            :meth:`average` and :meth:`last` continue bit for bit.
+        """
+        values = [] if self._buffer is None else self._buffer[: len(self)].tolist()
+        return {
+            "version": _STATE_VERSION,
+            "steps": self.steps,
+            "count": self._count,
+            "values": [float(v) for v in values],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a window saved by :meth:`state_dict`, replacing the current contents.
+
+        With the same ``steps`` the window continues exactly. With another ``steps`` the
+        latest ``min(len, steps)`` losses are kept in order (the average is then the same
+        losses' mean, summed in another order).
+
+        Raises:
+            ValueError: ``state`` is not a LossWindow state of a supported version.
+        """
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            found = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(
+                f"not a LossWindow state of version {_STATE_VERSION} (got {found!r}); "
+                "pass what LossWindow.state_dict() returned"
+            )
+        steps, count, values = int(state["steps"]), int(state["count"]), list(state["values"])
+        if steps < 1 or count < 0 or len(values) != min(count, steps):
+            raise ValueError(
+                f"inconsistent LossWindow state: steps={steps}, count={count}, "
+                f"{len(values)} values (expected min(count, steps)={min(count, steps)})"
+            )
+        if not values:
+            self.reset()
+            return
+        if steps == self.steps:
+            ring, new_count = values, count
+        else:
+            # Chronological order: the ring starts at the oldest slot once it has wrapped.
+            start = count % steps if count >= steps else 0
+            ordered = values[start:] + values[:start]
+            ring = ordered[-self.steps :]
+            new_count = len(ring)
+        buffer = torch.zeros(self.steps, dtype=torch.float64)
+        buffer[: len(ring)] = torch.tensor(ring, dtype=torch.float64)
+        self._buffer = buffer
+        self._count = new_count
 
     def reset(self) -> None:
         """Forget all recorded losses."""
