@@ -30,6 +30,7 @@ from train_engine._validation import (
     device_token_scale,
     host_num_tokens,
 )
+from train_engine.expert_parallel import grad_norm as expert_grad_norm
 from train_engine.grad_norm import clip_grads_with_norm_, global_grad_norm
 
 __all__ = ["Engine", "NonFiniteGradientError", "StepResult"]
@@ -538,7 +539,15 @@ class Engine:
                 "to the model (computed from another module or tensor). Compute the loss from "
                 "engine(...)'s output; the window was discarded"
             )
-        norm = global_grad_norm(self._params, self.norm_type)
+        if self._topology.experts is None:
+            norm = global_grad_norm(self._params, self.norm_type)
+        else:  # expert-parallel gradients: synced here, then counted once in the norm
+            norm = expert_grad_norm(
+                self._params,
+                self._topology.experts,
+                self.norm_type,
+                self._topology.grad_average_size,
+            )
         self._last_norm = norm
         if (
             self.nonfinite != "raise"
