@@ -64,3 +64,17 @@ def corrupt_then_load(rank: int, world: int, root: str, damage: str) -> dict:
         "rng_unchanged": torch.equal(rng_before, torch.get_rng_state()),
         "optimizer_steps": fresh.optimizer_steps,
     }
+
+
+def save_onto_a_file(rank: int, world: int, root: str) -> str | None:
+    """Every rank saves onto a path that is a user's file: all must refuse, none may hang."""
+    engine = _fsdp2_engine(seed=0)
+    target = Path(root) / "notes.txt"
+    if rank == 0:
+        target.write_text("precious")
+    dist.barrier()
+    try:
+        engine.save_checkpoint(target)
+    except FileExistsError as err:
+        return str(err)
+    return None

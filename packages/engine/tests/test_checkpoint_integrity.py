@@ -199,3 +199,20 @@ def test_two_ranks_agree_on_a_corrupt_checkpoint(rank_pool, tmp_path: Path, dama
     for rank, r in enumerate(results):
         assert r["unchanged"] and r["rng_unchanged"], f"rank {rank} changed state: {r}"
         assert r["optimizer_steps"] == 0
+
+
+def test_an_unknown_format_is_refused_with_a_value_error(saved) -> None:
+    _, ckpt = saved
+    meta = torch.load(ckpt / "meta.pt", weights_only=False)
+    torch.save({**meta, "format": 99}, ckpt / "meta.pt")
+    fresh = _engine(seed=5)
+    with pytest.raises(ValueError, match=r"checkpoint format 99 .* not one of the supported"):
+        fresh.load_checkpoint(ckpt, verify=False)
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_refuse_saving_onto_a_file_together(rank_pool, tmp_path: Path) -> None:
+    messages = rank_pool.run(2, iw.save_onto_a_file, str(tmp_path), timeout_s=90)
+    assert all(m is not None and "notes.txt is a file" in m for m in messages), messages
+    assert (tmp_path / "notes.txt").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

@@ -140,9 +140,12 @@ def _raise_agreed(failures: list[_Failure]) -> None:
         # Every rank verified its own share: report all bad files, once each.
         problems = [line for _, f in failed if f[0] == "corrupt" for line in f[2]]
         raise CheckpointCorruptError(Path(checkpoint), list(dict.fromkeys(problems)))
-    where = f" [rank {rank}; {len(failed)} of {len(failures)} ranks failed]"
-    message = lines[0] + (where if len(failures) > 1 else "")
-    errors: dict[str, type[Exception]] = {"missing": FileNotFoundError, "exists": FileExistsError}
+    message = lines[0] + (f" [found by rank {rank}]" if len(failures) > 1 else "")
+    errors: dict[str, type[Exception]] = {
+        "missing": FileNotFoundError,
+        "exists": FileExistsError,
+        "invalid": ValueError,
+    }
     raise errors.get(kind, RuntimeError)(message)
 
 
@@ -389,6 +392,8 @@ def load_checkpoint(
         failure = ("corrupt", str(_resolve_quietly(directory)), err.problems)
     except FileNotFoundError as err:
         failure = ("missing", str(directory), [str(err)])
+    except ValueError as err:  # an unsupported format
+        failure = ("invalid", str(directory), [str(err)])
     except Exception as err:  # anything else must still reach the agreement, or ranks hang
         failure = ("error", str(directory), [f"{type(err).__name__}: {err}"])
     _raise_agreed(_all_gather(failure))

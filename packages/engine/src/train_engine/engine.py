@@ -24,12 +24,10 @@ from train_engine._device_update import (
     supports_device_update,
 )
 from train_engine._step_result import StepResult
+from train_engine._tokens import backend_device as _backend_device
+from train_engine._tokens import host_num_tokens, sum_over_groups, token_scaled
 from train_engine._topology import detect_topology
-from train_engine._validation import (
-    check_optimizer_params,
-    device_token_scale,
-    host_num_tokens,
-)
+from train_engine._validation import check_loss, check_optimizer_params
 from train_engine.expert_parallel import grad_norm as expert_grad_norm
 from train_engine.grad_norm import clip_grads_with_norm_, global_grad_norm
 
@@ -263,24 +261,7 @@ class Engine:
             0-dim tensor, identical on every data-parallel rank (int64 for integer counts,
             float64 otherwise), on the device of the data-parallel backend. No host sync.
         """
-        if isinstance(local_count, Tensor):
-            if local_count.numel() != 1:
-                raise ValueError(
-                    f"local_count must hold one value, got shape {tuple(local_count.shape)}"
-                )
-            count = local_count.detach().reshape(()).clone()
-        else:
-            dtype = torch.int64 if isinstance(local_count, int) else torch.float64
-            count = torch.tensor(local_count, dtype=dtype)
-        if count.dtype.is_floating_point:
-            count = count.to(torch.float64)
-        else:
-            count = count.to(torch.int64)
-        for group in self._dp_groups:
-            count = count.to(_backend_device(group))
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(count, group=group)
-        return count
+        return sum_over_groups(local_count, self._dp_groups)
 
     # ---------------------------------------------------------------------------- backward
 
@@ -329,24 +310,7 @@ class Engine:
                 "(off the window's boundary it only advances the micro-batch); to backpropagate "
                 "several losses of one micro-batch, add them and call backward() once"
             )
-        if not isinstance(loss, Tensor):
-            raise TypeError(f"loss must be a torch.Tensor, got {type(loss).__name__}")
-        if loss.ndim != 0:
-            raise ValueError(
-                f"loss must be a scalar (0-dim) tensor, got shape {tuple(loss.shape)}; reduce it "
-                "first (mean for contract (a), sum with num_tokens= for contract (b))"
-            )
-        if not loss.requires_grad:
-            raise ValueError(
-                "loss does not require grad (computed under torch.no_grad(), or detached); "
-                "compute it from the model's output with gradients enabled"
-            )
-        if loss.grad_fn is None:
-            raise ValueError(
-                "loss is a leaf tensor (requires_grad=True but no grad_fn): it was not computed "
-                "from the model's output, so its backward reaches no parameter; compute the "
-                "loss from engine(...)'s output"
-            )
+        check_loss(loss)
         contract = "mean" if num_tokens is None else "sum"
         if self._contract is not None and contract != self._contract:
             raise ValueError(
@@ -391,17 +355,13 @@ class Engine:
     ) -> Tensor:
         if num_tokens is None:
             return loss / self._window if self._window > 1 else loss
-        size = self._topology.grad_average_size
-        reference = self._window_num_tokens
-        if host_tokens is None or isinstance(reference, Tensor):
-            # The count (or the window's first count) is on an accelerator: reading it would
-            # stall the host, so it is validated on the device (NaN gradient when invalid).
-            count = num_tokens if isinstance(num_tokens, Tensor) else torch.tensor(host_tokens)
-            scale = device_token_scale(count, size, reference=reference, device=loss.device)
-            return loss * scale.to(loss.dtype)
-        # A Python number or a CPU tensor, checked on the host: G / n, or 0 (a window
-        # without tokens contributes a graph-connected zero).
-        return loss * (size / host_tokens if host_tokens > 0 else 0.0)
+        return token_scaled(
+            loss,
+            num_tokens,
+            host_tokens,
+            reference=self._window_num_tokens,
+            size=self._topology.grad_average_size,
+        )
 
     # -------------------------------------------------------------------------------- step
 
@@ -722,11 +682,3 @@ class Engine:
         self.load_state_dict(loaded.engine_state)
         self._last_norm = None
         return loaded.extra_state
-
-
-def _backend_device(group: dist.ProcessGroup | None) -> torch.device:
-    """A device whose tensors the group's backend can reduce (CUDA for NCCL, else CPU)."""
-    backend = dist.get_backend(group)
-    if "nccl" in str(backend) and "gloo" not in str(backend):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
