@@ -137,19 +137,25 @@ class GroupedExperts(nn.Module):
                 f"tokens_per_expert has {tokens_per_expert.numel()} entries, expected one per "
                 f"local expert ({self.num_local_experts})"
             )
-        if _use_grouped_mm(self.grouped_mm, hidden, self.gate_up_proj):
+        gate_up_proj: Tensor = self.gate_up_proj
+        down_proj: Tensor = self.down_proj
+        if gate_up_proj.dtype != hidden.dtype:
+            # Mixed precision with the experts outside FSDP2 (expert parallelism): compute in
+            # the activations' dtype, keep the master weights (and their gradients) as they are.
+            gate_up_proj, down_proj = gate_up_proj.to(hidden.dtype), down_proj.to(hidden.dtype)
+        if _use_grouped_mm(self.grouped_mm, hidden, gate_up_proj):
             offsets = torch.cumsum(tokens_per_expert.to(hidden.device), 0).to(torch.int32)
-            gate_up = torch._grouped_mm(hidden, self.gate_up_proj.transpose(1, 2), offs=offsets)
+            gate_up = torch._grouped_mm(hidden, gate_up_proj.transpose(1, 2), offs=offsets)
             gate, up = gate_up.chunk(2, dim=-1)
             return torch._grouped_mm(
-                self.act_fn(gate) * up, self.down_proj.transpose(1, 2), offs=offsets
+                self.act_fn(gate) * up, down_proj.transpose(1, 2), offs=offsets
             )
         # Every local expert runs, even on zero rows, so this rank's graph always reaches the
         # dispatch all-to-all and its backward collective runs on every rank.
         outputs = []
         for e, rows in enumerate(hidden.split(tokens_per_expert.tolist())):
-            gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outputs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
+            gate, up = F.linear(rows, gate_up_proj[e]).chunk(2, dim=-1)
+            outputs.append(F.linear(self.act_fn(gate) * up, down_proj[e]))
         return torch.cat(outputs) if outputs else hidden[:0]
 
 

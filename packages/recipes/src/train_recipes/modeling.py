@@ -586,7 +586,9 @@ def export_hf(
         tokenizer.save_pretrained(out)
         logger.info("exported the LoRA model (%s) to %s", lora_export, out)
         return out
-    state = full_state_dict(model)
+    from train_recipes.moe import to_hf_layout
+
+    state = to_hf_layout(model, full_state_dict(model))  # converted MoE: HF layout (collective)
     if not is_main:
         return None
     out = Path(out_dir)

@@ -23,6 +23,7 @@ import yaml
 from torch import Tensor
 
 from train_recipes import _integrations as data_api
+from train_recipes import moe
 from train_recipes._dist import RankContext, engine_dp_config, init_distributed
 from train_recipes.config import SFTConfig, to_dict
 from train_recipes.metrics import RunLogger, plot_loss
@@ -218,11 +219,13 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         compile_decoder_layers(model)
     if ctx.tp_size > 1:
         model = apply_output_tp(model, ctx.mesh["tp"])
+    expert_shards = moe.prepare(model, ctx, config)  # MoE: converted, experts sharded over ep
     model = apply_data_parallel(
         model,
         mesh=ctx.grad_mesh(),
         config=engine_dp_config(config.parallel),
         gradient_accumulation_steps=train.gradient_accumulation_steps,
+        expert_shards=expert_shards,
     )
     optimizer = torch.optim.AdamW(
         param_groups(model, weight_decay=config.optim.weight_decay),

@@ -1,0 +1,206 @@
+"""MoE models in the SFT recipe: conversion to moe-dispatch layers, expert parallelism, export.
+
+A transformers MoE model of a supported family (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3) is
+converted after loading: each sparse block becomes an ``ExpertParallelMoE`` with the same
+weights. With ``parallel.ep`` > 1 each layer keeps E/ep experts and reaches the others through
+an all-to-all (with per-rank token equalization); the experts stay out of FSDP2 and the Engine
+syncs and clips them (``ExpertShards``).
+
+Expert-parallel groups: ``ep`` consecutive data-parallel ranks of the same (cp, tp) coordinate.
+The ranks holding the same experts (the replica group) are the other data-parallel blocks and
+all cp ranks of that tp coordinate.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+#: transformers model_type values whose MoE blocks this recipe converts.
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+#: config.json keys that may hold the number of routed experts (names vary across versions).
+_EXPERT_COUNT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts")
+#: model_type values of MoE families this recipe cannot convert (ep > 1 is rejected for them).
+_OTHER_MOE_MARKERS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class MoEGroups:
+    """This rank's expert-parallel groups.
+
+    Attributes:
+        ep: the expert-parallel degree.
+        ep_group: the ranks that split the experts among them (None when ep == 1).
+        replica_group: the ranks holding the same experts as this one (None when alone).
+    """
+
+    ep: int
+    ep_group: dist.ProcessGroup | None
+    replica_group: dist.ProcessGroup | None
+
+
+def read_model_type(model_path: str | None) -> tuple[str | None, dict[str, Any]]:
+    """The ``model_type`` and the raw config.json of a local HF model (None without a path)."""
+    if model_path is None:
+        return None, {}
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return None, {}
+    raw = json.loads(config_file.read_text())
+    return raw.get("model_type"), raw
+
+
+def check_moe_config(config: Any, *, world_size: int) -> None:
+    """The MoE part of ``validate_sft``: ep degree, family support, loss coefficients.
+
+    Raises:
+        ConfigError: naming the offending key.
+    """
+    from train_recipes.config import ConfigError
+
+    parallel, moe = config.parallel, config.moe
+    ep = parallel.ep
+    if ep < 1:
+        raise ConfigError("parallel.ep", f"must be >= 1, got {ep}")
+    for name in ("aux_loss_coef", "z_loss_coef"):
+        value = getattr(moe, name)
+        if not value >= 0:
+            raise ConfigError(f"moe.{name}", f"must be >= 0, got {value}")
+    model_type, raw = read_model_type(config.model.path)
+    supported = model_type in SUPPORTED_MODEL_TYPES
+    uses_moe = ep > 1 or moe.aux_loss_coef > 0 or moe.z_loss_coef > 0
+    if not uses_moe:
+        return
+    if not supported:
+        looks_moe = any(any(m in k for m in _OTHER_MOE_MARKERS) for k in raw)
+        what = f"model_type {model_type!r}" if model_type else "the tiny demo model (dense)"
+        raise ConfigError(
+            "parallel.ep" if ep > 1 else "moe.aux_loss_coef",
+            f"{what} {'is a MoE family without conversion support' if looks_moe else 'has no MoE layers'}; "
+            f"parallel.ep and the moe.* losses need one of {sorted(SUPPORTED_MODEL_TYPES)}",
+        )
+    dp = world_size // (parallel.cp * parallel.tp)
+    if ep > 1:
+        if dp % ep:
+            raise ConfigError(
+                "parallel.ep",
+                f"ep={ep} does not divide the data-parallel size {dp} (world {world_size} / "
+                f"(cp={parallel.cp} * tp={parallel.tp})); pick ep dividing {dp}",
+            )
+        experts = next((int(raw[k]) for k in _EXPERT_COUNT_KEYS if raw.get(k)), 0)
+        if experts % ep:
+            raise ConfigError(
+                "parallel.ep",
+                f"ep={ep} does not divide the model's {experts} experts; pick ep dividing {experts}",
+            )
+        if parallel.data_parallel != "fsdp2":
+            raise ConfigError(
+                "parallel.data_parallel",
+                "parallel.ep > 1 needs parallel.data_parallel=fsdp2 (the experts stay out of "
+                "FSDP2; DDP with expert shards is not supported)",
+            )
+    if config.lora.enabled:
+        raise ConfigError("lora.enabled", "LoRA is not supported on converted MoE models")
+
+
+def is_convertible(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers MoE model of a family this recipe converts."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return model_type in SUPPORTED_MODEL_TYPES
+
+
+def build_groups(ctx: Any, ep: int) -> MoEGroups:
+    """Create the expert-parallel and replica groups (collective: every rank calls it).
+
+    Args:
+        ctx: the recipe's RankContext (mesh ("dp", "cp", "tp")).
+        ep: the expert-parallel degree.
+    """
+    if ep == 1:
+        return MoEGroups(ep=1, ep_group=None, replica_group=None)
+    ranks = ctx.mesh.mesh  # [dp, cp, tp] global ranks
+    dp, cp, tp = ranks.shape
+    mine_ep: Any = None
+    mine_replica: Any = None
+    # Every rank creates every group, in the same order (new_group is collective).
+    for c in range(cp):
+        for t in range(tp):
+            for block in range(dp // ep):
+                members = ranks[block * ep : (block + 1) * ep, c, t].tolist()
+                group = dist.new_group(members)
+                if ctx.rank in members:
+                    mine_ep = group
+    for t in range(tp):
+        for e in range(ep):
+            members = sorted(ranks[e::ep, :, t].reshape(-1).tolist())
+            replicas = dist.new_group(members) if len(members) > 1 else None
+            if ctx.rank in members:
+                mine_replica = replicas
+    return MoEGroups(ep=ep, ep_group=mine_ep, replica_group=mine_replica)
+
+
+def convert_model(model: nn.Module, groups: MoEGroups) -> Any:
+    """Convert the HF sparse blocks in place; returns the ``ExpertShards`` (None when ep == 1).
+
+    The router-logit output of transformers is switched off (the converted layers have no HF
+    router; the recipe's own ``moe.aux_loss_coef`` replaces it).
+    """
+    from moe_dispatch import AllToAllDispatcher, EqualizingDispatcher, convert_hf_moe
+    from train_engine import ExpertShards
+
+    def dispatcher(num_experts: int) -> Any:
+        inner = AllToAllDispatcher(groups.ep_group, num_experts)
+        return EqualizingDispatcher(inner, group=groups.ep_group, alignment=1)
+
+    hf_config = getattr(model, "config", None)
+    if hf_config is not None and getattr(hf_config, "output_router_logits", False):
+        hf_config.output_router_logits = False
+    layers = convert_hf_moe(model, dispatcher_factory=dispatcher if groups.ep > 1 else None)
+    logger.info("converted %d MoE layers (ep=%d)", len(layers), groups.ep)
+    if groups.ep == 1:
+        return None
+    from moe_dispatch import ExpertParallelMoE
+
+    params: list[nn.Parameter] = []
+    for module in model.modules():
+        if isinstance(module, ExpertParallelMoE):
+            params += [module.experts.gate_up_proj, module.experts.down_proj]
+    return ExpertShards(
+        params=tuple(params), ep_group=groups.ep_group, replica_group=groups.replica_group
+    )
+
+
+def to_hf_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The export state dict in the HF layout (collective over ep; a no-op for other models)."""
+    from train_recipes.modeling import unwrap
+
+    inner = unwrap(model)
+    try:
+        from moe_dispatch import ExpertParallelMoE, hf_state_dict
+    except ImportError:  # moe-dispatch absent: nothing can be converted
+        return state
+    if not any(isinstance(m, ExpertParallelMoE) for m in inner.modules()):
+        return state
+    full = hf_state_dict(inner, state)
+    return full if state else {}
+
+
+def prepare(model: nn.Module, ctx: Any, config: Any) -> Any:
+    """Convert a supported MoE model for training (every rank calls it); ExpertShards or None.
+
+    Dense models, and MoE families without conversion (only with ep == 1, which
+    ``check_moe_config`` ensures), are left unchanged.
+    """
+    if not is_convertible(model):
+        return None
+    groups = build_groups(ctx, config.parallel.ep)
+    return convert_model(model, groups)
