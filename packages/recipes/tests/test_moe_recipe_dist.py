@@ -36,6 +36,8 @@ def _overrides(split: DemoSplit, model_dir: Path, out: Path, ep: int) -> list[st
         "optim.warmup_steps=0",
         "parallel.data_parallel=fsdp2",
         f"parallel.ep={ep}",
+        "moe.aux_loss_coef=0.01",
+        "moe.z_loss_coef=0.001",
         f"train.export={'true' if ep == 2 else 'false'}",
     ]
 
@@ -60,6 +62,8 @@ def test_ep2_follows_ep1_and_export_round_trips(
     b = torch.tensor([runs[2]["losses"][s] for s in steps], dtype=torch.float64)
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{a}\n{b}\n{m}")
     assert a[-1] != a[0]  # the model trained
+    for name in ("moe/tokens_per_expert_min", "moe/tokens_per_expert_cv"):
+        assert runs[2]["metrics"][name] == pytest.approx(runs[1]["metrics"][name], rel=1e-6)
     torch.testing.assert_close(runs[2]["logits"], runs[1]["logits"], rtol=1e-4, atol=1e-5)
     from transformers import AutoModelForCausalLM
 

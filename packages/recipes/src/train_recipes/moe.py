@@ -204,3 +204,136 @@ def prepare(model: nn.Module, ctx: Any, config: Any) -> Any:
         return None
     groups = build_groups(ctx, config.parallel.ep)
     return convert_model(model, groups)
+
+
+class RouterLosses:
+    """The MoE router losses and routing metrics of the SFT loop (one object per run).
+
+    Per micro-batch, :meth:`collect` records every MoE layer's routing during the forward and
+    :meth:`term` returns what to add to that micro-batch's token-sum loss. The Engine scales a
+    token-sum loss by G/N (G the gradient-averaging ranks, N the window's global loss tokens)
+    and the wrapper averages over G ranks, so adding
+    ``coef * loss_mb * N / (G * window)`` makes the gradient that of
+    ``coef * (mean over ranks and micro-batches of loss_mb)``, whatever the accumulation,
+    where ``loss_mb`` is the layer mean of the Switch load-balancing loss (or the z-loss).
+
+    Args:
+        model: the converted model (possibly wrapped).
+        aux_loss_coef: weight of the load-balancing loss.
+        z_loss_coef: weight of the router z-loss.
+        grad_ranks: G, the Engine's ``grad_average_size``.
+        window: micro-batches per optimizer step.
+        duplicates: ranks holding the same tokens (tp); the metrics sum over all ranks and
+            divide by it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        aux_loss_coef: float,
+        z_loss_coef: float,
+        grad_ranks: int | float,
+        window: int,
+        duplicates: int = 1,
+    ) -> None:
+        from moe_dispatch import ExpertParallelMoE
+
+        self.layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+        self.model = model
+        self.aux_loss_coef = aux_loss_coef
+        self.z_loss_coef = z_loss_coef
+        self.grad_ranks = grad_ranks
+        self.window = window
+        self.duplicates = duplicates
+        self._routing: list[Any] = []
+        num_experts = self.layers[0].config.num_experts if self.layers else 0
+        # [L, E] routed (token, expert) pairs and [2] (expected pairs, routed pairs) since the
+        # last metrics read.
+        self._load = torch.zeros(len(self.layers), num_experts, dtype=torch.float64)
+        self._pairs = torch.zeros(2, dtype=torch.float64)
+
+    @property
+    def active(self) -> bool:
+        """Whether the model has converted MoE layers."""
+        return bool(self.layers)
+
+    def collect(self) -> Any:
+        """Context manager around one micro-batch's forward."""
+        import contextlib
+
+        if not self.active:
+            return contextlib.nullcontext()
+        from moe_dispatch import collect_routing
+
+        @contextlib.contextmanager
+        def _collect() -> Any:
+            with collect_routing(self.model) as routing:
+                yield
+            self._routing = list(routing)
+
+        return _collect()
+
+    def term(self, num_tokens: torch.Tensor | float) -> torch.Tensor | float:
+        """What to add to this micro-batch's token-sum loss (0.0 without losses or MoE)."""
+        from moe_dispatch import expert_load, load_balancing_loss, router_z_loss
+
+        routing, self._routing = self._routing, []
+        if not routing:
+            return 0.0
+        with torch.no_grad():
+            for i, r in enumerate(routing[: len(self.layers)]):
+                self._load[i] += expert_load(r.topk_ids, self._load.shape[1]).double().cpu()
+            real = sum(int((r.topk_ids >= 0).sum()) for r in routing)
+            self._pairs += torch.tensor(
+                [float(sum(r.topk_ids.numel() for r in routing)), float(real)]
+            )
+        if self.aux_loss_coef == 0 and self.z_loss_coef == 0:
+            return 0.0
+        total: torch.Tensor | float = 0.0
+        if self.aux_loss_coef:
+            aux = sum(load_balancing_loss(r.probs, r.topk_ids) for r in routing) / len(routing)
+            total = total + self.aux_loss_coef * aux
+        if self.z_loss_coef:
+            z = sum(router_z_loss(r.logits, r.topk_ids) for r in routing) / len(routing)
+            total = total + self.z_loss_coef * z
+        assert isinstance(total, torch.Tensor)
+        scale = num_tokens / (self.grad_ranks * self.window)
+        if isinstance(scale, torch.Tensor):
+            scale = scale.to(total.device, total.dtype)
+        return total * scale
+
+    def metrics(self, device: torch.device) -> dict[str, float]:
+        """Tokens per expert (min, max, coefficient of variation) and dropped tokens since the
+        last call, summed over all ranks (collective: every rank calls it)."""
+        if not self.active:
+            return {}
+        packed = torch.cat([self._load.reshape(-1), self._pairs]).to(device)
+        if dist.is_initialized():
+            dist.all_reduce(packed)
+        packed = packed.cpu() / self.duplicates
+        load = packed[: self._load.numel()].reshape(self._load.shape)
+        expected, routed = packed[-2:].tolist()
+        self._load.zero_()
+        self._pairs.zero_()
+        mean = load.mean(dim=1).clamp(min=1e-12)
+        cv = (load.std(dim=1, unbiased=False) / mean).mean()
+        return {
+            "moe/tokens_per_expert_min": float(load.min()),
+            "moe/tokens_per_expert_max": float(load.max()),
+            "moe/tokens_per_expert_cv": float(cv),
+            # The dispatch is dropless: a routed slot is only missing for padding rows (-1).
+            "moe/dropped_tokens": expected - routed,
+        }
+
+
+def router_losses(model: nn.Module, engine: Any, config: Any, ctx: Any) -> RouterLosses:
+    """The run's :class:`RouterLosses` (inactive for models without converted MoE layers)."""
+    return RouterLosses(
+        model,
+        aux_loss_coef=config.moe.aux_loss_coef,
+        z_loss_coef=config.moe.z_loss_coef,
+        grad_ranks=engine.grad_average_size,
+        window=config.train.gradient_accumulation_steps,
+        duplicates=ctx.tp_size,
+    )

@@ -316,6 +316,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
     # Text without cp: unpacked batches skip transformers' device-side packing check.
     fast_path = CausalFastPath(model) if not vlm and sharder is None else None
     window = LossWindow(train.loss_window)
+    router_losses = moe.router_losses(model, engine, config, ctx)
     batches = _forever(loader)
     accum = train.gradient_accumulation_steps
     first_loss: float | None = None
@@ -339,8 +340,10 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
                 seen[1] += float(host_batch["attention_mask"].sum()) / (ctx.cp_size * ctx.tp_size)
                 if fast_path is not None:
                     fast_path.select(packed=rows_are_packed(host_batch["position_ids"]))
-                loss_sum = token_sum_loss(engine, batch, sharder=sharder, vlm=vlm)
-                engine.backward(loss_sum, num_tokens=num_tokens)
+                with router_losses.collect():
+                    loss_sum = token_sum_loss(engine, batch, sharder=sharder, vlm=vlm)
+                extra = router_losses.term(num_tokens)  # MoE aux/z losses (0.0 otherwise)
+                engine.backward(loss_sum + extra, num_tokens=num_tokens)
                 step_loss += loss_sum.detach().to(torch.float64)
                 engine.step()
         # The cp and tp ranks of a replica count the same tokens: summed over all ranks at
@@ -375,6 +378,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
                 "tokens_per_s": tokens_per_s,
                 "loss_tokens": float(totals[0]),
             }
+            record.update(router_losses.metrics(ctx.device))  # collective; {} without MoE
             run_log.log(step, record)
             run_log.progress(
                 step,
