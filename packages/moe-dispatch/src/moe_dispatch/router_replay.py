@@ -75,7 +75,9 @@ class RouterReplay:
 
     In record mode a layer recomputed during backward (activation checkpointing) reuses its
     first recording; a layer seen twice in forward raises, so open one ``record()`` context
-    per forward (microbatch).
+    per forward (micro-batch), around its forward and backward. Every record context appends
+    its routes to :attr:`history`, so a window of micro-batches keeps one recording each
+    (replay them in order with ``replay(history[i])``).
     """
 
     def __init__(self) -> None:
@@ -83,6 +85,9 @@ class RouterReplay:
         self._recorded: dict[int, Tensor] = {}
         self._replaying: dict[int, Tensor] = {}
         self._strict = True
+        self._history: list[dict[int, Tensor]] = []
+        # layer id -> (E, K) of the bound routers, to validate replayed routes on entry.
+        self._shapes: dict[int, tuple[int, int]] = {}
 
     @property
     def mode(self) -> str:
@@ -93,6 +98,20 @@ class RouterReplay:
     def routes(self) -> dict[int, Tensor]:
         """The last recording, {global layer id: [T, K] int64}."""
         return dict(self._recorded)
+
+    @property
+    def history(self) -> list[dict[int, Tensor]]:
+        """One recording per ``record()`` context since the last :meth:`clear_history`."""
+        return list(self._history)
+
+    def clear_history(self) -> None:
+        """Forget the recordings of earlier micro-batches (e.g. at a window boundary)."""
+        self._history = []
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """The bound layer ids, sorted: the L axis of :meth:`replay_stacked` routes."""
+        return sorted(self._shapes)
 
     def bind(self, *models: nn.Module) -> list[int]:
         """Attach this replay to every router found in ``models`` (model parts, several models).
@@ -127,6 +146,9 @@ class RouterReplay:
                 routers.append(module)
         for module in routers:  # only after every check passed: binding is all or nothing
             module.router_replay = self
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, Tensor) and hasattr(module, "top_k"):
+                self._shapes[module.layer_id] = (int(weight.shape[0]), int(module.top_k))
         return sorted(bound)
 
     @contextlib.contextmanager
@@ -138,6 +160,7 @@ class RouterReplay:
             yield self
         finally:
             self._mode = "off"
+            self._history.append(dict(self._recorded))
 
     @contextlib.contextmanager
     def replay(self, routes: Mapping[int, Tensor], *, strict: bool = True) -> Iterator[None]:
@@ -148,6 +171,15 @@ class RouterReplay:
             strict: a bound router whose layer id is missing from ``routes`` raises; with
                 False it routes live.
         """
+        for layer_id, layer_routes in routes.items():
+            if layer_id in self._shapes:  # checked now, not first in the middle of a forward
+                num_experts, top_k = self._shapes[layer_id]
+                validate_routes(
+                    layer_routes,
+                    num_tokens=int(layer_routes.shape[0]) if layer_routes.dim() else -1,
+                    num_experts=num_experts,
+                    top_k=top_k,
+                )
         self._enter("replay")
         self._replaying = dict(routes)
         self._strict = strict
@@ -156,6 +188,38 @@ class RouterReplay:
         finally:
             self._mode = "off"
             self._replaying = {}
+
+    def replay_stacked(
+        self, routes: Tensor, *, num_tokens: int | None = None, strict: bool = True
+    ) -> contextlib.AbstractContextManager[None]:
+        """Replay external token-aligned routes [T, L, K] (e.g. an inference engine's).
+
+        The L axis follows :attr:`layer_ids` (the bound layers, sorted). The shape, the
+        token count and every id (in [0, E) or a whole -1 row) are checked before the context
+        opens.
+
+        Args:
+            routes: [T, L, K] integer.
+            num_tokens: the T the model will see (after packing/sharding); None skips that
+                check (each layer still checks it when it runs).
+            strict: as in :meth:`replay`.
+        """
+        layer_ids = self.layer_ids
+        if not layer_ids:
+            raise RuntimeError("no router is bound; call bind(model) before replaying routes")
+        top_ks = {k for _, k in self._shapes.values()}
+        if routes.dim() != 3 or routes.shape[1] != len(layer_ids) or routes.shape[2] not in top_ks:
+            raise ValueError(
+                f"external routes have shape {tuple(routes.shape)}, expected [T, L="
+                f"{len(layer_ids)}, K={sorted(top_ks)[0] if len(top_ks) == 1 else sorted(top_ks)}] "
+                f"for the bound layers {layer_ids}"
+            )
+        if num_tokens is not None and routes.shape[0] != num_tokens:
+            raise ValueError(
+                f"external routes hold {routes.shape[0]} tokens, the batch has {num_tokens}; "
+                "shard and pack the routes together with the tokens"
+            )
+        return self.replay(unstack_routes(routes, layer_ids), strict=strict)
 
     def _enter(self, mode: _Mode) -> None:
         if self._mode != "off":
