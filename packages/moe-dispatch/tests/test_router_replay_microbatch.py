@@ -100,7 +100,7 @@ def test_external_stacked_routes_reproduce_their_choice() -> None:
         ((6, 2, K), E, {}, r"distinct expert ids in \[0, 8\)"),
     ],
 )
-def test_wrong_external_routes_are_rejected_before_the_forward(
+def test_wrong_external_routes_are_rejected_by_the_first_layer(
     shape: tuple[int, int, int], bad_id: int | None, kwargs: dict, message: str
 ) -> None:
     model = TwoLayers()
@@ -113,6 +113,9 @@ def test_wrong_external_routes_are_rejected_before_the_forward(
     routes = routes.reshape(shape).clone()
     if bad_id is not None:
         routes[2, 1, 0] = bad_id
+    calls: list[int] = []
+    model.layers[0].experts.register_forward_pre_hook(lambda *_: calls.append(1))
     with pytest.raises(ValueError, match=message), replay.replay_stacked(routes, **kwargs):
-        pytest.fail("the context must not open")
+        model(torch.randn(shape[0], H))
+    assert calls == []  # raised by the first layer's router, before any expert ran
     assert replay.mode == "off"

@@ -86,6 +86,9 @@ class RouterReplay:
         self._replaying: dict[int, Tensor] = {}
         self._strict = True
         self._history: list[dict[int, Tensor]] = []
+        # An invalid replay_stacked input: raised by the first router call, inside the MoE
+        # layer's forward, where a distributed dispatcher makes every rank raise together.
+        self._deferred: ValueError | None = None
         # layer id -> (E, K) of the bound routers, to validate replayed routes on entry.
         self._shapes: dict[int, tuple[int, int]] = {}
 
@@ -171,15 +174,6 @@ class RouterReplay:
             strict: a bound router whose layer id is missing from ``routes`` raises; with
                 False it routes live.
         """
-        for layer_id, layer_routes in routes.items():
-            if layer_id in self._shapes:  # checked now, not first in the middle of a forward
-                num_experts, top_k = self._shapes[layer_id]
-                validate_routes(
-                    layer_routes,
-                    num_tokens=int(layer_routes.shape[0]) if layer_routes.dim() else -1,
-                    num_experts=num_experts,
-                    top_k=top_k,
-                )
         self._enter("replay")
         self._replaying = dict(routes)
         self._strict = strict
@@ -188,6 +182,7 @@ class RouterReplay:
         finally:
             self._mode = "off"
             self._replaying = {}
+            self._deferred = None
 
     def replay_stacked(
         self, routes: Tensor, *, num_tokens: int | None = None, strict: bool = True
@@ -195,8 +190,9 @@ class RouterReplay:
         """Replay external token-aligned routes [T, L, K] (e.g. an inference engine's).
 
         The L axis follows :attr:`layer_ids` (the bound layers, sorted). The shape, the
-        token count and every id (in [0, E) or a whole -1 row) are checked before the context
-        opens.
+        token count and every id (in [0, E) or a whole -1 row) are checked on entry; an error
+        is raised by the first MoE layer of the forward, so that with an expert-parallel
+        dispatcher every rank raises together instead of waiting for this one.
 
         Args:
             routes: [T, L, K] integer.
@@ -207,19 +203,40 @@ class RouterReplay:
         layer_ids = self.layer_ids
         if not layer_ids:
             raise RuntimeError("no router is bound; call bind(model) before replaying routes")
-        top_ks = {k for _, k in self._shapes.values()}
+        error = self._check_stacked(routes, layer_ids, num_tokens)
+        if error is not None:
+            context = self.replay({}, strict=strict)
+            self._deferred = error
+            return context
+        return self.replay(unstack_routes(routes, layer_ids), strict=strict)
+
+    def _check_stacked(
+        self, routes: Tensor, layer_ids: list[int], num_tokens: int | None
+    ) -> ValueError | None:
+        top_ks = sorted({k for _, k in self._shapes.values()})
+        want_k = top_ks[0] if len(top_ks) == 1 else top_ks
         if routes.dim() != 3 or routes.shape[1] != len(layer_ids) or routes.shape[2] not in top_ks:
-            raise ValueError(
+            return ValueError(
                 f"external routes have shape {tuple(routes.shape)}, expected [T, L="
-                f"{len(layer_ids)}, K={sorted(top_ks)[0] if len(top_ks) == 1 else sorted(top_ks)}] "
-                f"for the bound layers {layer_ids}"
+                f"{len(layer_ids)}, K={want_k}] for the bound layers {layer_ids}"
             )
         if num_tokens is not None and routes.shape[0] != num_tokens:
-            raise ValueError(
+            return ValueError(
                 f"external routes hold {routes.shape[0]} tokens, the batch has {num_tokens}; "
                 "shard and pack the routes together with the tokens"
             )
-        return self.replay(unstack_routes(routes, layer_ids), strict=strict)
+        for i, layer_id in enumerate(layer_ids):
+            num_experts, top_k = self._shapes[layer_id]
+            try:
+                validate_routes(
+                    routes[:, i],
+                    num_tokens=int(routes.shape[0]),
+                    num_experts=num_experts,
+                    top_k=top_k,
+                )
+            except ValueError as err:
+                return ValueError(f"external routes of layer {layer_id}: {err}")
+        return None
 
     def _enter(self, mode: _Mode) -> None:
         if self._mode != "off":
@@ -242,6 +259,8 @@ class RouterReplay:
         """
         if self._mode == "off" or layer_id is None:
             return _live_topk(scores, top_k)
+        if self._mode == "replay" and self._deferred is not None:
+            raise self._deferred
         num_tokens, num_experts = scores.shape
         if self._mode == "record":
             previous = self._recorded.get(layer_id)
