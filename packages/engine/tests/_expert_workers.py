@@ -50,7 +50,7 @@ class TinyExpertModel(nn.Module):
         group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        per_rank = EXPERTS // world
+        per_rank = EXPERTS // world  # world: the ep size, rank: the ep rank
         self.dense = nn.Linear(HIDDEN, HIDDEN, bias=False)
         self.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
         self.layers = nn.ModuleList([self.dense, self.router])  # FSDP2 blocks
@@ -86,13 +86,28 @@ def make_tokens(seed: int, counts: list[int]) -> list[torch.Tensor]:
     return [torch.randn(n, HIDDEN, generator=g) for n in counts]
 
 
-def run(rank: int, world: int, kind: str, counts: list[list[int]], seed: int) -> dict[str, Any]:
-    """One SGD step, window len(counts[rank]), token-sum loss, clipping on; returns the update."""
+def run(
+    rank: int, world: int, kind: str, counts: list[list[int]], seed: int, ep: int | None = None
+) -> dict[str, Any]:
+    """One SGD step, window len(counts[rank]), token-sum loss, clipping on; returns the update.
+
+    ``ep`` ranks (consecutive) split the experts; ranks ``e, e+ep, ...`` hold the same ones.
+    """
+    ep = world if ep is None else ep
     weights = make_weights(seed)
-    ep_group = dist.new_group(list(range(world)))
-    model = TinyExpertModel(world, rank, weights, ep_group)
+    ep_group = replica_group = None
+    for block in range(world // ep):  # every rank creates every group, in the same order
+        group = dist.new_group(list(range(block * ep, (block + 1) * ep)))
+        if block == rank // ep:
+            ep_group = group
+    for e in range(ep):
+        members = list(range(e, world, ep))
+        group = dist.new_group(members) if len(members) > 1 else None
+        if rank in members:
+            replica_group = group
+    model = TinyExpertModel(ep, rank % ep, weights, ep_group)
     mesh = init_device_mesh("cpu", (world,))
-    shards = ExpertShards(params=(model.experts,), ep_group=ep_group, replica_group=None)
+    shards = ExpertShards(params=(model.experts,), ep_group=ep_group, replica_group=replica_group)
     config = DDPConfig() if kind == "ddp" else FSDP2Config()
     window = len(counts[rank])
     wrapped = apply_data_parallel(
@@ -109,11 +124,9 @@ def run(rank: int, world: int, kind: str, counts: list[list[int]], seed: int) ->
         engine.backward(loss, num_tokens=num_tokens)
         result = engine.step()
     assert result is not None and result.updated
-    full = {name: p.detach() for name, p in model.named_parameters() if name != "experts"}
-    if kind == "fsdp2":
-        full = {name: p.full_tensor() for name, p in model.named_parameters() if name != "experts"}
-    experts = [torch.empty_like(model.experts) for _ in range(world)]
-    dist.all_gather(experts, model.experts.detach().contiguous())
+    full = {name: p.full_tensor() for name, p in model.named_parameters() if name != "experts"}
+    experts = [torch.empty_like(model.experts) for _ in range(ep)]
+    dist.all_gather(experts, model.experts.detach().contiguous(), group=ep_group)
     full["experts"] = torch.cat(experts)
     full = {
         k.replace("layers.0", "dense").replace("layers.1", "router"): v for k, v in full.items()

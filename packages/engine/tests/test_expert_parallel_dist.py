@@ -22,6 +22,18 @@ def test_expert_gradients_match_single_process_reference(rank_pool, kind: str) -
             assert err < 1e-6, f"{kind} {name}: max |param - ref| = {err:.3e}"
 
 
+@pytest.mark.timeout(300)
+def test_dp4_ep2_sums_expert_gradients_over_replicas(rank_pool) -> None:
+    counts = [[3, 1], [0, 5], [2, 2], [4, 0]]  # 2 ep groups of 2; experts on 2 ranks each
+    want = w.reference(counts, seed=5)
+    results = rank_pool.run(4, w.run, "fsdp2", counts, 5, 2, timeout_s=240)
+    for got in results:
+        assert got["norm"] == pytest.approx(want["norm"], rel=1e-5)
+        for name, value in want["params"].items():
+            err = float((got["params"][name] - value).abs().max())
+            assert err < 1e-6, f"{name}: max |param - ref| = {err:.3e}"
+
+
 def test_expert_shards_reject_empty_and_ddp() -> None:
     from torch import nn
 
