@@ -47,15 +47,28 @@ def _overrides(split: DemoSplit, model_dir: Path, out: Path, ep: int) -> list[st
 def test_ep2_follows_ep1_and_export_round_trips(
     rank_pool: object, demo_data: DemoSplit, tmp_path: Path, kind: str
 ) -> None:
+    _ep2_follows_ep1(rank_pool, demo_data, tmp_path, kind, world=2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_dp4_ep2_follows_ep1(rank_pool: object, demo_data: DemoSplit, tmp_path: Path) -> None:
+    """4 ranks: two ep groups of 2, each expert on 2 ranks (gradients summed over replicas)."""
+    _ep2_follows_ep1(rank_pool, demo_data, tmp_path, "qwen3_moe", world=4)
+
+
+def _ep2_follows_ep1(
+    rank_pool: object, demo_data: DemoSplit, tmp_path: Path, kind: str, *, world: int
+) -> None:
     model_dir = save_tiny_moe(kind, tmp_path / "model")
     runs = {}
     for ep in (1, 2):
         runs[ep] = rank_pool.run(  # type: ignore[attr-defined]
-            2,
+            world,
             run_sft_on_rank,
             _overrides(demo_data, model_dir, tmp_path / f"ep{ep}", ep),
             PROBE,
-            timeout_s=300,
+            timeout_s=500,
         )[0]
     steps = list(range(1, STEPS + 1))
     a = torch.tensor([runs[1]["losses"][s] for s in steps], dtype=torch.float64)
