@@ -96,11 +96,17 @@ def test_bad_ep_is_rejected_before_launch(tmp_path: Path, demo_data: DemoSplit) 
             validate_sft(config, world_size=world)
         assert err.value.key == key
 
-    base = [f"model.path={model_dir}", "parallel.data_parallel=fsdp2"]
+    base = [f"model.path={model_dir}", "parallel.data_parallel=fsdp2", "train.checkpoint_every=0"]
     check([*base, "parallel.ep=3"], 3, "parallel.ep", "4 experts")
     check([*base, "parallel.ep=2"], 3, "parallel.ep", "data-parallel size 3")
-    check([f"model.path={model_dir}", "parallel.ep=2"], 2, "parallel.data_parallel", "fsdp2")
-    check(["parallel.ep=2", "parallel.data_parallel=fsdp2"], 2, "parallel.ep", "no MoE layers")
+    check(
+        [*base[:1], "parallel.ep=2", "train.checkpoint_every=0"],
+        2,
+        "parallel.data_parallel",
+        "fsdp2",
+    )
+    check([*base[:2], "parallel.ep=2"], 2, "train.checkpoint_every", "not supported yet")
+    check([*base[1:], "parallel.ep=2"], 2, "parallel.ep", "no MoE layers")
     other = tmp_path / "olmoe"
     other.mkdir()
     (other / "config.json").write_text('{"model_type": "olmoe", "num_experts": 4}')

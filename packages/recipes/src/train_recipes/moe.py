@@ -102,6 +102,15 @@ def check_moe_config(config: Any, *, world_size: int) -> None:
                 "parallel.ep",
                 f"ep={ep} does not divide the model's {experts} experts; pick ep dividing {experts}",
             )
+        if config.train.checkpoint_every:
+            # The expert shards are plain tensors with the same names on every ep rank: the
+            # distributed checkpoint would keep one rank's experts only.
+            raise ConfigError(
+                "train.checkpoint_every",
+                "checkpoints of expert-parallel runs are not supported yet (each ep rank holds "
+                "different experts under the same names); set train.checkpoint_every=0 and keep "
+                "the HF export (train.export=true)",
+            )
         if parallel.data_parallel != "fsdp2":
             raise ConfigError(
                 "parallel.data_parallel",
