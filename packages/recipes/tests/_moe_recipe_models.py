@@ -9,7 +9,8 @@ import torch
 
 
 def save_tiny_moe(kind: str, directory: Path, *, seed: int = 0) -> Path:
-    """Write a 2-layer, 4-expert, top-2 ``kind`` model ("qwen3_moe", "mixtral") to ``directory``."""
+    """Write a 2-layer top-2 ``kind`` model ("qwen3_moe", "mixtral": 4 experts; "deepseek_v3":
+    8 experts in 4 groups, a shared expert, MoE in layer 1) to ``directory``."""
     import transformers
 
     from train_recipes.demo import build_char_tokenizer
@@ -44,6 +45,27 @@ def save_tiny_moe(kind: str, directory: Path, *, seed: int = 0) -> Path:
             intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, **common
         )
         cls = transformers.MixtralForCausalLM
+    elif kind == "deepseek_v3":
+        for key in ("num_key_value_heads", "head_dim"):
+            common.pop(key)
+        config = transformers.DeepseekV3Config(
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            num_key_value_heads=4,
+            **common,
+        )
+        cls = transformers.DeepseekV3ForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)

@@ -43,7 +43,7 @@ def _overrides(split: DemoSplit, model_dir: Path, out: Path, ep: int) -> list[st
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_ep2_follows_ep1_and_export_round_trips(
     rank_pool: object, demo_data: DemoSplit, tmp_path: Path, kind: str
 ) -> None:
