@@ -104,3 +104,55 @@ def test_no_losses_without_coefficients_or_moe() -> None:
         torch.nn.Linear(2, 2), aux_loss_coef=1.0, z_loss_coef=0.0, grad_ranks=1, window=1
     )
     assert not dense.active and dense.metrics(torch.device("cpu")) == {}
+
+
+def test_deepseek_bias_update_after_step_follows_the_window_load() -> None:
+    import transformers
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=24,
+        moe_intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        q_lora_rank=None,
+        kv_lora_rank=8,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=4,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    convert_model(model, MoEGroups(ep=1, ep_group=None, replica_group=None))
+    losses = RouterLosses(
+        model,
+        aux_loss_coef=0.0,
+        z_loss_coef=0.0,
+        grad_ranks=1,
+        window=2,
+        bias_update_rate=0.01,
+    )
+    router = losses.layers[0].router
+    before = router.score_correction_bias.clone()
+    load = torch.zeros(8)
+    for _ in range(2):  # a window of two micro-batches
+        with losses.collect(), torch.no_grad():
+            model(torch.randint(0, 50, (2, 6)))
+        ids = losses._routing[0].topk_ids
+        load += torch.bincount(ids.reshape(-1), minlength=8).float()
+        losses.term(12.0)
+    losses.after_step(torch.device("cpu"))
+    want = before + 0.01 * torch.sign(load.mean() - load)
+    torch.testing.assert_close(router.score_correction_bias, want)

@@ -107,6 +107,7 @@ def test_bad_ep_is_rejected_before_launch(tmp_path: Path, demo_data: DemoSplit) 
     )
     check([*base[:2], "parallel.ep=2"], 2, "train.checkpoint_every", "not supported yet")
     check([*base[1:], "parallel.ep=2"], 2, "parallel.ep", "no MoE layers")
+    check([*base, "moe.bias_update_rate=0.001"], 2, "moe.bias_update_rate", "sigmoid routing")
     other = tmp_path / "olmoe"
     other.mkdir()
     (other / "config.json").write_text('{"model_type": "olmoe", "num_experts": 4}')

@@ -273,10 +273,14 @@ class MoELossConfig:
         aux_loss_coef: weight of the Switch load-balancing loss, averaged over MoE layers,
             micro-batches and ranks (0 disables it).
         z_loss_coef: weight of the router z-loss, averaged the same way (0 disables it).
+        bias_update_rate: DeepSeek-V3's aux-loss-free balancing: after each optimizer step the
+            routers' score-correction biases move by this rate towards equal expert loads
+            (DeepSeek-V3 uses 1e-3; 0 disables it; sigmoid-routed families only).
     """
 
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -71,13 +71,19 @@ def check_moe_config(config: Any, *, world_size: int) -> None:
     ep = parallel.ep
     if ep < 1:
         raise ConfigError("parallel.ep", f"must be >= 1, got {ep}")
-    for name in ("aux_loss_coef", "z_loss_coef"):
+    for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
         value = getattr(moe, name)
         if not value >= 0:
             raise ConfigError(f"moe.{name}", f"must be >= 0, got {value}")
     model_type, raw = read_model_type(config.model.path)
     supported = model_type in SUPPORTED_MODEL_TYPES
     uses_moe = ep > 1 or moe.aux_loss_coef > 0 or moe.z_loss_coef > 0
+    if moe.bias_update_rate > 0 and model_type != "deepseek_v3":
+        raise ConfigError(
+            "moe.bias_update_rate",
+            f"aux-loss-free bias balancing needs sigmoid routing (deepseek_v3), got "
+            f"model_type {model_type!r}",
+        )
     if not uses_moe:
         return
     if not supported:
@@ -234,6 +240,7 @@ class RouterLosses:
         window: micro-batches per optimizer step.
         duplicates: ranks holding the same tokens (tp); the metrics sum over all ranks and
             divide by it.
+        bias_update_rate: the rate of :meth:`after_step`'s score-correction bias update.
     """
 
     def __init__(
@@ -245,6 +252,7 @@ class RouterLosses:
         grad_ranks: int | float,
         window: int,
         duplicates: int = 1,
+        bias_update_rate: float = 0.0,
     ) -> None:
         from moe_dispatch import ExpertParallelMoE
 
@@ -255,12 +263,14 @@ class RouterLosses:
         self.grad_ranks = grad_ranks
         self.window = window
         self.duplicates = duplicates
+        self.bias_update_rate = bias_update_rate
         self._routing: list[Any] = []
         num_experts = self.layers[0].config.num_experts if self.layers else 0
         # [L, E] routed (token, expert) pairs and [2] (expected pairs, routed pairs) since the
         # last metrics read.
         self._load = torch.zeros(len(self.layers), num_experts, dtype=torch.float64)
         self._pairs = torch.zeros(2, dtype=torch.float64)
+        self._window_load = torch.zeros_like(self._load)  # since the last after_step()
 
     @property
     def active(self) -> bool:
@@ -292,7 +302,9 @@ class RouterLosses:
             return 0.0
         with torch.no_grad():
             for i, r in enumerate(routing[: len(self.layers)]):
-                self._load[i] += expert_load(r.topk_ids, self._load.shape[1]).double().cpu()
+                load = expert_load(r.topk_ids, self._load.shape[1]).double().cpu()
+                self._load[i] += load
+                self._window_load[i] += load
             real = sum(int((r.topk_ids >= 0).sum()) for r in routing)
             self._pairs += torch.tensor(
                 [float(sum(r.topk_ids.numel() for r in routing)), float(real)]
@@ -311,6 +323,21 @@ class RouterLosses:
         if isinstance(scale, torch.Tensor):
             scale = scale.to(total.device, total.dtype)
         return total * scale
+
+    def after_step(self, device: torch.device) -> None:
+        """After the optimizer step: DeepSeek-V3's bias update from the window's global loads
+        (collective when the rate is set: every rank calls it, and all apply the same update)."""
+        load, self._window_load = self._window_load, torch.zeros_like(self._window_load)
+        if not self.active or self.bias_update_rate == 0:
+            return
+        from moe_dispatch import update_score_correction_bias
+
+        load = load.to(device)
+        if dist.is_initialized():
+            dist.all_reduce(load)
+        for layer, layer_load in zip(self.layers, load.cpu(), strict=True):
+            if layer.router.score_correction_bias is not None:
+                update_score_correction_bias(layer.router, layer_load, rate=self.bias_update_rate)
 
     def metrics(self, device: torch.device) -> dict[str, float]:
         """Tokens per expert (min, max, coefficient of variation) and dropped tokens since the
@@ -345,4 +372,5 @@ def router_losses(model: nn.Module, engine: Any, config: Any, ctx: Any) -> Route
         grad_ranks=engine.grad_average_size,
         window=config.train.gradient_accumulation_steps,
         duplicates=ctx.tp_size,
+        bias_update_rate=config.moe.bias_update_rate,
     )

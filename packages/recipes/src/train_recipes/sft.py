@@ -346,6 +346,7 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
                 engine.backward(loss_sum + extra, num_tokens=num_tokens)
                 step_loss += loss_sum.detach().to(torch.float64)
                 engine.step()
+        router_losses.after_step(ctx.device)  # DeepSeek bias balancing (no-op otherwise)
         # The cp and tp ranks of a replica count the same tokens: summed over all ranks at
         # logging time, this is the global number of loss tokens.
         seen[0] += local_tokens / (ctx.cp_size * ctx.tp_size)
