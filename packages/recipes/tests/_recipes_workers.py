@@ -34,6 +34,7 @@ def run_sft_on_rank(
     losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
     return {
         "losses": losses,
+        "metrics": rows[-1],
         "logits": logits,
         "accuracy_before": result.accuracy_before,
         "accuracy_after": result.accuracy_after,

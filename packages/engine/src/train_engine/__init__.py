@@ -11,6 +11,7 @@ from train_engine.checkpoint import (
     save_checkpoint,
 )
 from train_engine.engine import Engine, NonFiniteGradientError, StepResult
+from train_engine.expert_parallel import ExpertShards
 from train_engine.grad_norm import clip_grads_with_norm_, global_grad_norm
 from train_engine.loss_window import LossWindow
 from train_engine.param_groups import param_groups
@@ -22,6 +23,7 @@ __all__ = [
     "CheckpointCorruptError",
     "DDPConfig",
     "Engine",
+    "ExpertShards",
     "FSDP2Config",
     "LoadedCheckpoint",
     "LossWindow",

@@ -9,6 +9,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from train_engine.expert_parallel import ExpertShards, find
+
 Kind = Literal["local", "ddp", "fsdp2"]
 
 
@@ -22,12 +24,15 @@ class Topology:
             size, FSDP2's data-parallel size or custom divide factor; 1 for local modules).
         dp_groups: groups whose sequential SUM all-reduce spans the data-parallel ranks.
         fsdp_modules: the modules on which ``fully_shard`` was applied.
+        experts: expert-parallel parameters kept out of the wrapper (see
+            :class:`~train_engine.ExpertShards`); None without expert parallelism.
     """
 
     kind: Kind
     grad_average_size: int | float
     dp_groups: tuple[dist.ProcessGroup, ...]
     fsdp_modules: tuple[nn.Module, ...] = ()
+    experts: ExpertShards | None = None
 
 
 def _fsdp_param_groups(module: nn.Module) -> list[object]:
@@ -42,6 +47,20 @@ def _fsdp_param_groups(module: nn.Module) -> list[object]:
 
 def detect_topology(model: nn.Module) -> Topology:
     """Classify ``model`` and find its gradient-averaging factor and data-parallel groups."""
+    topology = _detect_wrapper(model)
+    experts = find(model)
+    if experts is None:
+        return topology
+    return Topology(
+        kind=topology.kind,
+        grad_average_size=topology.grad_average_size,
+        dp_groups=topology.dp_groups,
+        fsdp_modules=topology.fsdp_modules,
+        experts=experts,
+    )
+
+
+def _detect_wrapper(model: nn.Module) -> Topology:
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
@@ -66,7 +85,8 @@ def detect_topology(model: nn.Module) -> Topology:
     if len(meshes) > 1:
         raise ValueError(
             f"FSDP2 modules use {len(meshes)} different data-parallel meshes; the Engine needs "
-            "one gradient-averaging group (expert-parallel meshes are not supported yet)"
+            "one gradient-averaging group. For expert parallelism keep the experts out of "
+            "fully_shard: apply_data_parallel(..., expert_shards=ExpertShards(...))"
         )
     if len(factors) > 1:
         raise ValueError(

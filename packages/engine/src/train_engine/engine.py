@@ -28,6 +28,7 @@ from train_engine._tokens import backend_device as _backend_device
 from train_engine._tokens import host_num_tokens, sum_over_groups, token_scaled
 from train_engine._topology import detect_topology
 from train_engine._validation import check_loss, check_optimizer_params
+from train_engine.expert_parallel import grad_norm as expert_grad_norm
 from train_engine.grad_norm import clip_grads_with_norm_, global_grad_norm
 
 __all__ = ["Engine", "NonFiniteGradientError", "StepResult"]
@@ -498,7 +499,15 @@ class Engine:
                 "to the model (computed from another module or tensor). Compute the loss from "
                 "engine(...)'s output; the window was discarded"
             )
-        norm = global_grad_norm(self._params, self.norm_type)
+        if self._topology.experts is None:
+            norm = global_grad_norm(self._params, self.norm_type)
+        else:  # expert-parallel gradients: synced here, then counted once in the norm
+            norm = expert_grad_norm(
+                self._params,
+                self._topology.experts,
+                self.norm_type,
+                self._topology.grad_average_size,
+            )
         self._last_norm = norm
         if (
             self.nonfinite != "raise"

@@ -9,10 +9,8 @@ rows then the up rows, ``down_proj`` [E_local, H, F].
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -22,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_dispatch.dispatcher import Dispatcher, LocalDispatcher
-from moe_dispatch.router_replay import RouterReplay
+from moe_dispatch.router import RouterOutput, ScoreFunc, TopKRouter, check_routing_config
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +41,11 @@ class MoEConfig:
         layer_id: global decoder-layer id, the key for router replay.
         grouped_mm: "auto" uses ``torch._grouped_mm`` on CUDA for 16-bit weights, "always" on
             CUDA whatever the dtype, "never" loops over local experts.
+        score_func: "softmax" (Mixtral, Qwen-MoE) or "sigmoid" (DeepSeek-V3, with a
+            score-correction bias); see :class:`TopKRouter`.
+        num_groups: expert groups of group-limited routing (sigmoid only; 1 = none).
+        topk_group: groups kept per token.
+        routed_scaling_factor: factor on the routed weights (DeepSeek-V3's).
     """
 
     hidden_size: int
@@ -52,79 +55,21 @@ class MoEConfig:
     norm_topk_prob: bool = True
     layer_id: int | None = None
     grouped_mm: GroupedMM = "auto"
+    score_func: ScoreFunc = "softmax"
+    num_groups: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        check_routing_config(
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            score_func=self.score_func,
+            num_groups=self.num_groups,
+            topk_group=self.topk_group,
+        )
         if self.grouped_mm not in ("auto", "always", "never"):
             raise ValueError(f"grouped_mm={self.grouped_mm!r}; use 'auto', 'always' or 'never'")
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class RouterOutput:
-    """What a router decided for T tokens.
-
-    Attributes:
-        logits: [T, E] in the hidden dtype.
-        probs: [T, E] float32 softmax (for auxiliary losses).
-        topk_ids: [T, K] int64 global expert ids.
-        topk_weights: [T, K] float32, gathered from ``probs`` (differentiable).
-    """
-
-    logits: Tensor
-    probs: Tensor
-    topk_ids: Tensor
-    topk_weights: Tensor
-
-
-class TopKRouter(nn.Module):
-    """Softmax top-k router; replays recorded ids when bound to a :class:`RouterReplay`.
-
-    Args:
-        hidden_size: H.
-        num_experts: E.
-        top_k: K.
-        norm_topk_prob: renormalise the K weights to sum to 1.
-        layer_id: global layer id (router replay key).
-    """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        num_experts: int,
-        top_k: int,
-        *,
-        norm_topk_prob: bool = True,
-        layer_id: int | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, device=device, dtype=dtype)
-        )
-        self.top_k = top_k
-        self.norm_topk_prob = norm_topk_prob
-        self.layer_id = layer_id
-        self.router_replay: RouterReplay | None = None
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-
-    def forward(self, hidden: Tensor) -> RouterOutput:
-        """Route [T, H] tokens."""
-        logits = F.linear(hidden, self.weight)
-        probs = torch.softmax(logits.float(), dim=-1)
-        if self.router_replay is None:
-            topk_ids = torch.topk(probs.detach(), self.top_k, dim=-1).indices
-        else:
-            topk_ids = self.router_replay.select(self.layer_id, probs, self.top_k)
-        # Gather from the full live probabilities (not top-k-zeroed ones) so replayed ids keep
-        # the router's gradient.
-        topk_weights = probs.gather(1, topk_ids)
-        if self.norm_topk_prob:
-            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-        return RouterOutput(
-            logits=logits, probs=probs, topk_ids=topk_ids, topk_weights=topk_weights
-        )
 
 
 def _use_grouped_mm(mode: GroupedMM, x: Tensor, weight: Tensor) -> bool:
@@ -192,19 +137,25 @@ class GroupedExperts(nn.Module):
                 f"tokens_per_expert has {tokens_per_expert.numel()} entries, expected one per "
                 f"local expert ({self.num_local_experts})"
             )
-        if _use_grouped_mm(self.grouped_mm, hidden, self.gate_up_proj):
+        gate_up_proj: Tensor = self.gate_up_proj
+        down_proj: Tensor = self.down_proj
+        if gate_up_proj.dtype != hidden.dtype:
+            # Mixed precision with the experts outside FSDP2 (expert parallelism): compute in
+            # the activations' dtype, keep the master weights (and their gradients) as they are.
+            gate_up_proj, down_proj = gate_up_proj.to(hidden.dtype), down_proj.to(hidden.dtype)
+        if _use_grouped_mm(self.grouped_mm, hidden, gate_up_proj):
             offsets = torch.cumsum(tokens_per_expert.to(hidden.device), 0).to(torch.int32)
-            gate_up = torch._grouped_mm(hidden, self.gate_up_proj.transpose(1, 2), offs=offsets)
+            gate_up = torch._grouped_mm(hidden, gate_up_proj.transpose(1, 2), offs=offsets)
             gate, up = gate_up.chunk(2, dim=-1)
             return torch._grouped_mm(
-                self.act_fn(gate) * up, self.down_proj.transpose(1, 2), offs=offsets
+                self.act_fn(gate) * up, down_proj.transpose(1, 2), offs=offsets
             )
         # Every local expert runs, even on zero rows, so this rank's graph always reaches the
         # dispatch all-to-all and its backward collective runs on every rank.
         outputs = []
         for e, rows in enumerate(hidden.split(tokens_per_expert.tolist())):
-            gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outputs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
+            gate, up = F.linear(rows, gate_up_proj[e]).chunk(2, dim=-1)
+            outputs.append(F.linear(self.act_fn(gate) * up, down_proj[e]))
         return torch.cat(outputs) if outputs else hidden[:0]
 
 
@@ -254,6 +205,10 @@ class ExpertParallelMoE(nn.Module):
             config.top_k,
             norm_topk_prob=config.norm_topk_prob,
             layer_id=config.layer_id,
+            score_func=config.score_func,
+            num_groups=config.num_groups,
+            topk_group=config.topk_group,
+            routed_scaling_factor=config.routed_scaling_factor,
             device=device,
             dtype=dtype,
         )
@@ -268,6 +223,10 @@ class ExpertParallelMoE(nn.Module):
         )
         self.shared_expert = shared_expert
         self.shared_expert_gate = shared_expert_gate
+        #: Set by the HF converter: how to write this layer back in the HF layout.
+        self.hf_layout: dict[str, Any] | None = None
+        #: Set by :func:`moe_dispatch.collect_routing`: receives each forward's RouterOutput.
+        self.routing_sink: list[RouterOutput] | None = None
 
     @property
     def local_experts(self) -> range:
@@ -294,6 +253,32 @@ class ExpertParallelMoE(nn.Module):
         self.experts.gate_up_proj.copy_(gate_up_proj[local.start : local.stop])
         self.experts.down_proj.copy_(down_proj[local.start : local.stop])
 
+    @torch.no_grad()
+    def gather_experts(self) -> tuple[Tensor, Tensor]:
+        """The global expert weights, gathered from every rank of the dispatcher's group.
+
+        A collective over that group when it has more than one rank (call it on every rank).
+
+        Returns:
+            gate_up_proj [E, 2F, H] and down_proj [E, H, F], detached copies.
+        """
+        gate_up = self.experts.gate_up_proj.detach()
+        down = self.experts.down_proj.detach()
+        group = getattr(self.dispatcher, "group", None)
+        inner = getattr(self.dispatcher, "inner", None)  # EqualizingDispatcher
+        if group is None and inner is not None:
+            group = getattr(inner, "group", None)
+        if self.dispatcher.num_local_experts == self.config.num_experts:
+            return gate_up.clone(), down.clone()
+        import torch.distributed as dist
+
+        size = dist.get_world_size(group)
+        parts_gu = [torch.empty_like(gate_up) for _ in range(size)]
+        parts_d = [torch.empty_like(down) for _ in range(size)]
+        dist.all_gather(parts_gu, gate_up.contiguous(), group=group)
+        dist.all_gather(parts_d, down.contiguous(), group=group)
+        return torch.cat(parts_gu), torch.cat(parts_d)
+
     def forward_with_routing(self, hidden: Tensor) -> tuple[Tensor, RouterOutput]:
         """Like :meth:`forward`, also returning the router's decision (for auxiliary losses).
 
@@ -314,6 +299,9 @@ class ExpertParallelMoE(nn.Module):
             if abort is not None:
                 abort(x.device)
             raise
+        if self.routing_sink is not None and torch._C._current_graph_task_id() == -1:
+            # Not during backward: a checkpoint recompute must not be collected twice.
+            self.routing_sink.append(routing)
         expert_input, counts, handle = self.dispatcher.dispatch(
             x, routing.topk_ids, routing.topk_weights
         )
@@ -328,154 +316,3 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, hidden: Tensor) -> Tensor:
         """[..., H] -> [..., H]."""
         return self.forward_with_routing(hidden)[0]
-
-
-def _hf_expert_weights(experts: Any) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
-    """Global [E, 2F, H] gate_up and [E, H, F] down weights, and the activation, of HF experts."""
-    if isinstance(experts, nn.ModuleList):
-        # transformers 4.x: one MLP module per expert.
-        mlps: list[Any] = list(experts)
-        if hasattr(mlps[0], "w1"):  # Mixtral: w1 gate, w3 up, w2 down
-            names = ("w1", "w3", "w2")
-        elif hasattr(mlps[0], "gate_proj"):  # Qwen-MoE
-            names = ("gate_proj", "up_proj", "down_proj")
-        else:
-            raise TypeError(
-                f"unsupported per-expert module {type(mlps[0]).__name__}; expected w1/w2/w3 "
-                "(Mixtral) or gate_proj/up_proj/down_proj (Qwen-MoE)"
-            )
-        stacked_gate_up = torch.stack(
-            [torch.cat([getattr(m, names[0]).weight, getattr(m, names[1]).weight]) for m in mlps]
-        )
-        stacked_down = torch.stack([getattr(m, names[2]).weight for m in mlps])
-        return stacked_gate_up, stacked_down, mlps[0].act_fn
-    gate_up = getattr(experts, "gate_up_proj", None)
-    down = getattr(experts, "down_proj", None)
-    if not isinstance(gate_up, Tensor) or not isinstance(down, Tensor) or gate_up.dim() != 3:
-        raise TypeError(
-            f"unsupported experts module {type(experts).__name__}; expected fused 3-D "
-            "gate_up_proj/down_proj parameters (transformers 5.x) or an nn.ModuleList of MLPs"
-        )
-    if getattr(experts, "has_bias", False) or not getattr(experts, "has_gate", True):
-        raise NotImplementedError(
-            f"{type(experts).__name__} has expert biases or no gate; only bias-free gated "
-            "MLP experts (Mixtral, Qwen2-MoE, Qwen3-MoE) convert"
-        )
-    if not getattr(experts, "is_concatenated", True):
-        raise NotImplementedError(
-            f"{type(experts).__name__} interleaves gate and up rows; only the concatenated "
-            "[gate; up] layout converts"
-        )
-    if getattr(experts, "is_transposed", False):
-        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    return gate_up, down, experts.act_fn
-
-
-def from_hf_moe_block(
-    block: nn.Module,
-    *,
-    dispatcher: Dispatcher | None = None,
-    layer_id: int | None = None,
-    grouped_mm: GroupedMM = "auto",
-) -> ExpertParallelMoE:
-    """Build an :class:`ExpertParallelMoE` from a Hugging Face sparse MoE block.
-
-    Supports ``MixtralSparseMoeBlock``, ``Qwen2MoeSparseMoeBlock`` (with its shared expert) and
-    ``Qwen3MoeSparseMoeBlock``, in the transformers 5.x fused-expert layout or the 4.x
-    per-expert ModuleList. On one process the result computes the same function as the block.
-
-    Args:
-        block: the HF block (left unchanged; weights are copied).
-        dispatcher: the dispatcher of the new layer (default: one process).
-        layer_id: global decoder-layer id, for router replay.
-        grouped_mm: see :class:`MoEConfig`.
-    """
-    hf: Any = block  # transformers modules: attributes are checked at run time
-    gate = hf.gate
-    router_weight: Tensor = gate.weight
-    num_experts, hidden_size = router_weight.shape
-    top_k = getattr(gate, "top_k", None) or getattr(block, "top_k", None)
-    if top_k is None:
-        raise TypeError(f"{type(block).__name__} has no top_k on the block or its gate")
-    if getattr(block, "jitter_noise", 0.0) and block.training:
-        raise NotImplementedError(
-            f"{type(block).__name__} uses router jitter noise {block.jitter_noise}; the "
-            "expert-parallel layer has none: set router_jitter_noise=0 in the model config"
-        )
-    # Mixtral always renormalises; Qwen-MoE follows norm_topk_prob.
-    norm = getattr(gate, "norm_topk_prob", getattr(block, "norm_topk_prob", True))
-    gate_up, down, act_fn = _hf_expert_weights(hf.experts)
-    config = MoEConfig(
-        hidden_size=int(hidden_size),
-        intermediate_size=int(down.shape[2]),
-        num_experts=int(num_experts),
-        top_k=int(top_k),
-        norm_topk_prob=bool(norm),
-        layer_id=layer_id,
-        grouped_mm=grouped_mm,
-    )
-    shared = getattr(block, "shared_expert", None)
-    shared_gate = getattr(block, "shared_expert_gate", None)
-    moe = ExpertParallelMoE(
-        config,
-        dispatcher=dispatcher,
-        act_fn=copy.deepcopy(act_fn),
-        shared_expert=copy.deepcopy(shared) if shared is not None else None,
-        shared_expert_gate=copy.deepcopy(shared_gate) if shared_gate is not None else None,
-        device=router_weight.device,
-        dtype=router_weight.dtype,
-    )
-    with torch.no_grad():
-        moe.router.weight.copy_(router_weight)
-    moe.load_experts(gate_up.detach(), down.detach())
-    return moe
-
-
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def convert_hf_moe(
-    model: nn.Module,
-    *,
-    dispatcher_factory: Callable[[int], Dispatcher] | None = None,
-    grouped_mm: GroupedMM = "auto",
-) -> list[int]:
-    """Replace every HF sparse MoE block in ``model`` (in place) by an ExpertParallelMoE.
-
-    A block is a module whose class name ends in ``SparseMoeBlock`` and that has ``gate`` and
-    ``experts``. Its layer id is the decoder-layer index in its name (``...layers.<i>.mlp``).
-
-    Args:
-        model: a transformers model (or a pipeline part of one).
-        dispatcher_factory: ``num_experts -> Dispatcher`` (default: one-process dispatch).
-        grouped_mm: see :class:`MoEConfig`.
-
-    Returns:
-        The converted layer ids.
-    """
-    targets = [
-        (name, module)
-        for name, module in model.named_modules()
-        if type(module).__name__.endswith("SparseMoeBlock")
-        and hasattr(module, "gate")
-        and hasattr(module, "experts")
-    ]
-    layer_ids = []
-    for name, block in targets:
-        match = _LAYER_INDEX.search(name + ".")
-        if match is None:
-            raise ValueError(
-                f"cannot read a decoder-layer index from {name!r}; convert this block with "
-                "from_hf_moe_block(..., layer_id=...) instead"
-            )
-        layer_id = int(match.group(1))
-        num_experts = int(block.get_submodule("gate").weight.shape[0])
-        dispatcher = dispatcher_factory(num_experts) if dispatcher_factory is not None else None
-        new = from_hf_moe_block(
-            block, dispatcher=dispatcher, layer_id=layer_id, grouped_mm=grouped_mm
-        )
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, new)
-        layer_ids.append(layer_id)
-    return layer_ids

@@ -75,7 +75,9 @@ class RouterReplay:
 
     In record mode a layer recomputed during backward (activation checkpointing) reuses its
     first recording; a layer seen twice in forward raises, so open one ``record()`` context
-    per forward (microbatch).
+    per forward (micro-batch), around its forward and backward. Every record context appends
+    its routes to :attr:`history`, so a window of micro-batches keeps one recording each
+    (replay them in order with ``replay(history[i])``).
     """
 
     def __init__(self) -> None:
@@ -83,6 +85,12 @@ class RouterReplay:
         self._recorded: dict[int, Tensor] = {}
         self._replaying: dict[int, Tensor] = {}
         self._strict = True
+        self._history: list[dict[int, Tensor]] = []
+        # An invalid replay_stacked input: raised by the first router call, inside the MoE
+        # layer's forward, where a distributed dispatcher makes every rank raise together.
+        self._deferred: ValueError | None = None
+        # layer id -> (E, K) of the bound routers, to validate replayed routes on entry.
+        self._shapes: dict[int, tuple[int, int]] = {}
 
     @property
     def mode(self) -> str:
@@ -93,6 +101,20 @@ class RouterReplay:
     def routes(self) -> dict[int, Tensor]:
         """The last recording, {global layer id: [T, K] int64}."""
         return dict(self._recorded)
+
+    @property
+    def history(self) -> list[dict[int, Tensor]]:
+        """One recording per ``record()`` context since the last :meth:`clear_history`."""
+        return list(self._history)
+
+    def clear_history(self) -> None:
+        """Forget the recordings of earlier micro-batches (e.g. at a window boundary)."""
+        self._history = []
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """The bound layer ids, sorted: the L axis of :meth:`replay_stacked` routes."""
+        return sorted(self._shapes)
 
     def bind(self, *models: nn.Module) -> list[int]:
         """Attach this replay to every router found in ``models`` (model parts, several models).
@@ -127,6 +149,9 @@ class RouterReplay:
                 routers.append(module)
         for module in routers:  # only after every check passed: binding is all or nothing
             module.router_replay = self
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, Tensor) and hasattr(module, "top_k"):
+                self._shapes[module.layer_id] = (int(weight.shape[0]), int(module.top_k))
         return sorted(bound)
 
     @contextlib.contextmanager
@@ -138,6 +163,7 @@ class RouterReplay:
             yield self
         finally:
             self._mode = "off"
+            self._history.append(dict(self._recorded))
 
     @contextlib.contextmanager
     def replay(self, routes: Mapping[int, Tensor], *, strict: bool = True) -> Iterator[None]:
@@ -156,6 +182,61 @@ class RouterReplay:
         finally:
             self._mode = "off"
             self._replaying = {}
+            self._deferred = None
+
+    def replay_stacked(
+        self, routes: Tensor, *, num_tokens: int | None = None, strict: bool = True
+    ) -> contextlib.AbstractContextManager[None]:
+        """Replay external token-aligned routes [T, L, K] (e.g. an inference engine's).
+
+        The L axis follows :attr:`layer_ids` (the bound layers, sorted). The shape, the
+        token count and every id (in [0, E) or a whole -1 row) are checked on entry; an error
+        is raised by the first MoE layer of the forward, so that with an expert-parallel
+        dispatcher every rank raises together instead of waiting for this one.
+
+        Args:
+            routes: [T, L, K] integer.
+            num_tokens: the T the model will see (after packing/sharding); None skips that
+                check (each layer still checks it when it runs).
+            strict: as in :meth:`replay`.
+        """
+        layer_ids = self.layer_ids
+        if not layer_ids:
+            raise RuntimeError("no router is bound; call bind(model) before replaying routes")
+        error = self._check_stacked(routes, layer_ids, num_tokens)
+        if error is not None:
+            context = self.replay({}, strict=strict)
+            self._deferred = error
+            return context
+        return self.replay(unstack_routes(routes, layer_ids), strict=strict)
+
+    def _check_stacked(
+        self, routes: Tensor, layer_ids: list[int], num_tokens: int | None
+    ) -> ValueError | None:
+        top_ks = sorted({k for _, k in self._shapes.values()})
+        want_k = top_ks[0] if len(top_ks) == 1 else top_ks
+        if routes.dim() != 3 or routes.shape[1] != len(layer_ids) or routes.shape[2] not in top_ks:
+            return ValueError(
+                f"external routes have shape {tuple(routes.shape)}, expected [T, L="
+                f"{len(layer_ids)}, K={want_k}] for the bound layers {layer_ids}"
+            )
+        if num_tokens is not None and routes.shape[0] != num_tokens:
+            return ValueError(
+                f"external routes hold {routes.shape[0]} tokens, the batch has {num_tokens}; "
+                "shard and pack the routes together with the tokens"
+            )
+        for i, layer_id in enumerate(layer_ids):
+            num_experts, top_k = self._shapes[layer_id]
+            try:
+                validate_routes(
+                    routes[:, i],
+                    num_tokens=int(routes.shape[0]),
+                    num_experts=num_experts,
+                    top_k=top_k,
+                )
+            except ValueError as err:
+                return ValueError(f"external routes of layer {layer_id}: {err}")
+        return None
 
     def _enter(self, mode: _Mode) -> None:
         if self._mode != "off":
@@ -178,6 +259,8 @@ class RouterReplay:
         """
         if self._mode == "off" or layer_id is None:
             return _live_topk(scores, top_k)
+        if self._mode == "replay" and self._deferred is not None:
+            raise self._deferred
         num_tokens, num_experts = scores.shape
         if self._mode == "record":
             previous = self._recorded.get(layer_id)

@@ -215,6 +215,7 @@ class ParallelConfig:
         cp: context-parallel degree (cp-sharder); must divide the world size.
         tp: tensor-parallel degree of the whole model (attention heads, MLP, embedding and
             output projection over the vocabulary; vocab-parallel loss). Needs fsdp2.
+        ep: expert-parallel degree of converted MoE models (divides dp and the experts).
         ddp: DDP knobs.
         fsdp: FSDP2 knobs.
     """
@@ -222,6 +223,7 @@ class ParallelConfig:
     data_parallel: Literal["ddp", "fsdp2"] = "ddp"
     cp: int = 1
     tp: int = 1
+    ep: int = 1
     ddp: DDPKnobs = field(default_factory=DDPKnobs)
     fsdp: FSDPKnobs = field(default_factory=FSDPKnobs)
 
@@ -300,6 +302,24 @@ class LoRAConfig:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class MoELossConfig:
+    """Router losses of converted MoE models (see train_recipes.moe).
+
+    Attributes:
+        aux_loss_coef: weight of the Switch load-balancing loss, averaged over MoE layers,
+            micro-batches and ranks (0 disables it).
+        z_loss_coef: weight of the router z-loss, averaged the same way (0 disables it).
+        bias_update_rate: DeepSeek-V3's aux-loss-free balancing: after each optimizer step the
+            routers' score-correction biases move by this rate towards equal expert loads
+            (DeepSeek-V3 uses 1e-3; 0 disables it; sigmoid-routed families only).
+    """
+
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class SFTConfig:
     """The SFT recipe (causal LM; VLM when ``data.model_family`` is a vision family)."""
 
@@ -309,6 +329,7 @@ class SFTConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    moe: MoELossConfig = field(default_factory=MoELossConfig)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -610,6 +631,9 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
     if train.checkpoint_every < 0:
         raise ConfigError("train.checkpoint_every", f"must be >= 0, got {train.checkpoint_every}")
     _check_loop(config, world_size)
+    from train_recipes.moe import check_moe_config
+
+    check_moe_config(config, world_size=world_size)
 
 
 def _check_loop(config: SFTConfig, world_size: int) -> None:
@@ -720,6 +744,8 @@ def validate_retrieval(config: RetrievalConfig, *, world_size: int) -> None:
         raise ConfigError(
             "parallel.cp", "the retrieval recipe is data-parallel only; set cp=1, tp=1"
         )
+    if config.parallel.ep != 1:
+        raise ConfigError("parallel.ep", "the retrieval recipe is data-parallel only; set ep=1")
     if config.parallel.data_parallel != "ddp":
         raise ConfigError(
             "parallel.data_parallel",

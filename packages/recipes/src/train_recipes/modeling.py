@@ -537,6 +537,16 @@ def exact_match_accuracy(
     return float(counts[0] / counts[1].clamp(min=1))
 
 
+def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The consolidated state dict on CPU (collective for FSDP2; only rank 0 gets tensors)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(
+        unwrap(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
+
+
 def export_hf(
     model: nn.Module,
     tokenizer: Any,
@@ -561,6 +571,20 @@ def export_hf(
         return export_lora(
             inner_model, tokenizer, out_dir, is_main=is_main, lora_export=lora_export
         )
+    from train_recipes.moe import is_convertible, to_hf_layout
+
+    if is_convertible(inner_model):
+        # Converted MoE: the experts go back to the HF layout, gathered over ep (collective).
+        state = to_hf_layout(model, _full_state_dict(model))
+        if not is_main:
+            return None
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        hf_model: Any = inner_model
+        hf_model.save_pretrained(out, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        logger.info("exported the MoE model to %s", out)
+        return out
     from train_recipes.streaming_export import export_streaming
 
     out = export_streaming(unwrap(model), out_dir)

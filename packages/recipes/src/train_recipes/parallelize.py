@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from train_recipes import moe
 from train_recipes._dist import RankContext, engine_dp_config
 from train_recipes.checkpointing import apply_activation_checkpointing
 from train_recipes.config import SFTConfig
@@ -25,8 +26,12 @@ def uses_sharded_load(config: SFTConfig) -> bool:
     """``model.sharded_load``, with None resolved: on for a model folder under FSDP2, no LoRA."""
     if config.model.sharded_load is not None:
         return config.model.sharded_load
+    from moe_dispatch import SUPPORTED_MODEL_TYPES
+    from train_recipes.moe import read_model_type
+
     return (
         config.model.path is not None
+        and read_model_type(config.model.path)[0] not in SUPPORTED_MODEL_TYPES
         and config.parallel.data_parallel == "fsdp2"
         and not config.lora.enabled
     )
@@ -58,6 +63,12 @@ def build_parallel_model(config: SFTConfig, tokenizer: Any, ctx: RankContext) ->
     model.train()
     if ctx.tp_size > 1:
         model = apply_tensor_parallel(model, ctx.mesh["tp"])
+    if sharded and moe.is_convertible(model):
+        raise ValueError(
+            "model.sharded_load does not support MoE models yet (their experts are converted "
+            "from loaded weights); set model.sharded_load=false"
+        )
+    expert_shards = moe.prepare(model, ctx, config)  # MoE: converted, experts sharded over ep
     if config.model.activation_checkpointing:
         apply_activation_checkpointing(model, every=config.model.activation_checkpointing_every)
     if config.model.compile:
@@ -67,6 +78,7 @@ def build_parallel_model(config: SFTConfig, tokenizer: Any, ctx: RankContext) ->
         mesh=ctx.grad_mesh(),
         config=engine_dp_config(config.parallel),
         gradient_accumulation_steps=config.train.gradient_accumulation_steps,
+        expert_shards=expert_shards,
     )
     if sharded:
         assert config.model.path is not None

@@ -21,6 +21,7 @@ import yaml
 from torch import Tensor
 
 from train_recipes import _integrations as data_api
+from train_recipes import moe
 from train_recipes import resume as checkpoints
 from train_recipes._dist import (
     RankContext,
@@ -364,6 +365,7 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
 
     # Unpacked text without cp: causal SDPA without transformers' mask construction.
     fast_path = CausalFastPath(model) if not vlm and sharder is None else None
+    router_losses = moe.router_losses(model, engine, config, ctx)
     batches = _forever(loader)
     accum = train.gradient_accumulation_steps
     last_loss: float | None = None
@@ -415,13 +417,16 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
                 seen[1] += float(host_batch["attention_mask"].sum()) / (ctx.cp_size * ctx.tp_size)
                 if fast_path is not None:
                     fast_path.select(packed=rows_are_packed(host_batch["position_ids"]))
-                loss_sum = token_sum_loss(engine, batch, sharder=sharder, vlm=vlm)
-                engine.backward(loss_sum, num_tokens=num_tokens)
+                with router_losses.collect():
+                    loss_sum = token_sum_loss(engine, batch, sharder=sharder, vlm=vlm)
+                extra = router_losses.term(num_tokens)  # MoE aux/z losses (0.0 otherwise)
+                engine.backward(loss_sum + extra, num_tokens=num_tokens)
                 step_loss += loss_sum.detach().to(torch.float64)
                 step_result = engine.step()
         skips.observe(step, step_result)  # the previous step's skip flag, settled by now
         if step == start_step + 1:
             clock.end()
+        router_losses.after_step(ctx.device)  # DeepSeek bias balancing (no-op otherwise)
         # The cp and tp ranks of a replica count the same tokens: summed over all ranks at
         # logging time, this is the global number of loss tokens.
         seen[0] += local_tokens / (ctx.cp_size * ctx.tp_size)
@@ -457,6 +462,7 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
                 "skipped": skips.new_since_last_call(),
                 "skipped_total": len(skips.skipped),
             }
+            record.update(router_losses.metrics(ctx.device))  # collective; {} without MoE
             run_log.log(step, record)
             run_log.progress(
                 step,

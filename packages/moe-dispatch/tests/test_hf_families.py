@@ -1,0 +1,175 @@
+"""Converted Qwen3-MoE, Mixtral and DeepSeek-V3 blocks equal the HF blocks in float64 (top-k ties,
+an expert with no tokens), and the export back to the HF layout gives the same logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+from _moe_dispatch_hf import build_block, tiny_causal_lm
+from moe_dispatch import (
+    TopKRouter,
+    collect_routing,
+    convert_hf_moe,
+    expert_load,
+    from_hf_moe_block,
+    hf_state_dict,
+    load_balancing_loss,
+    update_score_correction_bias,
+)
+
+FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3"]
+SILENT, TWIN_A, TWIN_B = 7, 1, 2  # expert never chosen; two experts with identical scores
+
+
+def _block_with_ties(kind: str) -> tuple[nn.Module, torch.Tensor]:
+    block = build_block(kind, seed=3, dtype=torch.float64)
+    router = block.gate.weight
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 9, router.shape[1], generator=g, dtype=torch.float64)
+    x[..., 0] = 4.0 + x[..., 0].abs()  # a large positive first feature on every token
+    with torch.no_grad():
+        router[:, 0] = 0.0
+        router[SILENT] = 0.0
+        router[SILENT, 0] = -5.0  # logit <= -20: never in the top-k
+        router[TWIN_B] = router[TWIN_A]  # equal logits for every token: top-k ties
+        bias = getattr(block.gate, "e_score_correction_bias", None)
+        if bias is not None:
+            bias[TWIN_B] = bias[TWIN_A]
+            bias[SILENT] = 0.0
+    return block, x
+
+
+def _hf_routing(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = block.gate(x.reshape(-1, x.shape[-1]))
+    return out[2]
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_converted_block_equals_hf_float64(kind: str) -> None:
+    block, x = _block_with_ties(kind)
+    ids = _hf_routing(block, x)
+    load = expert_load(ids, block.gate.weight.shape[0])
+    assert load[SILENT] == 0, "the silent expert must receive no token"
+    tie_rows = (ids == TWIN_A).any(1) ^ (ids == TWIN_B).any(1)
+    assert bool(tie_rows.any()), "some token must pick one of two tied experts"
+    moe = from_hf_moe_block(block, layer_id=0)
+    weight = torch.randn(x.shape, generator=torch.Generator().manual_seed(5), dtype=x.dtype)
+    outs, grads = [], []
+    for module in (block, moe):
+        xi = x.clone().requires_grad_()
+        out = module(xi)
+        (out * weight).sum().backward()
+        outs.append(out)
+        grads.append(xi.grad)
+    tol = {"rtol": 1e-9, "atol": 1e-10}
+    torch.testing.assert_close(outs[1], outs[0], **tol)
+    torch.testing.assert_close(grads[1], grads[0], **tol)
+    hf_params = dict(block.named_parameters())
+    ours = dict(moe.named_parameters())
+    pairs = {"gate.weight": "router.weight"}
+    for name in hf_params:
+        if name.startswith(("shared_expert", "shared_experts")):
+            pairs[name] = "shared_expert." + name.split(".", 1)[1]
+            if name.startswith("shared_expert_gate"):
+                pairs[name] = name
+    for hf_name, our_name in pairs.items():
+        want, got = hf_params[hf_name].grad, ours[our_name].grad
+        assert want is not None and got is not None, hf_name
+        torch.testing.assert_close(got, want, **tol, msg=lambda m, n=hf_name: f"{n}: {m}")
+    for name in ("gate_up_proj", "down_proj"):
+        want, got = hf_params[f"experts.{name}"].grad, ours[f"experts.{name}"].grad
+        assert want is not None and got is not None
+        torch.testing.assert_close(got, want, **tol)
+        assert got[SILENT].abs().max() == 0  # no token, no gradient
+
+
+def test_deepseek_routing_is_group_limited_with_bias() -> None:
+    block, x = _block_with_ties("deepseek_v3")
+    moe = from_hf_moe_block(block)
+    router = moe.router
+    assert router.score_func == "sigmoid" and router.num_groups == 4 and router.topk_group == 2
+    assert router.score_correction_bias is not None
+    flat = x.reshape(-1, x.shape[-1])
+    with torch.no_grad():
+        ours = router(flat)
+    groups = ours.topk_ids // 2  # 8 experts in 4 groups of 2
+    assert all(len(set(row.tolist())) <= 2 for row in groups)
+    torch.testing.assert_close(ours.topk_ids.sort(1).values, _hf_routing(block, x).sort(1).values)
+    # Aux-loss-free balancing: the most loaded expert's bias goes down, an idle one's up.
+    before = router.score_correction_bias.clone()
+    load = update_score_correction_bias(router, ours.topk_ids, rate=0.01)
+    delta = router.score_correction_bias - before
+    assert delta[int(load.argmax())] == pytest.approx(-0.01)
+    assert delta[SILENT] == pytest.approx(0.01)
+    assert router.score_correction_bias.grad is None
+    assert not any("score_correction_bias" in name for name, _ in moe.named_parameters())
+
+
+def test_softmax_router_rejects_groups() -> None:
+    with pytest.raises(ValueError, match="score_func='sigmoid'"):
+        TopKRouter(8, 8, 2, num_groups=2)
+    with pytest.raises(ValueError, match="exceeds"):
+        TopKRouter(8, 8, 6, score_func="sigmoid", num_groups=4, topk_group=2)
+
+
+def _perturb(model: nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_export_round_trip_gives_trained_logits(kind: str, tmp_path: Path) -> None:
+    model = tiny_causal_lm(kind, seed=6)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(7))
+    assert convert_hf_moe(model)
+    _perturb(model, seed=8)  # "training" changed every weight, experts and routers included
+    with torch.no_grad():
+        want = model(ids).logits
+    state = hf_state_dict(model)
+    fresh = type(model)(model.config).eval()
+    fresh.load_state_dict(state, strict=True)
+    fresh.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        got = loaded(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_output_router_logits_points_to_own_loss() -> None:
+    model = tiny_causal_lm("qwen3_moe", seed=9)
+    convert_hf_moe(model)
+    ids = torch.randint(0, 64, (1, 5))
+    with pytest.raises(ValueError, match="load_balancing_loss"):
+        model(ids, output_router_logits=True)
+    model.config.output_router_logits = True
+    with pytest.raises(ValueError, match="output_router_logits=False"):
+        model(ids)
+    model.config.output_router_logits = False
+    with collect_routing(model) as routing:
+        model(ids)
+    assert len(routing) == 2 and routing[0].topk_ids.shape == (5, 2)
+    aux = sum(load_balancing_loss(r.probs, r.topk_ids) for r in routing)
+    assert torch.isfinite(torch.as_tensor(aux))
+
+
+def test_unsupported_moe_block_is_rejected() -> None:
+    class FancySparseMoeBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Linear(4, 4)
+            self.experts = nn.ModuleList()
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Module()])
+    model.layers[0].mlp = FancySparseMoeBlock()
+    with pytest.raises(NotImplementedError, match="FancySparseMoeBlock"):
+        convert_hf_moe(model)
