@@ -223,7 +223,10 @@ def forbid_dense_masks(max_mask_side: int) -> Iterator[None]:
     """
     from transformers.masking_utils import AttentionMaskInterface
 
-    from cp_sharder.attention import portable
+    # Imported before SDPA is patched: these modules bind the real SDPA at import, and a first
+    # import under the patch would keep this guard (and its max_mask_side) for the process's
+    # later tests (the rank pool reuses its processes).
+    from cp_sharder.attention import portable, varlen  # noqa: F401
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a dense attention mask was built on the packed training path")
