@@ -55,8 +55,11 @@ def read_model_type(model_path: str | None) -> tuple[str | None, dict[str, Any]]
     config_file = Path(model_path) / "config.json"
     if not config_file.is_file():
         return None, {}
-    raw = json.loads(config_file.read_text())
-    return raw.get("model_type"), raw
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError):  # the preflight reports an unreadable config.json
+        return None, {}
+    return (raw.get("model_type"), raw) if isinstance(raw, dict) else (None, {})
 
 
 def check_moe_config(config: Any, *, world_size: int) -> None:

@@ -4,6 +4,7 @@ checkpointing, compile, then data parallelism (DDP or FSDP2 on the (dp, cp) grad
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,12 +38,24 @@ def uses_sharded_load(config: SFTConfig) -> bool:
     )
 
 
-def build_parallel_model(config: SFTConfig, tokenizer: Any, ctx: RankContext) -> nn.Module:
+def build_parallel_model(
+    config: SFTConfig,
+    tokenizer: Any,
+    ctx: RankContext,
+    *,
+    on_phase: Callable[[str], None] | None = None,
+) -> nn.Module:
     """The model of ``config`` on ``ctx.device``, sharded and wrapped for training.
 
     Call after seeding (a random-init model's weights come from the global RNG). With
     :func:`uses_sharded_load`, the model is built on the meta device, distributed, and then
     each rank reads its own slices of ``model.path``'s safetensors.
+
+    Args:
+        config: the validated recipe config.
+        tokenizer: the run's tokenizer (a random-init model takes its vocabulary size).
+        ctx: this rank's process groups and device.
+        on_phase: called with "wrapping" once the model is built (the run's start-up clock).
 
     Returns:
         The DDP wrapper, or the model itself under FSDP2 (which works in place).
@@ -61,6 +74,8 @@ def build_parallel_model(config: SFTConfig, tokenizer: Any, ctx: RankContext) ->
     else:
         model = apply_lora(build_model(config, tokenizer), config).to(ctx.device)
     model.train()
+    if on_phase is not None:
+        on_phase("wrapping")
     if ctx.tp_size > 1:
         model = apply_tensor_parallel(model, ctx.mesh["tp"])
     if sharded and moe.is_convertible(model):

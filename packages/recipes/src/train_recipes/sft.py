@@ -234,8 +234,8 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
     if ctx.is_main:  # written whole: `train-recipes export` reads it
         processor.save_pretrained(staging := staging_dir(out_dir / "tokenizer"))
         publish_dir(staging, out_dir / "tokenizer")
-    clock.start("building and wrapping the model")
-    model = build_parallel_model(config, tokenizer, ctx)
+    clock.start("building model")
+    model = build_parallel_model(config, tokenizer, ctx, on_phase=clock.start)
     optimizer = torch.optim.AdamW(
         param_groups(model, weight_decay=config.optim.weight_decay),
         lr=config.optim.lr,
