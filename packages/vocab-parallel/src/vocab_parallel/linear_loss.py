@@ -18,14 +18,8 @@ from torch import Tensor
 
 from vocab_parallel._fused_linear import FusedLinearLoss, fused_chunk_tokens
 from vocab_parallel._logits import Plan
-from vocab_parallel._sharding import check_labels, replicated_local, vocab_shard
-from vocab_parallel.losses import (
-    Backend,
-    _check_chunk,
-    _check_linear_inputs,
-    _check_temperature,
-    _resolve_backend,
-)
+from vocab_parallel._sharding import replicated_local
+from vocab_parallel.losses import Backend, _linear_operands, _resolve_backend
 
 
 def _fused_loss(
@@ -43,16 +37,9 @@ def _fused_loss(
     fp32_weight_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, log_p [...], valid [...]) with loss = sum_t c_t * log p(label_t)."""
-    inv_t = _check_temperature(temperature)
-    _check_chunk(chunk_size)
-    _check_linear_inputs(hidden, weight)
-    shard = vocab_shard(weight, vocab_dim=0, name="weight", expected="Shard(0)")
-    local_hidden = replicated_local(hidden, name="hidden")
-    batch_shape = local_hidden.shape[:-1]
-    labels = check_labels(
-        replicated_local(labels, name="labels"), batch_shape=batch_shape, what="hidden states"
+    inv_t, shard, flat_hidden, labels, batch_shape = _linear_operands(
+        hidden, weight, labels, temperature=temperature, chunk_size=chunk_size
     )
-    flat_hidden = local_hidden.reshape(-1, local_hidden.shape[-1])
     n = flat_hidden.shape[0]
     if isinstance(coefficients, Tensor):
         coefficients = replicated_local(coefficients, name="coefficients")

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from vocab_parallel._linear import LinearLogProbs, block_size_for
 from vocab_parallel._logits import Plan, VocabStats, chunk_size_for
-from vocab_parallel._sharding import check_labels, replicated_local, vocab_shard
+from vocab_parallel._sharding import VocabShard, check_labels, replicated_local, vocab_shard
 
 Reduction = Literal["none", "mean", "sum"]
 Backend = Literal["auto", "torch", "triton"]
@@ -77,6 +77,28 @@ def _check_float(t: Tensor, name: str) -> None:
             f"{name} has dtype {t.dtype}; expected a floating dtype (bfloat16, float16, float32 "
             "or float64)"
         )
+
+
+def _linear_operands(
+    hidden: Tensor, weight: Tensor, labels: Tensor, *, temperature: float, chunk_size: int | None
+) -> tuple[float, VocabShard, Tensor, Tensor, torch.Size]:
+    """The checked operands of both fused linear forms.
+
+    Returns:
+        (1 / temperature, the weight's vocabulary shard, hidden as [N, H] local, labels [...]
+        local, the batch shape [...]).
+    """
+    inv_t = _check_temperature(temperature)
+    _check_chunk(chunk_size)
+    _check_linear_inputs(hidden, weight)
+    shard = vocab_shard(weight, vocab_dim=0, name="weight", expected="Shard(0)")
+    local_hidden = replicated_local(hidden, name="hidden")
+    batch_shape = local_hidden.shape[:-1]
+    labels = check_labels(
+        replicated_local(labels, name="labels"), batch_shape=batch_shape, what="hidden states"
+    )
+    flat_hidden = local_hidden.reshape(-1, local_hidden.shape[-1])
+    return inv_t, shard, flat_hidden, labels, batch_shape
 
 
 def _check_linear_inputs(hidden: Tensor, weight: Tensor) -> None:
@@ -387,16 +409,9 @@ def linear_token_log_probs(
         [...] float32, identical on every vocabulary rank. The hidden gradient is summed over
         the vocabulary ranks in backward, so it is the full gradient on every rank.
     """
-    inv_t = _check_temperature(temperature)
-    _check_chunk(chunk_size)
-    _check_linear_inputs(hidden, weight)
-    shard = vocab_shard(weight, vocab_dim=0, name="weight", expected="Shard(0)")
-    local_hidden = replicated_local(hidden, name="hidden")
-    batch_shape = local_hidden.shape[:-1]
-    labels = check_labels(
-        replicated_local(labels, name="labels"), batch_shape=batch_shape, what="hidden states"
+    inv_t, shard, flat_hidden, labels, batch_shape = _linear_operands(
+        hidden, weight, labels, temperature=temperature, chunk_size=chunk_size
     )
-    flat_hidden = local_hidden.reshape(-1, local_hidden.shape[-1])
     resolved = _resolve_backend(backend, flat_hidden)
     low_precision = resolved == "triton" and flat_hidden.dtype in (torch.bfloat16, torch.float16)
     plan = Plan(
