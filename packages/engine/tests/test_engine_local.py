@@ -342,3 +342,34 @@ def test_loading_state_drops_an_unread_device_skip() -> None:
     assert result.skipped
     assert engine.lr_scheduler.state_dict() == saved_sched  # type: ignore[union-attr]
     assert engine.optimizer.param_groups[0]["lr"] == saved_lr
+
+
+@pytest.mark.parametrize("path", ["device", "host", "plain"])
+def test_step_results_carry_the_engines_run_of_skips(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each boundary StepResult says how many windows were skipped in a row up to it, the same
+    count as engine.consecutive_skipped_steps, whether the skip was decided on the device
+    (fused AdamW), on the host (fused AdamW, flag elsewhere) or by a plain optimizer; an
+    off-boundary result repeats the last window's count."""
+    if path == "host":
+        monkeypatch.setattr(Engine, "_flag_on_param_device", lambda self: False)
+    torch.manual_seed(0)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=path != "plain")
+    engine = Engine(model, opt, gradient_accumulation_steps=2, nonfinite="skip")
+    windows = [1.0, math.inf, math.inf, 1.0, math.inf]
+    boundary, off_boundary, engine_counts = [], [], []
+    for window, factor in enumerate(windows):
+        for micro in range(2):
+            ids, labels = global_batch(10 * window + micro, 4)
+            loss = token_loss_mean(engine(ids), labels)
+            engine.backward(loss * (factor if micro == 1 else 1.0))
+            (boundary if micro == 1 else off_boundary).append(engine.step())
+        engine_counts.append(engine.consecutive_skipped_steps)
+    assert [r.skipped for r in boundary] == [False, True, True, False, True]
+    assert [r.consecutive_skipped_steps for r in boundary] == [0, 1, 2, 0, 1]
+    assert engine_counts == [0, 1, 2, 0, 1]
+    # Micro-batch 0 of window w reports the run of skips up to window w - 1.
+    assert [r.consecutive_skipped_steps for r in off_boundary] == [0, 0, 1, 2, 0]
+    assert "consecutive_skipped_steps=1" in repr(boundary[-1])

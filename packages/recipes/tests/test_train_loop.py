@@ -419,20 +419,21 @@ def test_nonfinite_raise_policy_is_the_engines(
 def test_skip_tracker_names_the_recipe_step_and_aborts() -> None:
     from train_recipes.health import SkipTracker, TrainingAborted
 
-    class Result:
-        def __init__(self, skipped: bool) -> None:
+    class Result:  # a StepResult: the Engine counts the skips in a row
+        def __init__(self, skipped: bool, consecutive_skipped_steps: int) -> None:
             self.skipped = skipped
+            self.consecutive_skipped_steps = consecutive_skipped_steps
 
     said: list[int] = []
     tracker = SkipTracker(3, on_skip=said.append)
-    tracker.observe(1, Result(False))  # type: ignore[arg-type]
-    tracker.observe(2, Result(True))  # type: ignore[arg-type]
+    tracker.observe(1, Result(False, 0))  # type: ignore[arg-type]
+    tracker.observe(2, Result(True, 1))  # type: ignore[arg-type]
     assert said == []  # read one step late (no host sync on a fused optimizer)
-    tracker.observe(3, Result(False))  # type: ignore[arg-type]
+    tracker.observe(3, Result(False, 0))  # type: ignore[arg-type]
     assert said == [2]
-    tracker.observe(4, Result(True))  # type: ignore[arg-type]
-    tracker.observe(5, Result(True))  # type: ignore[arg-type]
-    tracker.observe(6, Result(True))  # type: ignore[arg-type]
+    tracker.observe(4, Result(True, 1))  # type: ignore[arg-type]
+    tracker.observe(5, Result(True, 2))  # type: ignore[arg-type]
+    tracker.observe(6, Result(True, 3))  # type: ignore[arg-type]
     assert tracker.new_since_last_call() == [2, 4, 5]
     with pytest.raises(TrainingAborted, match=r"steps 4-6: 3 optimizer steps in a row"):
         tracker.flush()

@@ -10,38 +10,34 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from train_engine._device_update import (
-    PendingUpdate,
-    grad_divisor,
-    step_on_device,
-    supports_device_update,
-)
+from train_engine._counters import UpdateCounters
+from train_engine._device_update import supports_device_update
 from train_engine._step_result import StepResult
 from train_engine._tokens import backend_device as _backend_device
-from train_engine._tokens import host_num_tokens, sum_over_groups, token_scaled
+from train_engine._tokens import host_num_tokens, sum_over_groups
 from train_engine._topology import detect_topology
+from train_engine._update import (
+    POLICIES,
+    NonFiniteGradientError,
+    NonFinitePolicy,
+    UpdateRule,
+    learning_rates,
+)
 from train_engine._validation import check_loss, check_optimizer_params
+from train_engine._window import AccumulationWindow
 from train_engine.expert_parallel import grad_norm as expert_grad_norm
-from train_engine.grad_norm import clip_grads_with_norm_, global_grad_norm
+from train_engine.grad_norm import global_grad_norm
 
 __all__ = ["Engine", "NonFiniteGradientError", "StepResult"]
 
-logger = logging.getLogger(__name__)
-
-NonFinitePolicy = Literal["skip", "raise", "step"]
-_POLICIES = ("skip", "raise", "step")
-
-
-class NonFiniteGradientError(FloatingPointError):
-    """Raised by :meth:`Engine.step` on every rank when ``nonfinite="raise"`` and the global
-    gradient norm is inf or NaN. The window's gradients are cleared; the Engine stays usable."""
+logger = logging.getLogger(__name__)  # skip warnings: train_engine._counters, same name
 
 
 class Engine:
@@ -99,8 +95,8 @@ class Engine:
             raise ValueError(
                 f"max_grad_norm must be > 0, got {max_grad_norm}; pass None to disable clipping"
             )
-        if nonfinite not in _POLICIES:
-            raise ValueError(f"nonfinite must be one of {_POLICIES}, got {nonfinite!r}")
+        if nonfinite not in POLICIES:
+            raise ValueError(f"nonfinite must be one of {POLICIES}, got {nonfinite!r}")
         self.module = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -118,47 +114,31 @@ class Engine:
             self._dp_groups = (dp_group,)
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._param_device_types = frozenset(p.device.type for p in self._params)
-        self._window = 1
+        self._window = AccumulationWindow(1)
         self.set_gradient_accumulation_steps(gradient_accumulation_steps)
-
-        # Counters (saved in state_dict).
-        self._micro_step = 0  # index of the current micro-batch inside the window
-        self._optimizer_steps = 0
-        self._skipped_steps = 0
-        self._windows = 0
-        # Not saved (the saved counters keep their keys): restarts at 0 after a resume.
-        self._consecutive_skipped = 0
-        self._pending_window = 0  # the window of the pending device-decided update
-        # Per-window bookkeeping.
-        self._backward_since_step = False
-        self._forward_since_step = False
-        self._window_backwards = 0
-        self._contract: str | None = None
-        # The window's first count: a checked host value, or a tensor on an accelerator.
-        self._window_num_tokens: float | Tensor | None = None
+        self._counters = UpdateCounters()  # saved in state_dict, but the run of skips
         self._sync_state: bool | None = None
         self._broken: str | None = None
         self._last_norm: Tensor | None = None
-        self._pending: PendingUpdate | None = None
 
     # ----------------------------------------------------------------- properties and queries
 
     @property
     def gradient_accumulation_steps(self) -> int:
         """Micro-batches per optimizer update."""
-        return self._window
+        return self._window.length
 
     @property
     def optimizer_steps(self) -> int:
         """Optimizer updates done so far (skipped windows not counted)."""
-        self._settle()
-        return self._optimizer_steps
+        self._counters.settle()
+        return self._counters.optimizer_steps
 
     @property
     def skipped_steps(self) -> int:
         """Windows whose update was skipped for non-finite gradients."""
-        self._settle()
-        return self._skipped_steps
+        self._counters.settle()
+        return self._counters.skipped_steps
 
     @property
     def consecutive_skipped_steps(self) -> int:
@@ -167,15 +147,16 @@ class Engine:
         Like :attr:`skipped_steps` it reads the last device-decided skip flag (with a fused
         optimizer), which waits only for the gradient norm of the last window, not for the
         update. A loop that aborts after N skips in a row reads it after each boundary
-        ``step()``. Not saved in :meth:`state_dict`: it restarts at 0 after a resume.
+        ``step()`` (or each boundary :class:`StepResult`'s, which reads it one step late
+        without waiting). Not saved in :meth:`state_dict`: it restarts at 0 after a resume.
         """
-        self._settle()
-        return self._consecutive_skipped
+        self._counters.settle()
+        return self._counters.consecutive_skipped
 
     @property
     def micro_step(self) -> int:
         """Index of the current micro-batch in its window (0 .. window-1)."""
-        return self._micro_step
+        return self._window.micro_step
 
     @property
     def grad_average_size(self) -> int | float:
@@ -184,7 +165,7 @@ class Engine:
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch is the last of its window (its step() updates)."""
-        return self._micro_step == self._window - 1
+        return self._window.is_boundary()
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm (before clipping) of the last window; None before the first.
@@ -205,20 +186,7 @@ class Engine:
 
     def set_gradient_accumulation_steps(self, n: int) -> None:
         """Set the window length; allowed only between windows (e.g. for a shorter last one)."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {n!r}")
-        if getattr(self, "_micro_step", 0) != 0 or getattr(self, "_backward_since_step", False):
-            raise RuntimeError(
-                f"cannot change gradient_accumulation_steps to {n} in the middle of a window "
-                f"(micro-batch {self._micro_step + 1} of {self._window}); call it right after "
-                "the step() that ended the previous window"
-            )
-        if n > 1 and getattr(self.module, "static_graph", False):
-            raise ValueError(
-                f"gradient_accumulation_steps={n} with a DDP model built with static_graph=True: "
-                "DDP's static graph does not support no_sync(); rebuild DDP with static_graph=False"
-            )
-        self._window = n
+        self._window.set_length(n, static_graph=bool(getattr(self.module, "static_graph", False)))
 
     def _set_grad_sync(self) -> None:
         sync = (not self.defer_grad_sync) or self.is_gradient_accumulation_boundary()
@@ -247,7 +215,7 @@ class Engine:
         self._check_usable()
         self._set_grad_sync()
         if torch.is_grad_enabled():
-            self._forward_since_step = True
+            self._window.forward_done = True
         return self.module(*args, **kwargs)
 
     def global_num_tokens(self, local_count: int | float | Tensor) -> Tensor:
@@ -302,34 +270,17 @@ class Engine:
                 is nan, inf, negative or changed within the window.
         """
         self._check_usable()
-        if self._backward_since_step:
-            raise RuntimeError(
-                f"backward() called twice in micro-batch {self._micro_step + 1} of a "
-                f"{self._window}-step window, without step() in between: the gradient would "
-                "count this micro-batch twice. Call engine.step() after every engine.backward() "
-                "(off the window's boundary it only advances the micro-batch); to backpropagate "
-                "several losses of one micro-batch, add them and call backward() once"
-            )
+        window = self._window
+        window.check_first_backward()
         check_loss(loss)
-        contract = "mean" if num_tokens is None else "sum"
-        if self._contract is not None and contract != self._contract:
-            raise ValueError(
-                f"backward(num_tokens={'None' if num_tokens is None else 'given'}) in a window "
-                f"that started with the {self._contract!r} contract; use one contract per "
-                "window (pass num_tokens on every micro-batch or on none)"
-            )
+        contract = window.check_contract(num_tokens)
         host_tokens = None if num_tokens is None else host_num_tokens(num_tokens)
-        reference = self._window_num_tokens
-        if host_tokens is not None and isinstance(reference, float) and host_tokens != reference:
-            raise ValueError(
-                f"num_tokens changed within a window ({reference:g} then {host_tokens:g}); pass "
-                "the whole window's global token count (engine.global_num_tokens) every time"
-            )
+        window.check_count(host_tokens)
         if (
             self._topology.kind == "ddp"
             and self.defer_grad_sync
-            and self._window > 1
-            and not self._forward_since_step
+            and window.length > 1
+            and not window.forward_done
         ):
             raise RuntimeError(
                 "backward() under DDP with deferred gradient sync, but this micro-batch's "
@@ -337,125 +288,35 @@ class Engine:
                 "backward all-reduces, so call engine(...) instead of model(...) (or build the "
                 "Engine with defer_grad_sync=False)"
             )
-        scaled = self._scale(loss, num_tokens, host_tokens)
+        scaled = window.scale(
+            loss, num_tokens, host_tokens, grad_average_size=self._topology.grad_average_size
+        )
         self._set_grad_sync()
         try:
             scaled.backward()
         except BaseException as err:
             self._broken = f"{type(err).__name__}: {err}"
             raise
-        self._contract = contract
-        if self._window_num_tokens is None and num_tokens is not None:
-            self._window_num_tokens = host_tokens if host_tokens is not None else num_tokens
-        self._backward_since_step = True
-        self._window_backwards += 1
-
-    def _scale(
-        self, loss: Tensor, num_tokens: int | float | Tensor | None, host_tokens: float | None
-    ) -> Tensor:
-        if num_tokens is None:
-            return loss / self._window if self._window > 1 else loss
-        return token_scaled(
-            loss,
-            num_tokens,
-            host_tokens,
-            reference=self._window_num_tokens,
-            size=self._topology.grad_average_size,
-        )
+        window.record_backward(contract, num_tokens, host_tokens)
 
     # -------------------------------------------------------------------------------- step
 
-    def _lrs(self) -> tuple[float, ...]:
-        return tuple(float(group["lr"]) for group in self.optimizer.param_groups)
-
-    def _nonfinite_flag(self, norm: Tensor) -> Tensor:
-        """0-dim float32 tensor, 1 on every rank when the norm is inf/NaN on any (no host sync)."""
-        flag = (~torch.isfinite(norm)).to(torch.float32)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            flag = flag.to(_backend_device(None))
-            # A NaN on any rank must skip (or raise) on all of them, or ranks diverge or hang.
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag
-
     def _flag_on_param_device(self) -> bool:
-        """Whether the agreed flag lives where the parameters do. Offloaded parameters (CPU)
-        under NCCL would make the CPU kernel read a flag still in flight from the GPU."""
+        """Whether the agreed non-finite flag lives where the parameters do.
+
+        Offloaded parameters (CPU) under NCCL would make the CPU kernel read a flag still in
+        flight from the GPU.
+        """
         if len(self._param_device_types) != 1:
             return False
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             return _backend_device(None).type in self._param_device_types
         return True
 
-    def _nonfinite_everywhere(self, norm: Tensor) -> bool:
-        return bool(self._nonfinite_flag(norm).item())
-
-    def _settle(self) -> None:
-        """Account for the last device-decided update once its skip flag is known."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        if pending.resolve():
-            self._optimizer_steps -= 1
-            self._count_skip(self._pending_window, decided="on the device")
-        else:
-            self._consecutive_skipped = 0
-
-    def _count_skip(self, window: int, *, decided: str) -> None:
-        """Count a skipped window and log it under the step number a training loop shows."""
-        self._skipped_steps += 1
-        self._consecutive_skipped += 1
-        logger.warning(
-            "skipped the update of step %d (accumulation window %d, skipped ones counted): "
-            "non-finite global gradient norm, decided %s; %d optimizer updates so far, "
-            "%d skipped in total, %d in a row",
-            window,
-            window,
-            decided,
-            self._optimizer_steps,
-            self._skipped_steps,
-            self._consecutive_skipped,
-        )
-
-    def _update_on_device(self, norm: Tensor) -> StepResult:
-        """Clip, skip and update inside a fused optimizer's kernel: no host synchronisation."""
-        found_inf = self._nonfinite_flag(norm) if self.nonfinite == "skip" else None
-        divisor = None
-        if self.max_grad_norm is not None:
-            divisor = grad_divisor(norm, self.max_grad_norm)
-        lrs = self._lrs()
-        step_on_device(self.optimizer, divisor=divisor, found_inf=found_inf)
-        pending = None
-        if found_inf is not None:
-            # Snapshots the scheduler before _finish_update steps it.
-            pending = PendingUpdate(found_inf, self.optimizer, self.lr_scheduler)
-        return self._finish_update(norm, lrs, pending)
-
-    def _finish_update(
-        self, norm: Tensor, lrs: tuple[float, ...], pending: PendingUpdate | None = None
-    ) -> StepResult:
-        """Step the scheduler, count the update and end the window (the optimizer has run)."""
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self._optimizer_steps += 1
-        self._pending = pending
-        if pending is None:
-            self._consecutive_skipped = 0
-        else:
-            self._pending_window = self._windows + 1  # for the warning once it is known
-        self._end_window()
-        return StepResult(
-            updated=True,
-            skipped=False,
-            grad_norm=norm,
-            lrs=lrs,
-            optimizer_steps=self._optimizer_steps,
-            pending=pending,
-        )
-
     def _end_window(self) -> None:
         self._clear_grads()
-        self._reset_window()
-        self._windows += 1
+        self._window.reset()
+        self._counters.windows += 1
 
     def step(self) -> StepResult:
         """End the micro-batch; at the window's boundary clip and update.
@@ -469,35 +330,30 @@ class Engine:
             NonFiniteGradientError: ``nonfinite="raise"`` and the norm is not finite.
         """
         self._check_usable()
-        if not self._backward_since_step:
-            raise RuntimeError(
-                f"step() without a backward() since the previous step() (micro-batch "
-                f"{self._micro_step + 1} of a {self._window}-step window); call "
-                "engine.backward(loss) once per micro-batch before engine.step()"
-            )
-        self._backward_since_step = False
-        self._forward_since_step = False
-        if not self.is_gradient_accumulation_boundary():
-            self._micro_step += 1
+        counters = self._counters
+        if not self._window.end_micro_batch():
+            # Its run of skips is the last window's: it waits on that window's flag, if any.
             return StepResult(
                 updated=False,
                 skipped=False,
                 grad_norm=None,
-                lrs=self._lrs(),
-                optimizer_steps=self._optimizer_steps,
+                lrs=learning_rates(self.optimizer),
+                optimizer_steps=counters.optimizer_steps,
+                consecutive_skipped=counters.consecutive_skipped,
+                consecutive_pending=counters.pending,
             )
         # The previous update's skip flag is long computed: reading it now does not stall.
-        self._settle()
+        counters.settle()
         # Host-only (is None tests): after the window's gradient reduction, every wrapper
         # (DDP, FSDP2) has set the gradients of the parameters the loss reached.
         if not any(p.grad is not None for p in self._params):
             self._clear_grads()
-            self._reset_window()
+            self._window.reset()
             raise RuntimeError(
                 f"no trainable parameter of the model received a gradient in accumulation "
-                f"window {self._windows + 1}: the losses passed to backward() are not connected "
-                "to the model (computed from another module or tensor). Compute the loss from "
-                "engine(...)'s output; the window was discarded"
+                f"window {counters.windows + 1}: the losses passed to backward() are not "
+                "connected to the model (computed from another module or tensor). Compute the "
+                "loss from engine(...)'s output; the window was discarded"
             )
         if self._topology.experts is None:
             norm = global_grad_norm(self._params, self.norm_type)
@@ -509,37 +365,16 @@ class Engine:
                 self._topology.grad_average_size,
             )
         self._last_norm = norm
-        if (
-            self.nonfinite != "raise"
-            and supports_device_update(self.optimizer)
-            and self._flag_on_param_device()
-        ):
-            return self._update_on_device(norm)
-        if self.nonfinite != "step" and self._nonfinite_everywhere(norm):
-            window = self._windows + 1
-            self._end_window()
-            if self.nonfinite == "raise":
-                self._skipped_steps += 1
-                self._consecutive_skipped += 1
-                raise NonFiniteGradientError(
-                    f"non-finite global gradient norm at step {window} (accumulation window "
-                    f"{window}, after {self._optimizer_steps} optimizer updates; on at least one "
-                    "rank); the window's gradients were cleared and no update was made. Use "
-                    "nonfinite='skip' to continue past such windows"
-                )
-            self._count_skip(window, decided="on the host")
-            return StepResult(
-                updated=False,
-                skipped=True,
-                grad_norm=norm,
-                lrs=self._lrs(),
-                optimizer_steps=self._optimizer_steps,
-            )
-        if self.max_grad_norm is not None:
-            clip_grads_with_norm_(self._params, self.max_grad_norm, norm)
-        lrs = self._lrs()
-        self.optimizer.step()
-        return self._finish_update(norm, lrs)
+        rule = UpdateRule(
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            max_grad_norm=self.max_grad_norm,
+            nonfinite=self.nonfinite,
+        )
+        on_device = supports_device_update(self.optimizer) and self._flag_on_param_device()
+        return rule.apply(
+            norm, self._params, on_device=on_device, counters=counters, end_window=self._end_window
+        )
 
     def zero_grad(self) -> None:
         """Clear all gradients (to None). Mid-window, this discards the window and starts anew.
@@ -549,58 +384,44 @@ class Engine:
                 unsharded gradients live inside FSDP2 (not in ``param.grad``) until the last
                 backward and cannot be discarded.
         """
-        mid_window = self._micro_step != 0 or self._backward_since_step
-        if mid_window and self._topology.kind == "fsdp2" and self.defer_grad_sync:
+        window = self._window
+        if window.mid_window and self._topology.kind == "fsdp2" and self.defer_grad_sync:
             raise RuntimeError(
-                f"zero_grad() in the middle of a window (micro-batch {self._micro_step + 1} of "
-                f"{self._window}) is not supported for FSDP2 with deferred gradient sync: FSDP2 "
+                f"zero_grad() in the middle of a window (micro-batch {window.micro_step + 1} of "
+                f"{window.length}) is not supported for FSDP2 with deferred gradient sync: FSDP2 "
                 "holds the window's unsharded gradients internally until the last backward. "
                 "Finish the window, or build the Engine with defer_grad_sync=False"
             )
-        if mid_window:
+        if window.mid_window:
             logger.warning(
                 "zero_grad() in the middle of a window (micro-batch %d of %d): the window's "
                 "gradients are discarded and a new window starts",
-                self._micro_step + 1,
-                self._window,
+                window.micro_step + 1,
+                window.length,
             )
         self._clear_grads()
-        self._reset_window()
+        window.reset()
 
     def _clear_grads(self) -> None:
         self.module.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _reset_window(self) -> None:
-        self._micro_step = 0
-        self._backward_since_step = False
-        self._forward_since_step = False
-        self._window_backwards = 0
-        self._contract = None
-        self._window_num_tokens = None
-
     # ------------------------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, int]:
         """The Engine's own counters (not model, optimizer or scheduler)."""
-        self._settle()
+        self._counters.settle()
         return {
-            "micro_step": self._micro_step,
-            "optimizer_steps": self._optimizer_steps,
-            "skipped_steps": self._skipped_steps,
-            "windows": self._windows,
-            "gradient_accumulation_steps": self._window,
+            "micro_step": self._window.micro_step,
+            **self._counters.state_dict(),
+            "gradient_accumulation_steps": self._window.length,
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Restore counters saved by :meth:`state_dict`; only between windows."""
-        self._require_between_windows("load_state_dict")
-        # The loaded state replaces the last update's unread skip flag. Reading it would roll
-        # the scheduler back to its pre-update snapshot, over whatever was just loaded (also
-        # when a StepResult still holding it is read later).
-        if self._pending is not None:
-            self._pending.detach()
-            self._pending = None
+        self._window.require_between("load_state_dict")
+        # The loaded state replaces the last update's unread skip flag.
+        self._counters.drop_pending()
         expected = set(self.state_dict())
         if set(state) != expected:
             raise ValueError(
@@ -612,17 +433,7 @@ class Engine:
                 f"{state['micro_step']}); only states saved between windows can be restored"
             )
         self.set_gradient_accumulation_steps(int(state["gradient_accumulation_steps"]))
-        self._optimizer_steps = int(state["optimizer_steps"])
-        self._skipped_steps = int(state["skipped_steps"])
-        self._windows = int(state["windows"])
-        self._consecutive_skipped = 0
-
-    def _require_between_windows(self, what: str) -> None:
-        if self._micro_step != 0 or self._backward_since_step:
-            raise RuntimeError(
-                f"{what}() in the middle of a window (micro-batch {self._micro_step + 1} of "
-                f"{self._window}); call it right after the step() that ends a window"
-            )
+        self._counters.load_state_dict(state)
 
     def save_checkpoint(
         self, directory: str | os.PathLike[str], *, extra_state: Any = None
@@ -642,9 +453,9 @@ class Engine:
         from train_engine.checkpoint import save_checkpoint
 
         self._check_usable()
-        self._require_between_windows("save_checkpoint")
+        self._window.require_between("save_checkpoint")
         # Settle before the scheduler's state is written (a skipped update restores it).
-        self._settle()
+        self._counters.settle()
         save_checkpoint(
             directory,
             model=self.module,
@@ -671,7 +482,7 @@ class Engine:
         from train_engine.checkpoint import load_checkpoint
 
         self._check_usable()
-        self._require_between_windows("load_checkpoint")
+        self._window.require_between("load_checkpoint")
         loaded = load_checkpoint(
             directory,
             model=self.module,

@@ -70,7 +70,10 @@ class TrainingAborted(RuntimeError):
 
 
 class SkipTracker:
-    """Counts optimizer steps skipped for non-finite gradients, by the recipe's step number.
+    """Records optimizer steps skipped for non-finite gradients, by the recipe's step number.
+
+    The run of skips in a row is the Engine's (each result's ``consecutive_skipped_steps``);
+    this class only names the steps and decides when to abort.
 
     Args:
         max_consecutive: abort after this many skipped steps in a row; 0 never aborts.
@@ -82,7 +85,6 @@ class SkipTracker:
         self.skipped: list[int] = []
         self._on_skip = on_skip
         self._pending: tuple[int, StepResult] | None = None
-        self._consecutive = 0
         self._reported = 0
 
     def observe(self, step: int, result: StepResult) -> None:
@@ -109,15 +111,14 @@ class SkipTracker:
 
     def _account(self, step: int, result: StepResult) -> None:
         if not result.skipped:
-            self._consecutive = 0
             return
         self.skipped.append(step)
-        self._consecutive += 1
         self._on_skip(step)
-        if self.max_consecutive and self._consecutive >= self.max_consecutive:
-            first = step - self._consecutive + 1
+        in_a_row = result.consecutive_skipped_steps
+        if self.max_consecutive and in_a_row >= self.max_consecutive:
+            first = step - in_a_row + 1
             raise TrainingAborted(
-                f"steps {first}-{step}: {self._consecutive} optimizer steps in a row were "
+                f"steps {first}-{step}: {in_a_row} optimizer steps in a row were "
                 f"skipped for non-finite gradients (train.max_consecutive_skips="
                 f"{self.max_consecutive}); the run stopped learning. Lower optim.lr, check the "
                 "data, or set train.max_consecutive_skips=0 to run on"
