@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from cp_sharder import ContextParallelSharder, ShardLayout
 from cp_sharder.attention import Backend, portable, torch_ring
 from cp_sharder.layouts import LayoutKind
-from cp_sharder.loss import count_label_tokens, global_label_tokens
 
 
 class _IdsOnly(torch.nn.Module):
@@ -264,12 +263,6 @@ def test_packed_cp1_matches_per_document_forward() -> None:
     plain = ref_model(input_ids=ids[:, :9]).logits
     assert (plain[:, 5:9] - second).abs().max() > 1e-3
     assert torch.equal(local["position_ids"][0, :9], torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3]))
-
-
-def test_loss_helpers() -> None:
-    labels = torch.tensor([[1, -100, 3], [-100, -100, 4]])
-    assert count_label_tokens(labels) == 3
-    assert int(global_label_tokens(3)) == 3
 
 
 def test_sdpa_override_is_confined_to_context() -> None:

@@ -5,38 +5,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-import torch
 import torch.distributed as dist
-
-
-def check_zero_token_global_batch(rank: int, world_size: int) -> dict[str, Any]:
-    """Token-mean loss vs a float64 single-process reference; then an all-zero global batch."""
-    from energon_sft.loss import global_trainable_tokens, token_mean_loss
-
-    gen = torch.Generator().manual_seed(100)
-    losses = torch.rand(world_size, 3, 5, generator=gen, dtype=torch.float64)
-    masks = (torch.rand(world_size, 3, 5, generator=gen) > 0.5).to(torch.float64)
-    masks[0] = 0  # rank 0 alone has no target: fine, the global count is not zero
-    ref = (losses * masks).sum() / masks.sum()
-    mine = losses[rank].clone().requires_grad_(True)
-    total = global_trainable_tokens(masks[rank], group=dist.group.WORLD)
-    loss = token_mean_loss(mine, masks[rank], total)
-    summed = loss.detach().clone()
-    dist.all_reduce(summed)
-    zero_in = losses[rank].clone().requires_grad_(True)
-    zero_total = global_trainable_tokens(torch.zeros(3, 5), group=dist.group.WORLD)
-    zero = token_mean_loss(zero_in, torch.zeros(3, 5), zero_total)
-    zero.backward()
-    loss.backward()
-    return {
-        "total": total,
-        "ref_total": int(masks.sum().item()),
-        "err": abs(summed.item() - ref.item()),
-        "zero_total": zero_total,
-        "zero_loss": zero.item(),
-        "zero_grad_finite_zero": bool((zero_in.grad == 0).all()),
-        "grad_ok": bool(torch.allclose(mine.grad, masks[rank] / masks.sum())),
-    }
 
 
 def check_owner_broadcast(rank: int, world_size: int, ds: str) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 
 Public API: :class:`ContextParallelSharder`, the :class:`ShardResult` of its ``shard()`` and its
 :class:`ShardLayout`. Index math lives in
-:mod:`cp_sharder.layouts`, attention backends in :mod:`cp_sharder.attention`, loss normalisation
-in :mod:`cp_sharder.loss`.
+:mod:`cp_sharder.layouts`, attention backends in :mod:`cp_sharder.attention`; the loss
+normalisation contract is in ``ContextParallelSharder.num_label_tokens``.
 """
 
 from importlib.metadata import version as _version

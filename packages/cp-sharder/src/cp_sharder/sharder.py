@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from cp_sharder import layouts
@@ -32,7 +33,6 @@ from cp_sharder.attention import (
 )
 from cp_sharder.backends import build_context, pick_backend
 from cp_sharder.layouts import LayoutKind
-from cp_sharder.loss import global_label_tokens
 from cp_sharder.planning import BatchPlan, PlanOptions, TrainContext, pad_tensor, plan_batch
 
 logger = logging.getLogger(__name__)
@@ -385,8 +385,9 @@ class ContextParallelSharder:
         """Reassemble a local token tensor into global order on every rank (differentiable).
 
         The backward sums gradients over CP ranks and returns each token's gradient to the rank
-        that owns it; a replicated loss on the result therefore reaches owners ``cp`` times (see
-        :mod:`cp_sharder.loss`). The inverse permutation is computed locally from the layout.
+        that owns it; a loss computed identically on every rank from the result therefore
+        reaches each owner ``cp`` times: divide it by ``cp`` (or compute it on one rank, the
+        others contributing zero). The inverse permutation is computed locally from the layout.
 
         Args:
             t: [..., P/W, ...] in this rank's layout.
@@ -428,8 +429,24 @@ class ContextParallelSharder:
     ) -> Tensor:
         """Label tokens of the last global batch, summed over data-parallel ranks only.
 
-        Use it as the denominator of a token-mean loss; see :mod:`cp_sharder.loss` for the
-        gradient contract.
+        Counted on the pre-shard batch, which every CP rank holds whole, so the sum runs over
+        ``dp_group`` and never over CP ranks (that would count every token ``cp`` times). With
+        ``local_loss = sum(per-token loss on local tokens) / count`` the sum of ``local_loss``
+        over the CP ranks is the global token-mean loss, so **summing** gradients over CP ranks
+        gives exactly the no-CP gradient; a wrapper that averages over a flattened ``dp_cp``
+        group needs ``loss * dp_cp_size``. (train-engine's ``Engine.backward(loss_sum,
+        num_tokens=...)`` applies that factor itself.)
+
+        Args:
+            dp_group: the data-parallel process group; None means one replica (no reduction).
+            device: where the collective runs (cuda for NCCL groups); defaults to CPU.
+            layout: the layout (or result) of the batch; None means the last ``shard()``'s.
+
+        Returns:
+            [] int64 tensor, identical on every rank of ``dp_group``.
         """
         layout = self._resolve(layout, "num_label_tokens")
-        return global_label_tokens(layout.num_label_tokens, dp_group=dp_group, device=device)
+        count = torch.tensor(layout.num_label_tokens, dtype=torch.int64, device=device)
+        if dp_group is not None and dist.get_world_size(dp_group) > 1:
+            dist.all_reduce(count, group=dp_group)
+        return count

@@ -24,7 +24,6 @@ from energon_sft.families import (
     register_model_family,
 )
 from energon_sft.loader import LoaderOptions, SFTLoader, build_sft_loader
-from energon_sft.loss import global_trainable_tokens, token_mean_loss
 from energon_sft.render import render_conversation
 from energon_sft.rope import mrope_position_ids
 from energon_sft.schema import ChatSample, MediaItem
@@ -66,7 +65,6 @@ __all__ = [
     "cook_sharegpt",
     "default_cookers",
     "get_model_family",
-    "global_trainable_tokens",
     "known_model_families",
     "logical_shards_for",
     "make_stateless_cooker",
@@ -74,6 +72,5 @@ __all__ = [
     "prepare_dataset",
     "register_model_family",
     "render_conversation",
-    "token_mean_loss",
     "write_chat_shards",
 ]
