@@ -7,6 +7,10 @@
   varlen attention over per-document runs; CPU/gloo and CUDA/NCCL; no dense mask).
 - :mod:`cp_sharder.attention.torch_ring`: torch's native ring attention (CUDA, plain causal).
 - :mod:`cp_sharder.attention.te`: Transformer Engine (extra ``cp-sharder[te]``).
+- :mod:`cp_sharder.attention.adapters`: the transformers and SDPA call signatures and their
+  refusals, shared by the portable, packed and torch-ring backends.
+- :mod:`cp_sharder.attention.overrides`: routes a model's attention to a backend inside
+  ``train_ctx``.
 """
 
 from __future__ import annotations

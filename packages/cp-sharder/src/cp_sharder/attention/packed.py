@@ -16,13 +16,15 @@ global length per row, D head dim, R runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from cp_sharder._dist import CPGroup, all_gather_seq
+from cp_sharder.attention import adapters
+from cp_sharder.attention.adapters import AttentionArgs, Kernel, Limits, hf_attention
 from cp_sharder.attention.varlen import varlen_attention
 
 __all__ = ["HF_ATTENTION_KEY", "PackedAttention", "VarlenPlan", "plan_runs"]
@@ -239,70 +241,29 @@ class PackedAttention:
         return out.reshape(rows, n, heads, out.shape[-1])
 
 
-def make_hf_attention(packed: PackedAttention) -> Any:
-    """A transformers attention function (the registry signature) bound to this step.
-
-    It is excluded from ``torch.compile`` (a graph break around the kernel call): it closes over
-    this step's plan, and tracing it would recompile every layer at every step.
-    """
-
-    @torch.compiler.disable
-    def attention(
-        module: torch.nn.Module,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        attention_mask: Tensor | None,
-        dropout: float = 0.0,
-        scaling: float | None = None,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        **kwargs: Any,
-    ) -> tuple[Tensor, None]:
-        if softcap is not None:
-            raise ValueError(
-                f"the packed (varlen) attention does not support logit softcapping "
-                f"(softcap={softcap}); use a model without attention softcapping"
-            )
-        if attention_mask is not None:
-            raise ValueError(
-                "the packed (varlen) attention got a materialised attention mask from the model; "
-                "document boundaries come from shard(). Pass padding as seq_lens/attention_mask "
-                "to shard(), not to the model"
-            )
-        if dropout and module.training:
-            raise ValueError(
-                f"the packed (varlen) attention has no attention dropout (got {dropout}); set the "
-                "model's attention_dropout to 0"
-            )
-        causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
-        out = packed(query, key, value, causal=causal, scale=scaling, window=sliding_window)
-        return out, None
-
-    return attention
+#: What the packed (varlen) kernel cannot honour; excluded from ``torch.compile`` because it
+#: closes over this step's plan, and tracing it would recompile every layer at every step.
+LIMITS = Limits(
+    name="the packed (varlen) attention",
+    mask_source="document boundaries come from shard()",
+    dropout=False,
+    compile_disabled=True,
+)
 
 
-def sdpa_attention(packed: PackedAttention) -> Any:
-    """A stand-in for ``F.scaled_dot_product_attention`` ([B, H, n, D]) for plain models
-    (excluded from ``torch.compile`` like :func:`make_hf_attention`)."""
+def _kernel(packed: PackedAttention) -> Kernel:
+    def kernel(query: Tensor, key: Tensor, value: Tensor, args: AttentionArgs) -> Tensor:
+        out = packed(query, key, value, causal=args.causal, scale=args.scale, window=args.window)
+        return out.transpose(1, 2)
 
-    @torch.compiler.disable
-    def attention(
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        attn_mask: Tensor | None = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        scale: float | None = None,
-        enable_gqa: bool = False,
-    ) -> Tensor:
-        if attn_mask is not None or dropout_p:
-            raise ValueError(
-                "the packed (varlen) attention cannot honour an explicit attn_mask or dropout "
-                "under the SDPA override; call SDPA with is_causal only (documents come from "
-                "shard())"
-            )
-        return packed(query, key, value, causal=is_causal, scale=scale).transpose(1, 2)
+    return kernel
 
-    return attention
+
+def make_hf_attention(packed: PackedAttention) -> Callable[..., tuple[Tensor, None]]:
+    """A transformers attention function (the registry signature) bound to this step."""
+    return hf_attention(_kernel(packed), LIMITS)
+
+
+def sdpa_attention(packed: PackedAttention) -> Callable[..., Tensor]:
+    """A stand-in for ``F.scaled_dot_product_attention`` ([B, H, n, D]) for plain models."""
+    return adapters.sdpa_attention(_kernel(packed), LIMITS)

@@ -16,13 +16,19 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from cp_sharder._dist import CPGroup, all_gather_seq
+from cp_sharder.attention.adapters import (
+    AttentionArgs,
+    Kernel,
+    Limits,
+    hf_attention,
+    sdpa_attention,
+)
 from cp_sharder.attention.overrides import hf_attention_override, sdpa_replaced
 
 __all__ = [
@@ -140,47 +146,33 @@ def cp_attention(
     return _SDPA(query, full_key, full_value, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 
-def make_hf_attention(spec: MaskSpec, cp: CPGroup) -> Callable[..., tuple[Tensor, None]]:
-    """A transformers attention function (the registry signature) bound to this step."""
+#: What the portable kernel cannot honour.
+LIMITS = Limits(
+    name="the portable CP attention",
+    mask_source="it builds its own from global token indices",
+)
 
-    def attention(
-        module: torch.nn.Module,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        attention_mask: Tensor | None,
-        dropout: float = 0.0,
-        scaling: float | None = None,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        **kwargs: Any,
-    ) -> tuple[Tensor, None]:
-        if softcap is not None:
-            raise ValueError(
-                f"the portable CP attention does not support logit softcapping (softcap={softcap}); "
-                "use a model without attention softcapping"
-            )
-        if attention_mask is not None:
-            raise ValueError(
-                "the portable CP attention got a materialised attention mask from the model; it "
-                "builds its own from global token indices. Pass attention_mask to shard(), not to "
-                "the model"
-            )
-        causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
-        out = cp_attention(
+
+def _kernel(spec: MaskSpec, cp: CPGroup) -> Kernel:
+    def kernel(query: Tensor, key: Tensor, value: Tensor, args: AttentionArgs) -> Tensor:
+        return cp_attention(
             query,
             key,
             value,
             spec=spec,
             cp=cp,
-            causal=causal,
-            window=sliding_window,
-            scale=scaling,
-            dropout_p=dropout,
+            causal=args.causal,
+            window=args.window,
+            scale=args.scale,
+            dropout_p=args.dropout,
         )
-        return out.transpose(1, 2).contiguous(), None
 
-    return attention
+    return kernel
+
+
+def make_hf_attention(spec: MaskSpec, cp: CPGroup) -> Callable[..., tuple[Tensor, None]]:
+    """A transformers attention function (the registry signature) bound to this step."""
+    return hf_attention(_kernel(spec, cp), LIMITS)
 
 
 @contextlib.contextmanager
@@ -190,26 +182,5 @@ def sdpa_override(spec: MaskSpec, cp: CPGroup) -> Iterator[None]:
     For plain PyTorch models that call SDPA with ``[B, H, S, D]`` tensors and ``is_causal`` (no
     ``attn_mask``). The original function is restored on exit.
     """
-
-    def patched(
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        attn_mask: Tensor | None = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        scale: float | None = None,
-        enable_gqa: bool = False,
-    ) -> Tensor:
-        if attn_mask is not None:
-            raise ValueError(
-                "the portable CP attention cannot honour an explicit attn_mask under the SDPA "
-                "override (it is local to the shard); pass padding as attention_mask to shard() "
-                "and call SDPA with is_causal only"
-            )
-        return cp_attention(
-            query, key, value, spec=spec, cp=cp, causal=is_causal, scale=scale, dropout_p=dropout_p
-        )
-
-    with sdpa_replaced(patched):
+    with sdpa_replaced(sdpa_attention(_kernel(spec, cp), LIMITS)):
         yield

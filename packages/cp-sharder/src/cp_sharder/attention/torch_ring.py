@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cp_sharder._dist import CPGroup
+from cp_sharder.attention.adapters import AttentionArgs, Limits, hf_attention
 
 #: Name under which the attention function is registered in transformers' attention registry.
 HF_ATTENTION_KEY = "cp_sharder_torch_ring"
@@ -64,6 +65,35 @@ class _RingSDPA(torch.autograd.Function):
         return (None, *(next(grads) if t.requires_grad else None for t in inputs), None, None)
 
 
+#: What torch's ring kernels cannot honour.
+LIMITS = Limits(
+    name="torch's ring attention",
+    mask_source="it supports plain causal attention only",
+    sliding_window=False,
+    bidirectional=False,
+)
+
+
+def _ring_kernel(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    args: AttentionArgs,
+    *,
+    reenter: Callable[[], contextlib.AbstractContextManager[None]],
+) -> Tensor:
+    if key.shape[1] != query.shape[1]:
+        # torch's ring kernels need equal head counts and its CP dispatcher does not honour
+        # enable_gqa (on an H200 with torch 2.11 it found no fp32 kernel), so the KV heads are
+        # expanded here; autograd sums their gradients back. (The wrong gradients seen there
+        # came from the backward running outside torch's context: see _RingSDPA.)
+        repeats = query.shape[1] // key.shape[1]
+        key = key.repeat_interleave(repeats, dim=1)
+        value = value.repeat_interleave(repeats, dim=1)
+    out: Tensor = _RingSDPA.apply(reenter, query, key, value, args.dropout, args.scale)
+    return out
+
+
 def hf_ring_attention(
     module: torch.nn.Module,
     query: Tensor,
@@ -80,32 +110,24 @@ def hf_ring_attention(
     """transformers attention function that hands causal SDPA to torch's CP dispatcher.
 
     Args:
+        module: the attention module (its ``is_causal`` must be True).
         query: [B, H, S, D] local queries (head/tail layout).
-        key, value: [B, Hkv, S, D].
+        key: [B, Hkv, S, D].
+        value: [B, Hkv, S, D].
+        attention_mask: must be None (torch's ring takes no mask).
+        dropout: attention dropout probability.
+        scaling: softmax scale; None means 1/sqrt(D).
+        sliding_window: must be None (causal only).
         reenter: returns torch's ring context again, for the backward pass.
+        **kwargs: the rest of transformers' call (``is_causal``, ``softcap``, ...).
 
     Returns:
         ([B, S, H, D], None).
     """
-    if sliding_window is not None:
-        raise ValueError(
-            f"torch's ring attention is causal-only and cannot honour sliding_window={sliding_window}; "
-            "the portable backend supports sliding windows"
-        )
-    if attention_mask is not None or not getattr(module, "is_causal", True):
-        raise ValueError(
-            "torch's ring attention supports plain causal attention only (no mask, is_causal=True)"
-        )
-    if key.shape[1] != query.shape[1]:
-        # torch's ring kernels need equal head counts and its CP dispatcher does not honour
-        # enable_gqa (on an H200 with torch 2.11 it found no fp32 kernel), so the KV heads are
-        # expanded here; autograd sums their gradients back. (The wrong gradients seen there
-        # came from the backward running outside torch's context: see _RingSDPA.)
-        repeats = query.shape[1] // key.shape[1]
-        key = key.repeat_interleave(repeats, dim=1)
-        value = value.repeat_interleave(repeats, dim=1)
-    out = _RingSDPA.apply(reenter, query, key, value, dropout, scaling)
-    return out.transpose(1, 2).contiguous(), None
+    kernel = functools.partial(_ring_kernel, reenter=reenter)
+    return hf_attention(kernel, LIMITS)(
+        module, query, key, value, attention_mask, dropout, scaling, sliding_window, **kwargs
+    )
 
 
 @contextlib.contextmanager
