@@ -86,13 +86,16 @@ class ConvertReport:
 
     @property
     def rows_rejected(self) -> int:
+        """Rows refused, all reasons together."""
         return sum(self.rejected.values())
 
     @property
     def bad_fraction(self) -> float:
+        """Refused rows over rows read (0 when none were read)."""
         return self.rows_rejected / self.rows_read if self.rows_read else 0.0
 
     def reject(self, where: Rejection) -> None:
+        """Count a refused row under its reason (the first few are kept as examples)."""
         self.rejected[where.reason] += 1
         if len(self.examples) < MAX_EXAMPLES:
             self.examples.append(where)

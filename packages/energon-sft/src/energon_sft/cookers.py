@@ -202,6 +202,7 @@ class SubflavorCooker(Cooker[Any]):
     """
 
     def is_match(self, subflavors: dict[str, Any] | None) -> bool:
+        """Energon's match, with None read as no subflavors."""
         return super().is_match(subflavors or {})
 
 

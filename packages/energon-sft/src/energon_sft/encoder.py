@@ -282,15 +282,18 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedSample, SFTBatch, SFTBatch])
     # ---------------------------------------------------------------- Energon hooks
     @stateless
     def encode_sample(self, sample: ChatSample) -> EncodedSample:
+        """Energon hook: :meth:`encode_chat`."""
         return self.encode_chat(sample)
 
     @stateless
     def select_samples_to_pack(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
+        """Energon hook: greedy packs of at most ``max_length`` tokens."""
         lengths = [int(s.input_ids.numel()) for s in samples]
         return [[samples[i] for i in b] for b in greedy_pack(lengths, self.max_length)]
 
     @stateless
     def pack_selected_samples(self, samples: list[EncodedSample]) -> EncodedSample:
+        """Energon hook: one packed sample from a selected pack."""
         return EncodedSample.derive_from(
             samples[0],
             __key__=",".join(s.__key__ for s in samples),
@@ -300,6 +303,7 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedSample, SFTBatch, SFTBatch])
 
     @stateless
     def batch(self, samples: list[EncodedSample]) -> SFTBatch:
+        """Energon hook: :meth:`collate`."""
         return self.collate(samples)
 
     def collate(self, samples: Sequence[EncodedSample]) -> SFTBatch:

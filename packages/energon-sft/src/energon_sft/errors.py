@@ -80,6 +80,7 @@ class SampleErrorHandler:
         self.skipped = 0
 
     def __call__(self, exc: Exception, sample: Any, sources: Any = None) -> None:
+        """Energon's error handler: count and log the bad sample, abort past the tolerance."""
         reason = exc.reason if isinstance(exc, BadSampleError) else type(exc).__name__
         key = sample_key(sample)
         self.skipped += 1

@@ -115,6 +115,7 @@ class TextAdapter(ModelFamilyAdapter):
     """Text-only causal LMs: any sample with an image is a bad sample (`unsupported_media`)."""
 
     def process_images(self, processor_or_tokenizer: Any, images: Sequence[Any]) -> ImageFeatures:
+        """Refuse images: the family has no vision input."""
         raise BadSampleError(
             "unsupported_media",
             f"the sample has {len(images)} image(s) but model family 'text' has no vision "
@@ -122,6 +123,7 @@ class TextAdapter(ModelFamilyAdapter):
         )
 
     def identity(self, processor_or_tokenizer: Any) -> dict[str, Any]:
+        """The adapter's name (a text family has no processing parameters)."""
         return {"adapter": type(self).__name__}
 
 
@@ -151,6 +153,7 @@ class Qwen25VLAdapter(ModelFamilyAdapter):
         return ip
 
     def process_images(self, processor_or_tokenizer: Any, images: Sequence[Any]) -> ImageFeatures:
+        """Pixel values, (t, h, w) grids and placeholder counts from the image processor."""
         ip = self._image_processor(processor_or_tokenizer)
         out = ip(images=list(images), return_tensors="pt")
         grids = torch.as_tensor(out["image_grid_thw"], dtype=torch.int64).reshape(-1, 3)
@@ -166,6 +169,7 @@ class Qwen25VLAdapter(ModelFamilyAdapter):
         image_mask: Tensor,
         image_grid_thw: Tensor,
     ) -> Tensor | None:
+        """[3, L] M-RoPE (temporal, height, width) ids, as the Qwen2-VL models compute them."""
         merge = int(self._image_processor(processor_or_tokenizer).merge_size)
         ids = mrope_position_ids(
             position_ids[None], image_mask[None], image_grid_thw, spatial_merge_size=merge
@@ -173,6 +177,7 @@ class Qwen25VLAdapter(ModelFamilyAdapter):
         return ids[:, 0]
 
     def identity(self, processor_or_tokenizer: Any) -> dict[str, Any]:
+        """The image processor's parameters that change the encoding (saved with the state)."""
         ip = self._image_processor(processor_or_tokenizer)
         keys = ("min_pixels", "max_pixels", "patch_size", "merge_size", "temporal_patch_size")
         params = {k: getattr(ip, k, None) for k in keys}

@@ -293,7 +293,8 @@ def build_sft_loader(
         dataset_path: a prepared Energon dataset (folder with `.nv-meta`) or metadataset YAML.
         encoder: the task encoder (its failure tolerance is >= 1; Energon's 0 is never used).
         batch_size: rows per batch (packs when the encoder packs).
-        dp_rank, dp_world_size: this replica and the number of replicas.
+        dp_rank: this replica.
+        dp_world_size: the number of replicas.
         num_workers: loader worker processes per logical shard (0 = in process).
         seed: Energon `seed_offset`; defines the shuffle.
         shuffle: False gives a fixed, repeatable order (no shard-slice shuffle, one shard

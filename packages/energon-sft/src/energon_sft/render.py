@@ -1,4 +1,4 @@
-"""Render a conversation with the tokenizer's own chat template and mark the trained tokens.
+r"""Render a conversation with the tokenizer's own chat template and mark the trained tokens.
 
 Approach (chosen over `{% generation %}` markers, which few templates carry): render the whole
 conversation once and tokenize it once with character offsets, so the token ids are exactly
@@ -6,9 +6,9 @@ those of the full render (tokenizing per-message deltas can merge differently at
 The character span of assistant turn i is found by rendering prefixes:
 
 - it starts where `render(messages[:i], add_generation_prompt=True)` ends, so the
-  generation header (`<|im_start|>assistant\\n`) is prompt, not target;
+  generation header (`<|im_start|>assistant\n`) is prompt, not target;
 - it ends where `render(messages[:i + 1])` ends, so the content, any tool calls, and the
-  template's end-of-turn tokens (`<|im_end|>\\n`) are trained: the model must learn to stop.
+  template's end-of-turn tokens (`<|im_end|>\n`) are trained: the model must learn to stop.
 
 A token is trained when its first character falls inside a trained span. Templates that do not
 render prefixes consistently (the prefix of the conversation is not a prefix of the text) are

@@ -30,6 +30,7 @@ class StateMismatchError(ValueError):
 
 
 def fingerprint(stream: Mapping[str, Any]) -> str:
+    """The sha256 hex digest of a stream description (JSON, keys sorted)."""
     return hashlib.sha256(json.dumps(stream, sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -87,6 +87,7 @@ class TopologyMapper:
         return rank
 
     def dp_rank(self, rank: int) -> int:
+        """The dp replica of global rank ``rank``."""
         return self.coords(rank)["dp"]
 
     def replica_ranks(self, dp_rank: int) -> list[int]:
@@ -99,6 +100,7 @@ class TopologyMapper:
         return self.rank_of(dp=dp_rank)
 
     def is_loader_owner(self, rank: int) -> bool:
+        """Whether ``rank`` runs its replica's loader (cp = tp = pp = 0)."""
         c = self.coords(rank)
         return c["cp"] == c["tp"] == c["pp"] == 0
 
@@ -109,9 +111,11 @@ class TopologyMapper:
         return [r for r in self.replica_ranks(self.dp_rank(rank)) if r != rank]
 
     def logical_shards(self, dp_rank: int) -> list[int]:
+        """The logical loader shards replica ``dp_rank`` reads."""
         return logical_shards_for(dp_rank, self.sizes["dp"], self.num_logical_shards)
 
     def identity(self) -> dict[str, Any]:
+        """The mesh sizes and axis order (saved with the loader state)."""
         return {"sizes": dict(self.sizes), "order": list(self.order)}
 
     def placement_hash(self) -> str:
@@ -126,8 +130,10 @@ class TopologyMapper:
         return hashlib.sha256(json.dumps(placement, sort_keys=True).encode()).hexdigest()
 
     def new_replica_group(self) -> Any:
-        """Create every replica's process group (collective: all ranks call it) and return
-        this rank's, for `broadcast_batch`."""
+        """Create every replica's process group and return this rank's, for `broadcast_batch`.
+
+        Collective: all ranks call it.
+        """
         import torch.distributed as dist
 
         mine = None

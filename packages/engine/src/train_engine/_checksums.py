@@ -1,5 +1,7 @@
-"""Per-file checksums of a checkpoint: computed at save by the rank that wrote each file,
-verified at load (the work split over the ranks) before any state is touched.
+"""Per-file checksums of a checkpoint, verified at load before any state is touched.
+
+Each rank computes them at save for the files it wrote; at load the work is split over the
+ranks.
 
 The checksum is CRC-32 (``zlib.crc32``, streamed in 8 MiB chunks) plus the file size. It is
 in the standard library, runs at memory speed (hardware CRC in zlib / zlib-ng), and detects

@@ -95,8 +95,10 @@ class PendingUpdate:
         self.skipped: bool | None = None
 
     def detach(self) -> None:
-        """The optimizer and scheduler were replaced (a loaded state): a later read of the flag
-        must not restore the snapshot over them."""
+        """Forget the snapshot: the optimizer and scheduler were replaced (a loaded state).
+
+        A later read of the flag must not restore the snapshot over them.
+        """
         self._detached = True
 
     def resolve(self) -> bool:

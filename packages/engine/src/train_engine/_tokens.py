@@ -1,5 +1,6 @@
-"""Token counts of contract (b): summed over the data-parallel ranks, validated, and turned
-into the backward's scale, all without a host-device sync.
+"""Token counts of contract (b): summed, validated and turned into the backward's scale.
+
+All of it without a host-device sync: the sum runs over the data-parallel ranks on device.
 
 A count that lives on the host (a Python number, a CPU tensor) is checked at once. A count on
 an accelerator cannot be read without stalling the host (the Engine promises no host

@@ -126,8 +126,11 @@ class AccumulationWindow:
         *,
         grad_average_size: int | float,
     ) -> Tensor:
-        """The loss to backpropagate: contract (a) divides by the window length, (b) by the
-        window's token count times the wrapper's averaging factor (see ``Engine.backward``)."""
+        """The loss to backpropagate, scaled for its contract (see ``Engine.backward``).
+
+        Contract (a) divides by the window length, (b) multiplies by the wrapper's averaging
+        factor over the window's token count.
+        """
         if num_tokens is None:
             return loss / self.length if self.length > 1 else loss
         return token_scaled(

@@ -1,5 +1,7 @@
-"""Atomic, resumable checkpoints: model and optimizer through torch.distributed.checkpoint (DCP,
-sharded for FSDP2/DTensor), plus scheduler, Engine counters, RNG states and caller state.
+"""Atomic, resumable checkpoints of model, optimizer, scheduler, counters, RNG and caller state.
+
+Model and optimizer go through torch.distributed.checkpoint (DCP, sharded for FSDP2/DTensor);
+the scheduler, the Engine's counters, RNG states and caller state are plain files.
 
 Layout of a checkpoint directory::
 

@@ -1,5 +1,9 @@
-"""The training Engine: backward with exact accumulation scaling, deferred gradient sync,
-sharding-aware clipping, a non-finite policy and one optimizer/scheduler update per window.
+"""The training Engine: from the loss's backward to one update per accumulation window.
+
+Backward with exact accumulation scaling, deferred gradient sync, sharding-aware clipping, a
+non-finite policy and one optimizer/scheduler update per window. The jobs live in private
+modules: the window's state machine (``_window``), the update at its boundary (``_update``),
+the counters (``_counters``); this module is the public facade that ties them together.
 
 The caller owns the forward's inputs and the loss; the Engine owns everything from the loss's
 backward to cleared gradients. It wraps an already-distributed model (plain module, DDP, or

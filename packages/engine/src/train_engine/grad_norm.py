@@ -58,8 +58,9 @@ def _float64_norms(tensors: list[Tensor], norm_type: float) -> list[Tensor]:
 
 
 def _blocked_square_sum(t: Tensor) -> Tensor:
-    """Float64 Σ t² of one CPU tensor: float32 per block of ``_CPU_BLOCK`` (float64 for float64
-    tensors), float64 across blocks.
+    """Float64 Σ t² of one CPU tensor, summed in float32 blocks and float64 across them.
+
+    Each block of ``_CPU_BLOCK`` elements is summed in float32 (float64 for float64 tensors).
 
     Converting a whole CPU tensor to float64 (what a float64 norm kernel does there) costs a
     full copy; block norms read it once. Finite values whose block norm overflows float32

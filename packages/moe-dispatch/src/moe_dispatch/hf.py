@@ -34,8 +34,12 @@ SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 
 def _hf_expert_weights(experts: Any) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor], bool]:
-    """Global [E, 2F, H] gate_up and [E, H, F] down weights, the activation, and whether the
-    HF tensors are stored transposed."""
+    """The global expert weights of an HF MoE block, its activation and its storage layout.
+
+    Returns:
+        [E, 2F, H] gate_up weights, [E, H, F] down weights, the activation, and whether the
+        HF tensors are stored transposed.
+    """
     if isinstance(experts, nn.ModuleList):
         # transformers 4.x: one MLP module per expert.
         mlps: list[Any] = list(experts)

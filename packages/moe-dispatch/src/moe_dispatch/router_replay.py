@@ -34,6 +34,9 @@ def validate_routes(routes: Tensor, *, num_tokens: int, num_experts: int, top_k:
 
     Args:
         routes: [T, K] integer; a row is either all -1 (route live) or K distinct ids in [0, E).
+        num_tokens: T, the tokens this layer routes.
+        num_experts: E, the global experts.
+        top_k: K, the experts per token.
     """
     if routes.dtype.is_floating_point or routes.dtype == torch.bool:
         raise ValueError(f"recorded routes must be an integer tensor, got {routes.dtype}")
@@ -94,7 +97,7 @@ class RouterReplay:
 
     @property
     def mode(self) -> str:
-        """ "off", "record" or "replay"."""
+        """The mode: "off", "record" or "replay"."""
         return self._mode
 
     @property

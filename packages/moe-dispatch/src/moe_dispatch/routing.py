@@ -67,6 +67,7 @@ def validate_topk_ids(topk_ids: Tensor, num_experts: int) -> None:
 
     Args:
         topk_ids: [T, K]; -1 marks a slot that routes nowhere.
+        num_experts: E, the global experts.
     """
     if topk_ids.numel() == 0:
         return
@@ -84,6 +85,7 @@ def sort_by_expert(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
 
     Args:
         topk_ids: [T, K], ids in ``[-1, E)``.
+        num_experts: E, the global experts.
 
     Returns:
         slots: [N] int64 flat indices into ``topk_ids.reshape(-1)``, grouped by expert in
@@ -104,6 +106,7 @@ def expert_load(topk_ids: Tensor, num_experts: int) -> Tensor:
 
     Args:
         topk_ids: [T, K].
+        num_experts: E, the global experts.
 
     Returns:
         [E] int64.

@@ -29,6 +29,7 @@ class RankPools:
         return pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
 
     def close(self) -> None:
+        """Stop every pool's ranks."""
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()

@@ -16,6 +16,7 @@ logger = logging.getLogger(__name__)
 
 
 def main(argv: list[str]) -> int:
+    """Log the release problems of the workspace at ``argv[0]`` (default "."); 1 if any."""
     root = Path(argv[0] if argv else ".").resolve()
     problems = recipe_pin_problems(root) + cross_imports(root)
     for problem in problems:

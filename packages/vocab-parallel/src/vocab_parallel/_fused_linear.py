@@ -1,5 +1,6 @@
-"""Autograd function for sum_t c_t * log p(label_t) from hidden states and the output projection,
-with both gradients formed during the forward.
+"""Autograd function for sum_t c_t * log p(label_t), both gradients formed during the forward.
+
+From hidden states and the output projection.
 
 # N tokens, H hidden, V global vocabulary, Vl local vocabulary rows, C tokens per chunk
 
@@ -59,7 +60,7 @@ def fused_chunk_tokens(tokens: int, local_vocab: int, *, fp32_accumulator_width:
 
 
 def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b as fp32, never rounded to a 16-bit dtype (one mixed-precision matmul on CUDA)."""
+    """Return a @ b as fp32, never rounded to a 16-bit dtype (one mixed-precision matmul on CUDA)."""
     if a.dtype == torch.float32:
         return a @ b
     if a.is_cuda:

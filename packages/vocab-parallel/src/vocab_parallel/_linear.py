@@ -93,7 +93,7 @@ def _blockwise_stats(
 
 
 def _add_matmul_(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
-    """accumulator (fp32) += a @ b for 16-bit a, b, summed in fp32 inside one matmul on CUDA."""
+    """Add a @ b to the fp32 accumulator for 16-bit a, b, summed in fp32 in one CUDA matmul."""
     if accumulator.dtype == a.dtype:
         accumulator.addmm_(a, b)
     elif accumulator.is_cuda:

@@ -1,6 +1,7 @@
 # mypy: disable-error-code="no-untyped-def"
-"""Triton kernels for the logits path on CUDA: one read of the logits forward, one read and one
-write backward (the memory-bandwidth floor), with no fp32 [N, V] buffer at all.
+"""Triton kernels for the logits path on CUDA, at the memory-bandwidth floor.
+
+One read of the logits forward, one read and one write backward, and no fp32 [N, V] buffer.
 
 # N tokens (one program per token row; N = B slabs * R rows), V local vocabulary columns,
 # BLOCK columns per step. Input rows are addressed through (slab stride, row stride), so a
@@ -169,6 +170,9 @@ def shard_stats(
 
     Args:
         logits: [B, R, V] or [N, V], any float dtype (not modified, never copied to fp32).
+        inv_temperature: 1 / temperature; the statistics are of z = logits * inv_temperature.
+        entropy: also return sum exp(z - shift) * (z - shift).
+        sum_z: also return the plain sum of z.
 
     Returns:
         statistics of the N = B * R rows, [N] each.
@@ -223,12 +227,14 @@ def logits_grad(
     in_place: bool = False,
     out_dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """Gradient w.r.t. the logits ([B, R, V] or [N, V]) in their shape
-    (see :func:`_math.chunk_grad`); the ``grad_*`` inputs are [N] fp32 already multiplied by
+    """Gradient w.r.t. the logits ([B, R, V] or [N, V]) in their shape.
+
+    See :func:`_math.chunk_grad`; the ``grad_*`` inputs are [N] fp32 already multiplied by
     ``inv_temperature``. ``in_place`` overwrites the logits with their gradient, in their
     layout (each program reads a stretch of its row before writing it back), saving one
     buffer; otherwise the gradient is a new contiguous tensor of ``out_dtype`` (default: the
-    logits' dtype)."""
+    logits' dtype).
+    """
     x = _slabs(logits)
     slabs, rows, v = x.shape
     n = slabs * rows

@@ -1,5 +1,6 @@
-"""Fused linear losses whose gradients are formed in forward: SFT cross-entropy and weighted
-log-prob sums, from hidden states and the output projection, never building [N, V].
+"""Fused linear losses whose gradients are formed in forward, never building [N, V].
+
+SFT cross-entropy and weighted log-prob sums, from hidden states and the output projection.
 
 # N tokens (the flattened leading dims [...]), H hidden, V vocabulary
 
@@ -111,8 +112,10 @@ def fused_linear_token_loss(
     fp32_weight_grad: bool = True,
     return_log_probs: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """sum_t coefficients_t * log p(label_t) under softmax(hidden @ weight.T / temperature),
-    with both gradients formed in forward.
+    """Weighted log-prob sum over tokens, with both gradients formed in forward.
+
+    The loss is sum_t coefficients_t * log p(label_t) under
+    softmax(hidden @ weight.T / temperature).
 
     Forward walks the tokens in chunks: each chunk's logits (one matmul) become its gradient
     in place, then its hidden-gradient rows (a second matmul) and its share of the weight
@@ -203,8 +206,16 @@ def linear_cross_entropy(
     backpropagates 1 / num_tokens, and backward multiplies the stored gradients by it.
 
     Args:
-        hidden, weight, labels, temperature, ignore_index, chunk_size, validate, backend,
-        fp32_logits, fp32_weight_grad: as in :func:`fused_linear_token_loss`.
+        hidden: as in :func:`fused_linear_token_loss` (so are the arguments below).
+        weight: [V, H], may shard V.
+        labels: [...] integer.
+        temperature: > 0.
+        ignore_index: label value without a target.
+        chunk_size: tokens per chunk; None picks one.
+        validate: check the label range (one host sync).
+        backend: "auto", "torch" or "triton".
+        fp32_logits: keep chunk logits in fp32.
+        fp32_weight_grad: sum the weight gradient in fp32.
         reduction: "mean" or "sum" (per-token losses: use
             :func:`vocab_parallel.linear_token_log_probs`).
 

@@ -102,7 +102,7 @@ def _linear_operands(
 
 
 def _check_linear_inputs(hidden: Tensor, weight: Tensor) -> None:
-    """hidden [..., H] and weight [V, H] of one floating dtype, else an error naming both."""
+    """Check hidden [..., H] and weight [V, H] share a floating dtype; the error names both."""
     _check_float(hidden, "hidden")
     _check_float(weight, "weight")
     if weight.ndim != 2:
@@ -378,7 +378,7 @@ def linear_token_log_probs(
     validate: bool = False,
     backend: Backend = "auto",
 ) -> Tensor:
-    """log p(label) under softmax(hidden @ weight.T / temperature), never building [N, V].
+    """Log p(label) under softmax(hidden @ weight.T / temperature), never building [N, V].
 
     The projection is walked in blocks of ``chunk_size`` vocabulary rows; each block's [N, B]
     logits are recomputed in backward. Extra memory, besides the gradients themselves: on

@@ -107,7 +107,7 @@ def hf_ring_attention(
     reenter: Callable[[], contextlib.AbstractContextManager[None]],
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """transformers attention function that hands causal SDPA to torch's CP dispatcher.
+    """Hand causal SDPA to torch's CP dispatcher (a transformers attention function).
 
     Args:
         module: the attention module (its ``is_causal`` must be True).

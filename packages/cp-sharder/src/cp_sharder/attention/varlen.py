@@ -45,7 +45,7 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 @functools.cache
 def _torch_varlen() -> tuple[Callable[..., Any], frozenset[str]] | None:
-    """torch's varlen_attn and the names of its parameters, or None when torch lacks it."""
+    """The ``varlen_attn`` of torch and the names of its parameters; None when torch lacks it."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:

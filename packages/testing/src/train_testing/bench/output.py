@@ -105,7 +105,7 @@ def device_name(device: str | torch.device) -> str:
 
 
 def versions(*distributions: str) -> dict[str, str]:
-    """torch's and Python's versions, plus each installed distribution's (or "not installed")."""
+    """The versions of torch, Python and each distribution named (or "not installed")."""
     out = {"torch": torch.__version__, "python": platform.python_version()}
     for name in distributions:
         try:
