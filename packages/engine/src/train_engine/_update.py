@@ -30,6 +30,7 @@ __all__ = [
     "UpdateRule",
     "learning_rates",
     "nonfinite_flag",
+    "result_without_update",
 ]
 
 NonFinitePolicy = Literal["skip", "raise", "step"]
@@ -57,6 +58,28 @@ def nonfinite_flag(norm: Tensor) -> Tensor:
         # A NaN on any rank must skip (or raise) on all of them, or ranks diverge or hang.
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag
+
+
+def result_without_update(
+    optimizer: torch.optim.Optimizer, counters: UpdateCounters, *, norm: Tensor | None = None
+) -> StepResult:
+    """The StepResult of a call that made no update.
+
+    Args:
+        optimizer: the optimizer (its current learning rates are reported).
+        counters: the Engine's counters.
+        norm: the window's norm when it was skipped on the host; None off the boundary, where
+            the run of skips is the last window's and waits on that window's flag, if any.
+    """
+    return StepResult(
+        updated=False,
+        skipped=norm is not None,
+        grad_norm=norm,
+        lrs=learning_rates(optimizer),
+        optimizer_steps=counters.optimizer_steps,
+        consecutive_skipped=counters.consecutive_skipped,
+        consecutive_pending=counters.pending,
+    )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -111,14 +134,7 @@ class UpdateRule:
                     "one rank); the window's gradients were cleared and no update was made. Use "
                     "nonfinite='skip' to continue past such windows"
                 )
-            return StepResult(
-                updated=False,
-                skipped=True,
-                grad_norm=norm,
-                lrs=learning_rates(self.optimizer),
-                optimizer_steps=counters.optimizer_steps,
-                consecutive_skipped=counters.consecutive_skipped,
-            )
+            return result_without_update(self.optimizer, counters, norm=norm)
         if self.max_grad_norm is not None:
             clip_grads_with_norm_(params, self.max_grad_norm, norm)
         lrs = learning_rates(self.optimizer)

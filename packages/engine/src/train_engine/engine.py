@@ -32,7 +32,7 @@ from train_engine._update import (
     NonFiniteGradientError,
     NonFinitePolicy,
     UpdateRule,
-    learning_rates,
+    result_without_update,
 )
 from train_engine._validation import check_loss, check_optimizer_params
 from train_engine._window import AccumulationWindow
@@ -336,16 +336,7 @@ class Engine:
         self._check_usable()
         counters = self._counters
         if not self._window.end_micro_batch():
-            # Its run of skips is the last window's: it waits on that window's flag, if any.
-            return StepResult(
-                updated=False,
-                skipped=False,
-                grad_norm=None,
-                lrs=learning_rates(self.optimizer),
-                optimizer_steps=counters.optimizer_steps,
-                consecutive_skipped=counters.consecutive_skipped,
-                consecutive_pending=counters.pending,
-            )
+            return result_without_update(self.optimizer, counters)
         # The previous update's skip flag is long computed: reading it now does not stall.
         counters.settle()
         # Host-only (is None tests): after the window's gradient reduction, every wrapper

@@ -95,39 +95,24 @@ def _ring_kernel(
 
 
 def hf_ring_attention(
-    module: torch.nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    *,
+    *args: Any,
     reenter: Callable[[], contextlib.AbstractContextManager[None]],
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """Hand causal SDPA to torch's CP dispatcher (a transformers attention function).
 
     Args:
-        module: the attention module (its ``is_causal`` must be True).
-        query: [B, H, S, D] local queries (head/tail layout).
-        key: [B, Hkv, S, D].
-        value: [B, Hkv, S, D].
-        attention_mask: must be None (torch's ring takes no mask).
-        dropout: attention dropout probability.
-        scaling: softmax scale; None means 1/sqrt(D).
-        sliding_window: must be None (causal only).
+        *args: transformers' call: ``module, query [B, H, S, D] (head/tail layout), key and
+            value [B, Hkv, S, D], attention_mask (must be None), dropout, scaling,
+            sliding_window (must be None)``; the module must be causal.
         reenter: returns torch's ring context again, for the backward pass.
-        **kwargs: the rest of transformers' call (``is_causal``, ``softcap``, ...).
+        **kwargs: the rest of transformers' call, by name.
 
     Returns:
         ([B, S, H, D], None).
     """
     kernel = functools.partial(_ring_kernel, reenter=reenter)
-    return hf_attention(kernel, LIMITS)(
-        module, query, key, value, attention_mask, dropout, scaling, sliding_window, **kwargs
-    )
+    return hf_attention(kernel, LIMITS)(*args, **kwargs)
 
 
 @contextlib.contextmanager
