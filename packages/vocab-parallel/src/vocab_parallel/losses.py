@@ -387,9 +387,9 @@ def linear_token_log_probs(
     into; on the torch backend an fp32 block, its gradient and the same accumulator.
 
     Speed: the recomputation makes four logits-sized matmuls where matmul + log_softmax makes
-    three. Where the unfused fp32 log_softmax costs no more than about one such matmul (on an
-    H200 at V=151936, H=4096: 16 ms against 14-15 ms), this is slower than the unfused form
-    (about 0.9x there), in exchange for 0.15x the logits of transient memory instead of 5.5x.
+    three. Where the unfused fp32 log_softmax costs no more than about one such matmul, this is
+    slower than the unfused form, in exchange for a small fraction of the logits' transient
+    memory; the measured times and memory are in the repository's BENCHMARKS.md.
 
     Args:
         hidden: [..., H] float; plain, or a DTensor that is Replicate on every mesh dim.
