@@ -109,13 +109,28 @@ def _read_headers(files: list[Path]) -> dict[str, _Entry]:
     return entries
 
 
-def _read_rows(fd: int, entry: _Entry, start: int, stop: int) -> torch.Tensor:
-    """Rows [start, stop) of dim 0 (the whole tensor for a 0-d one), one positioned read."""
+def _read_rows(
+    fd: int, entry: _Entry, start: int, stop: int, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows [start, stop) of dim 0 (the whole tensor for a 0-d one), one positioned read.
+
+    Args:
+        fd: the open file of ``entry``.
+        entry: the tensor's header entry.
+        start: first row.
+        stop: one past the last row.
+        out: a host tensor of the rows' shape and the entry's dtype to read into (a pinned
+            staging buffer); a new one when None.
+
+    Returns:
+        [stop - start, *entry.shape[1:]] tensor of the entry's dtype, on the host.
+    """
     row = 1
     for size in entry.shape[1:]:
         row *= size
     shape = (stop - start, *entry.shape[1:]) if entry.shape else ()
-    out = torch.empty(shape, dtype=entry.dtype)
+    if out is None:
+        out = torch.empty(shape, dtype=entry.dtype)
     if out.numel() == 0:
         return out
     raw: Any = out.reshape(-1).view(torch.uint8).numpy()  # bf16 has no numpy dtype: bytes
@@ -128,6 +143,46 @@ def _read_rows(fd: int, entry: _Entry, start: int, stop: int) -> torch.Tensor:
             raise OSError(f"short read of {entry.path} at byte {position + done}")
         done += got
     return out
+
+
+class _PinnedStaging:
+    """Two pinned host buffers that reads headed for an accelerator alternate between.
+
+    A blocking copy from pageable host memory with a dtype change converts on the host (a
+    second host copy at the wider dtype) and transfers that at pageable speed; a fresh host
+    tensor per read also pays its page faults. Here each block is read into a reused pinned
+    buffer, sent to the device in the file's dtype without blocking, and cast there, while the
+    next block is read into the other buffer. An event per buffer says when its transfer is
+    done and it may be overwritten. Host memory: two of the largest block read.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._done: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+        """A host tensor of ``shape``/``dtype`` in the next free buffer, and that buffer's slot."""
+        slot, self._turn = self._turn, 1 - self._turn
+        done = self._done[slot]
+        if done is not None:
+            done.synchronize()  # its previous transfer has finished reading it
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._buffers[slot] = torch.empty(
+                max(nbytes, 1), dtype=torch.uint8, pin_memory=True
+            )
+        return slot, buffer[:nbytes].view(dtype).view(shape)
+
+    def copy(self, slot: int, local: torch.Tensor, block: torch.Tensor) -> None:
+        """``local.copy_(block)``: the transfer in ``block``'s dtype, the cast on the device."""
+        on_device = block.to(self._device, non_blocking=True)
+        local.copy_(on_device)
+        done = torch.cuda.Event()
+        done.record()
+        self._done[slot] = done
 
 
 def _local_slice(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
@@ -248,6 +303,7 @@ def load_sharded_safetensors(
     loaded: dict[int, str] = {}
     bytes_read = 0
     fds: dict[Path, int] = {}
+    staging = _PinnedStaging(torch.device(device)) if torch.device(device).type == "cuda" else None
     try:
         for name, tensor in state.items():
             file_name = _checkpoint_name(name, entries)
@@ -270,13 +326,21 @@ def load_sharded_safetensors(
             fd = fds.get(entry.path)
             if fd is None:
                 fd = fds[entry.path] = os.open(entry.path, os.O_RDONLY)
-            block = _read_rows(fd, entry, rows.start, rows.stop)
+            shape = (rows.stop - rows.start, *entry.shape[1:]) if entry.shape else ()
+            slot, out = (None, None) if staging is None else staging.buffer(shape, entry.dtype)
+            block = _read_rows(fd, entry, rows.start, rows.stop, out=out)
             bytes_read += block.numel() * block.element_size()
-            local.copy_(block[(slice(None), *index[1:])] if index else block)
+            block = block[(slice(None), *index[1:])] if index else block
+            if staging is None or slot is None:
+                local.copy_(block)
+            else:
+                staging.copy(slot, local, block)
             loaded[id(tensor)] = name
     finally:
         for fd in fds.values():
             os.close(fd)
+        if staging is not None:
+            torch.cuda.synchronize(device)  # the pinned buffers outlive no transfer
     _recompute_buffers(model)
     logger.info(
         "sharded load: %d tensors, %.1f MB read of %.1f MB",
