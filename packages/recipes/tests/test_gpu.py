@@ -72,3 +72,36 @@ def test_two_gpus_cp2_matches_dp2_on_nccl(demo_data: DemoSplit, tmp_path: Path) 
     )
     for step in range(1, 41):
         assert abs(dp[step] - cp[step]) <= 1e-3 * abs(dp[step]) + 1e-4, (step, dp[step], cp[step])
+
+
+@requires_cuda(1)
+@pytest.mark.timeout(300)
+def test_sharded_load_onto_cuda_is_bitwise_from_pretrained(tmp_path: Path) -> None:
+    """The pinned, cast-on-device staging path gives exactly from_pretrained's fp32 weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from train_recipes.loading import build_on_meta, load_sharded_safetensors
+
+    config = LlamaConfig(
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=301,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    # bf16 files, several shards: the load casts on the device and crosses files.
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="50KB")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).cuda()
+    model = build_on_meta(
+        tmp_path, dtype=torch.float32, attn_implementation="sdpa", image_text=False
+    )
+    load_sharded_safetensors(model, tmp_path, device=torch.device("cuda"))
+    loaded = model.state_dict()
+    for name, value in reference.state_dict().items():
+        assert loaded[name].device.type == "cuda", name
+        assert torch.equal(loaded[name], value), name
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
