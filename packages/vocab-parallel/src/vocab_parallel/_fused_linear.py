@@ -114,6 +114,22 @@ def _chunk_logits_grad(
     return grad.to(dtype)
 
 
+def _chunk_matmuls(
+    grad_logits: Tensor,
+    h_chunk: Tensor,
+    weight: Tensor,
+    grad_hidden: Tensor | None,
+    accumulator: Tensor | None,
+    start: int,
+) -> None:
+    """The chunk's hidden-gradient rows (grad_logits [C, Vl] @ weight [Vl, H]) and its share
+    of the weight gradient (accumulator [Vl, H] += grad_logits.T @ h_chunk), one rank."""
+    if grad_hidden is not None:
+        torch.mm(grad_logits, weight, out=grad_hidden[start : start + grad_logits.shape[0]])
+    if accumulator is not None:
+        _add_matmul_(accumulator, grad_logits.T, h_chunk)
+
+
 class FusedLinearLoss(torch.autograd.Function):
     """(loss, log_p) from hidden [N, H], local projection rows [Vl, H], labels and c [N].
 
@@ -152,7 +168,36 @@ class FusedLinearLoss(torch.autograd.Function):
             acc_dtype = torch.float32 if fp32_weight_grad else weight.dtype
             accumulator = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
         log_p = hidden.new_zeros(n, dtype=torch.float32)
+        # The whole vocabulary on this rank, Triton, gradients wanted and the chunk logits in
+        # the input dtype: one kernel per chunk does the softmax, the log-probs and the
+        # gradient in place (no collective to wait for between them).
+        one_kernel = (
+            plan.backend == "triton"
+            and plan.group is None
+            and not fp32_logits
+            and local_vocab > 0
+            and (grad_hidden is not None or accumulator is not None)
+        )
+        if one_kernel:
+            if targets.invalid is not None and int(targets.invalid):
+                raise_invalid(labels, plan=plan, count=int(targets.invalid))
+            target_col = torch.where(targets.in_shard, targets.index, -1)
         for start in range(0, n, plan.chunk_size):
+            if one_kernel:
+                stop = min(start + plan.chunk_size, n)
+                h_chunk = hidden[start:stop]
+                grad_logits = h_chunk @ weight.T  # [C, Vl]: overwritten by its gradient
+                from vocab_parallel import _triton
+
+                log_p[start:stop] = _triton.loss_grad_(
+                    grad_logits,
+                    inv_temperature=inv_t,
+                    target_col=target_col[start:stop],
+                    grad_scale=g_all[start:stop],
+                )
+                _chunk_matmuls(grad_logits, h_chunk, weight, grad_hidden, accumulator, start)
+                del grad_logits
+                continue
             stop = min(start + plan.chunk_size, n)
             h_chunk = hidden[start:stop]
             # [C, Vl]: with its gradient, the only logits-sized buffers.
