@@ -34,6 +34,7 @@ from train_recipes.config_loader import to_dict
 from train_recipes.config_sft import SFTConfig
 from train_recipes.evaluation import held_out_batches, held_out_loss
 from train_recipes.exact_match import exact_match_accuracy
+from train_recipes.fused_loss import token_sum_loss_of
 from train_recipes.health import (
     HangWatchdog,
     SkipTracker,
@@ -140,8 +141,6 @@ def token_sum_loss(
     Returns:
         0-dim float32 tensor.
     """
-    from vocab_parallel import token_log_probs
-
     inputs: dict[str, Any] = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
     if vlm:
         if "mrope_position_ids" not in batch:
@@ -166,15 +165,14 @@ def token_sum_loss(
         inputs["qkv_format"] = "thd"
         inputs["seq_lens"] = batch["seq_lens"]
     # No KV cache: training never reuses one.
+    # fused_loss: the hidden states and the head's weight make the loss, without the logits.
     if sharder is None:
         labels = inputs.pop("labels")
-        logits = model(**inputs, use_cache=False).logits  # [B, S, V]
-        return -token_log_probs(logits, labels).sum()
+        return token_sum_loss_of(model, inputs, labels)
     train_ctx, local = sharder.shard(inputs)
     labels = local.pop("labels")
     with train_ctx():
-        logits = model(**local, use_cache=False).logits  # [B, S_l, V]
-        return -token_log_probs(logits, labels).sum()
+        return token_sum_loss_of(model, local, labels)
 
 
 def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
