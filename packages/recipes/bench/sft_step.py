@@ -8,12 +8,16 @@ AdamW and clipping at 1.0, and runs in the same process one after the other:
 - ``fsdp2``: a hand-written loop, the transformers model as is (its loss upcasts the logits).
 - ``fsdp2+compile``: the same with each decoder layer compiled.
 - ``recipes``: the train-recipes step: Engine (fused AdamW: clipping and the non-finite skip
-  inside the kernel, no host sync), compiled decoder layers, the vocab-parallel token-sum loss
-  on bf16 logits, unsharded parameters kept between forward and backward (one GPU), causal
+  inside the kernel, no host sync), compiled decoder layers, the token-sum loss through
+  vocab-parallel's fused linear cross-entropy (no logits; ``recipes-logits-loss``: on bf16
+  logits instead), unsharded parameters kept between forward and backward (one GPU), causal
   attention without transformers' mask construction for unpacked rows (no host sync), and the
   SDPA backend order of ``--sdpa`` (cuDNN first by default).
 - ``recipes-*``: ablations, each undoing one of these; ``recipes-cp1`` runs ``recipes-hf-mask``
   through cp-sharder at cp=1 (compare the two for the sharder's cost).
+- ``fsdp2+liger``: the ``fsdp2`` loop with Liger-Kernel patched into transformers' Llama
+  (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy); needs ``liger-kernel`` (the bench
+  group) and always runs last, because the patches stay for the rest of the process.
 
 Model FLOPs per token = 6 * parameters + 6 * layers * hidden * sequence (causal attention);
 MFU is against the dense bf16 peak given by ``--peak-tflops`` (989 for H100/H200 SXM).
@@ -64,6 +68,7 @@ from train_testing.bench import (
     versions,
     write_json,
 )
+from vocab_parallel import token_log_probs
 
 FULL = LLAMA_1P5B
 TINY = LLAMA_TINY
@@ -76,12 +81,15 @@ class Variant:
     name: str
     engine: bool
     compile: bool
-    loss: str  # "hf": transformers' loss on the logits; "vocab_parallel": token_sum_loss
+    # "hf": transformers' loss on the logits; "vocab_parallel": the recipe's token_sum_loss
+    # (fused linear cross-entropy, no logits); "logits": vocab-parallel on materialised logits
+    loss: str
     reshard_after_forward: bool | None
     sdpa: tuple[str, ...] | None
     position_ids: bool = True  # the recipe passes them (packed rows need them)
     fast_path: bool = False  # the recipe's CausalFastPath for unpacked batches
     cp1: bool = False  # through cp-sharder's ContextParallelSharder on a 1-rank cp mesh
+    liger: bool = False  # Liger-Kernel patched into transformers' Llama (a peer; runs last)
 
 
 def variants(args: argparse.Namespace) -> dict[str, Variant]:
@@ -104,11 +112,15 @@ def variants(args: argparse.Namespace) -> dict[str, Variant]:
         recipes,
         # Ablations of the recipes step, one change each.
         replace(recipes, name="recipes-hf-loss", loss="hf"),
+        replace(recipes, name="recipes-logits-loss", loss="logits"),
         replace(recipes, name="recipes-reshard", reshard_after_forward=True),
         replace(recipes, name="recipes-hf-mask", fast_path=False),
         replace(recipes, name="recipes-cp1", fast_path=False, cp1=True),
         replace(recipes, name="recipes-default-sdpa", sdpa=None),
         replace(recipes, name="recipes-eager", compile=False),
+        # Liger's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy, patched into the
+        # transformers classes for the rest of the process: always run last.
+        replace(plain, name="fsdp2+liger", liger=True),
     ]
     return {v.name: v for v in out}
 
@@ -144,6 +156,10 @@ def make_batches(args: argparse.Namespace, vocab: int) -> list[dict[str, torch.T
 
 def setup(variant: Variant, args: argparse.Namespace) -> tuple[Callable[[dict], None], int, Any]:
     """Build model, optimizer and the step function of one variant."""
+    if variant.liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama()
     model = build_model(args)
     config = model.config
     n_params = sum(p.numel() for p in model.parameters())
@@ -176,7 +192,12 @@ def setup(variant: Variant, args: argparse.Namespace) -> tuple[Callable[[dict], 
                 inputs = {"input_ids": batch["input_ids"], "labels": batch["shifted_labels"]}
                 if variant.position_ids:
                     inputs["position_ids"] = batch["position_ids"]
-                loss = token_sum_loss(engine, inputs, sharder=sharder)
+                if variant.loss == "logits":
+                    labels = inputs.pop("labels")
+                    logits = engine(**inputs, use_cache=False).logits
+                    loss = -token_log_probs(logits, labels).sum()
+                else:
+                    loss = token_sum_loss(engine, inputs, sharder=sharder)
                 engine.backward(loss, num_tokens=args.batch * (args.seq - 1))
             engine.step()
 
@@ -335,6 +356,7 @@ def main() -> None:
     init_process_group(args.device)
     table = variants(args)
     chosen = [table[name] for name in args.variants.split(",")]
+    chosen.sort(key=lambda v: v.liger)  # its patches stay: after every other variant
     if args.device != "cuda":
         # Inductor on the CPU needs a C++ toolchain; the quick run checks the plumbing only.
         chosen = [replace(v, compile=False) for v in chosen]

@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--splits", default="2,4,8")
     parser.add_argument("--full-tokens", default="", help="also time linear_cross_entropy")
     parser.add_argument("--full-chunks", default="384,768,1024")
+    parser.add_argument("--profile", default="", help="TOKENS:CHUNK,... kernel tables")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     v, h = args.vocab, args.hidden
@@ -100,6 +101,18 @@ def main() -> None:
 
                 full.append({"tokens": n, "chunk": c, "ms": _time_ms(step, repeats=5)})
                 print(json.dumps(full[-1]), flush=True)
+                if f"{n}:{c}" in args.profile.split(","):
+                    from torch.profiler import ProfilerActivity, profile
+
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        step()
+                        torch.cuda.synchronize()
+                    print(
+                        prof.key_averages().table(
+                            sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60
+                        ),
+                        flush=True,
+                    )
             del hidden, w, labels
     if args.out:
         with open(args.out, "w") as f:
