@@ -20,15 +20,18 @@ def fused_loss(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     return token_sum_loss_of(model, inputs, labels)
 
 
-def fused_under_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
-    """One forward and backward of a tiny Llama under FSDP2 (float64), each rank its own batch."""
+def fused_under_fsdp2(rank: int, world_size: int, reshard: bool | None) -> dict[str, Any]:
+    """One forward and backward of a tiny Llama under FSDP2 (float64), each rank its own batch;
+    ``reshard``: FSDP2Config.reshard_after_forward (True: the root too)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from train_engine import FSDP2Config, apply_data_parallel
 
     torch.manual_seed(0)
     model = apply_data_parallel(
-        tiny_hf_model("llama"), mesh=init_device_mesh("cpu", (world_size,)), config=FSDP2Config()
+        tiny_hf_model("llama"),
+        mesh=init_device_mesh("cpu", (world_size,)),
+        config=FSDP2Config(reshard_after_forward=reshard),
     )
     loss = fused_loss(model, batch_for("llama", seed=10 + rank))
     loss.backward()

@@ -91,8 +91,12 @@ def test_logits_path_where_the_head_cannot_be_replaced() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_fused_loss_under_fsdp2_equals_float64_reference(rank_pool: Any) -> None:
-    results = rank_pool.run(2, fused_under_fsdp2, timeout_s=240)
+@pytest.mark.parametrize("reshard", [None, True])
+def test_fused_loss_under_fsdp2_equals_float64_reference(
+    rank_pool: Any, reshard: bool | None
+) -> None:
+    """FSDP2's defaults, and every unit resharded after forward (the root included)."""
+    results = rank_pool.run(2, fused_under_fsdp2, reshard, timeout_s=240)
     references = []
     for rank, result in enumerate(results):
         torch.manual_seed(0)

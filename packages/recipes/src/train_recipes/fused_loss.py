@@ -60,6 +60,18 @@ def _identity(x: Tensor) -> Tensor:
     return x
 
 
+def _keep_root_unsharded_after_forward(model: Any) -> None:
+    """The loss reads the head's weight after the model's forward: the root FSDP2 unit (which
+    holds the head) must not reshard after forward (its parameters are the first that backward
+    needs anyway, which is why FSDP2 keeps a root unsharded by default). Blocks keep their
+    setting."""
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = getattr(model, "module", model)  # the Engine holds the FSDP2 model
+    if isinstance(inner, FSDPModule):
+        inner.set_reshard_after_forward(False, recurse=False)
+
+
 def fused_token_sum_loss(
     model: Any, head: nn.Linear, inputs: dict[str, Any], labels: Tensor
 ) -> Tensor:
@@ -74,14 +86,19 @@ def fused_token_sum_loss(
     Returns:
         0-dim float32 tensor; its gradients were formed in forward (backward scales them).
 
+    Under FSDP2 the root unit is set to stay unsharded after forward (only the root: blocks
+    keep their ``reshard_after_forward``), so that the head's weight is the gathered one.
+
     Raises:
         ValueError: the head's weight is still sharded by data parallelism when the loss reads
-            it (its FSDP2 unit resharded after forward), which would read as vocabulary shards.
+            it (e.g. the head in an FSDP2 unit of its own that resharded after forward), which
+            would read as vocabulary shards.
     """
     from torch.distributed.tensor import DTensor, Replicate
 
     import vocab_parallel as vp
 
+    _keep_root_unsharded_after_forward(model)
     with _head_passes_hidden(head):
         hidden = model(**inputs, use_cache=False).logits  # [B, S, H]
     weight = head.weight
@@ -95,7 +112,8 @@ def fused_token_sum_loss(
         raise ValueError(
             f"the output projection's weight is a DTensor on mesh {weight.device_mesh} with "
             f"{weight.placements} after forward, not the tensor-parallel vocabulary shards; "
-            "keep the root FSDP2 unit unsharded after forward or turn the fused loss off"
+            "leave the output projection in the root FSDP2 unit (as apply_data_parallel does), "
+            "not in a unit of its own"
         )
     return vp.linear_cross_entropy(hidden, weight, labels, reduction="sum")
 

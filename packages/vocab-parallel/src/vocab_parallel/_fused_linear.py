@@ -168,10 +168,6 @@ class FusedLinearLoss(torch.autograd.Function):
         target_grad = torch.where(targets.in_shard, g_all, 0.0)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         accumulator = None
-        if need_weight:
-            acc_dtype = torch.float32 if fp32_weight_grad else weight.dtype
-            accumulator = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
-        log_p = hidden.new_zeros(n, dtype=torch.float32)
         # The whole vocabulary on this rank, Triton, gradients wanted and the chunk logits in
         # the input dtype: one kernel per chunk does the softmax, the log-probs and the
         # gradient in place (no collective to wait for between them).
@@ -180,12 +176,17 @@ class FusedLinearLoss(torch.autograd.Function):
             and plan.group is None
             and not fp32_logits
             and local_vocab > 0
-            and (grad_hidden is not None or accumulator is not None)
+            and (need_hidden or need_weight)
         )
-        if one_kernel:
-            if accumulator is not None and accumulator.dtype == weight.dtype and n:
+        if need_weight:
+            acc_dtype = torch.float32 if fp32_weight_grad else weight.dtype
+            if one_kernel and acc_dtype == weight.dtype and n:
                 # The first chunk's matmul writes every element (no zero fill, no first read).
-                accumulator = torch.empty_like(accumulator)
+                accumulator = torch.empty(weight.shape, dtype=acc_dtype, device=weight.device)
+            else:
+                accumulator = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
+        log_p = hidden.new_zeros(n, dtype=torch.float32)
+        if one_kernel:
             if targets.invalid is not None and int(targets.invalid):
                 raise_invalid(labels, plan=plan, count=int(targets.invalid))
             target_col = torch.where(targets.in_shard, targets.index, -1)
@@ -279,10 +280,7 @@ class FusedLinearLoss(torch.autograd.Function):
         ctx.grads = None
         if grad_loss is not None:
             # In place, in the gradients' dtype: exact when the upstream gradient is 1.
-            # One multi-tensor kernel: mul_ of a bf16 tensor by an fp32 0-dim tensor runs
-            # the unvectorized mixed-dtype kernel (about 1.5 ms per call for a 151936 x 4096
-            # weight gradient in an H200 profile).
-            grads = [g for g in (grad_hidden, grad_weight) if g is not None]
-            if grads:
-                torch._foreach_mul_(grads, grad_loss)
+            for grad in (grad_hidden, grad_weight):
+                if grad is not None:
+                    grad.mul_(grad_loss)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
