@@ -29,11 +29,14 @@ from vocab_parallel._math import chunk_grad, scaled_fp32, scaled_target, shard_s
 from vocab_parallel._reduce import reduce_stats
 
 # Default chunking: one chunk's logits hold at most 1/FUSED_CHUNKS of the full [N, Vl] logits
-# (1/24 = 0.042x, under the 0.05x goal), but at least FUSED_MIN_CHUNK_ELEMENTS logits (8 MiB
+# (1/20 = 0.05x, the memory goal; rounded down to 64 tokens: 384 of 8192, 768 of 16384, 0.047x),
+# but at least FUSED_MIN_CHUNK_ELEMENTS logits (8 MiB
 # of bf16), so that a small batch is not cut into chunks too thin for the matmuls to run near
 # peak. Fewer chunks would be faster: every chunk reads and writes the whole weight-gradient
-# accumulator once (its addmm), so that traffic is chunks x 2 x the accumulator's bytes.
-FUSED_CHUNKS = 24
+# accumulator once (its addmm), so that traffic is chunks x 2 x the accumulator's bytes: on an
+# H200 (V=151936, H=4096, bf16 accumulator) 1/20 ran 2.1% (T=8192) and 4.6% (T=16384) faster
+# than 1/24 (benchmarks/results/vocab_parallel_h200_T*_perf.json).
+FUSED_CHUNKS = 20
 FUSED_MIN_CHUNK_ELEMENTS = 1 << 22
 
 
