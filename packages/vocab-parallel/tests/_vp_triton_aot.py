@@ -99,6 +99,10 @@ def main() -> None:
             fn=kernels._loss_grad_kernel, signature=signature, constexprs={"BLOCK": 8192}
         )
         triton.compile(src, target=TARGET, options={"num_warps": 8})
+        # Backward's scaling of the stored gradients by the upstream gradient.
+        signature = {"x_ptr": dtype, "scale_ptr": "*fp32", "n": "i64", "BLOCK": "constexpr"}
+        src = ASTSource(fn=kernels._scale_kernel, signature=signature, constexprs={"BLOCK": 4096})
+        triton.compile(src, target=TARGET, options={"num_warps": 4})
     print("ok")
 
 

@@ -268,6 +268,7 @@ class FusedLinearLoss(torch.autograd.Function):
         loss = (coef * log_p).sum()
         # Not saved with save_for_backward: these are results, handed over once in backward.
         ctx.grads = (grad_hidden, grad_weight)
+        ctx.backend = plan.backend
         ctx.mark_non_differentiable(log_p)
         return loss, log_p
 
@@ -284,6 +285,13 @@ class FusedLinearLoss(torch.autograd.Function):
         if grad_loss is not None:
             # In place, in the gradients' dtype: exact when the upstream gradient is 1.
             for grad in (grad_hidden, grad_weight):
-                if grad is not None:
+                if grad is None:
+                    continue
+                if ctx.backend == "triton" and grad.is_contiguous():
+                    from vocab_parallel import _triton
+
+                    # Same values as mul_, one vectorized pass (no mixed-dtype kernel).
+                    _triton.scale_(grad, grad_loss.to(torch.float32).reshape(1).contiguous())
+                else:
                     grad.mul_(grad_loss)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None

@@ -220,6 +220,33 @@ def loss_grad_(
     return log_p
 
 
+@triton.jit
+def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+    # x *= scale for a contiguous 16- or 32-bit tensor and an fp32 scalar held on the device,
+    # in fp32 then rounded (as mul_ computes it, which for a bf16 tensor times an fp32 0-dim
+    # tensor runs PyTorch's unvectorized mixed-dtype kernel).
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    scale = tl.load(scale_ptr)
+    x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
+    tl.store(x_ptr + offsets, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_(x: Tensor, scale: Tensor) -> None:
+    """x *= scale in place without a host sync.
+
+    Args:
+        x: contiguous float tensor of any shape (modified).
+        scale: one-element fp32 tensor on x's device.
+    """
+    n = x.numel()
+    if n == 0:
+        return
+    block = 4096
+    with _on_device(x):
+        _scale_kernel[(triton.cdiv(n, block),)](x, scale, n, BLOCK=block, num_warps=4)
+
+
 def _launch_config(n_cols: int) -> tuple[int, int]:
     block = min(_MAX_BLOCK, triton.next_power_of_2(max(n_cols, 16)))
     return block, (8 if block >= 4096 else 4)
