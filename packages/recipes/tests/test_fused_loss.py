@@ -124,3 +124,17 @@ def test_fused_loss_under_tensor_parallel_equals_float64_reference(
     ref_loss, ref = _reference(reference, batch_for(kind))
     for result in results:
         _assert_close(result["loss"], result["grads"], ref_loss, ref)
+
+
+def test_ddp_that_finds_unused_parameters_keeps_the_logits_path() -> None:
+    """DDP(find_unused_parameters=True) would mark the passed-over head unused: no fused loss."""
+
+    class Wrapper(nn.Module):  # what fused_head reads of a DDP wrapper: .module and the flag
+        def __init__(self, module: nn.Module, find_unused: bool) -> None:
+            super().__init__()
+            self.module = module
+            self.find_unused_parameters = find_unused
+
+    llama = tiny_hf_model("llama")
+    assert fused_head(Wrapper(llama, False)) is llama.lm_head
+    assert fused_head(Wrapper(llama, True)) is None

@@ -29,10 +29,13 @@ def fused_head(model: Any) -> nn.Linear | None:
     Args:
         model: the Engine, a DDP wrapper or the (FSDP2 / tensor-parallel) transformers model.
     """
-    inner = getattr(model, "module", model)  # the Engine holds the model (DDP or FSDP2)
-    inner = getattr(inner, "module", inner)  # inside DDP
-    if getattr(inner, "find_unused_parameters", False):
-        return None
+    inner = model
+    for _ in range(2):  # the Engine holds the model (DDP or FSDP2), DDP holds the model
+        if getattr(inner, "find_unused_parameters", False):
+            # DDP would mark the head's weight unused (the forward no longer reaches it) and
+            # then see its gradient arrive.
+            return None
+        inner = getattr(inner, "module", inner)
     base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
     get_head = getattr(base, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
