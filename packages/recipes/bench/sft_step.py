@@ -8,12 +8,16 @@ AdamW and clipping at 1.0, and runs in the same process one after the other:
 - ``fsdp2``: a hand-written loop, the transformers model as is (its loss upcasts the logits).
 - ``fsdp2+compile``: the same with each decoder layer compiled.
 - ``recipes``: the train-recipes step: Engine (fused AdamW: clipping and the non-finite skip
-  inside the kernel, no host sync), compiled decoder layers, the vocab-parallel token-sum loss
-  on bf16 logits, unsharded parameters kept between forward and backward (one GPU), causal
+  inside the kernel, no host sync), compiled decoder layers, the token-sum loss through
+  vocab-parallel's fused linear cross-entropy (no logits; ``recipes-logits-loss``: on bf16
+  logits instead), unsharded parameters kept between forward and backward (one GPU), causal
   attention without transformers' mask construction for unpacked rows (no host sync), and the
   SDPA backend order of ``--sdpa`` (cuDNN first by default).
 - ``recipes-*``: ablations, each undoing one of these; ``recipes-cp1`` runs ``recipes-hf-mask``
   through cp-sharder at cp=1 (compare the two for the sharder's cost).
+- ``fsdp2+liger``: the ``fsdp2`` loop with Liger-Kernel patched into transformers' Llama
+  (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy); needs ``liger-kernel`` (the bench
+  group) and always runs last, because the patches stay for the rest of the process.
 
 Model FLOPs per token = 6 * parameters + 6 * layers * hidden * sequence (causal attention);
 MFU is against the dense bf16 peak given by ``--peak-tflops`` (989 for H100/H200 SXM).
@@ -32,6 +36,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +46,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from train_engine import Engine, FSDP2Config, apply_data_parallel, param_groups
-from train_recipes.modeling import CausalFastPath, compile_decoder_layers, sdpa_backends
+from train_recipes.attention import CausalFastPath, sdpa_backends
+from train_recipes.modeling import compile_decoder_layers
 from train_recipes.sft import token_sum_loss
 
 # `device_name`, `free_memory`, `init_process_group`, `sync`, FULL and TINY stay importable from
@@ -63,6 +69,7 @@ from train_testing.bench import (
     versions,
     write_json,
 )
+from vocab_parallel import token_log_probs
 
 FULL = LLAMA_1P5B
 TINY = LLAMA_TINY
@@ -75,12 +82,15 @@ class Variant:
     name: str
     engine: bool
     compile: bool
-    loss: str  # "hf": transformers' loss on the logits; "vocab_parallel": token_sum_loss
+    # "hf": transformers' loss on the logits; "vocab_parallel": the recipe's token_sum_loss
+    # (fused linear cross-entropy, no logits); "logits": vocab-parallel on materialised logits
+    loss: str
     reshard_after_forward: bool | None
     sdpa: tuple[str, ...] | None
     position_ids: bool = True  # the recipe passes them (packed rows need them)
     fast_path: bool = False  # the recipe's CausalFastPath for unpacked batches
     cp1: bool = False  # through cp-sharder's ContextParallelSharder on a 1-rank cp mesh
+    liger: bool = False  # Liger-Kernel patched into transformers' Llama (a peer; runs last)
 
 
 def variants(args: argparse.Namespace) -> dict[str, Variant]:
@@ -103,11 +113,15 @@ def variants(args: argparse.Namespace) -> dict[str, Variant]:
         recipes,
         # Ablations of the recipes step, one change each.
         replace(recipes, name="recipes-hf-loss", loss="hf"),
+        replace(recipes, name="recipes-logits-loss", loss="logits"),
         replace(recipes, name="recipes-reshard", reshard_after_forward=True),
         replace(recipes, name="recipes-hf-mask", fast_path=False),
         replace(recipes, name="recipes-cp1", fast_path=False, cp1=True),
         replace(recipes, name="recipes-default-sdpa", sdpa=None),
         replace(recipes, name="recipes-eager", compile=False),
+        # Liger's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy, patched into the
+        # transformers classes for the rest of the process: always run last.
+        replace(plain, name="fsdp2+liger", liger=True),
     ]
     return {v.name: v for v in out}
 
@@ -143,11 +157,16 @@ def make_batches(args: argparse.Namespace, vocab: int) -> list[dict[str, torch.T
 
 def setup(variant: Variant, args: argparse.Namespace) -> tuple[Callable[[dict], None], int, Any]:
     """Build model, optimizer and the step function of one variant."""
+    if variant.liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama()
     model = build_model(args)
     config = model.config
     n_params = sum(p.numel() for p in model.parameters())
-    if variant.fast_path:
-        CausalFastPath(model).select(packed=False)  # the benchmark's rows are not packed
+    # The benchmark's rows are not packed; without the variant's fast path, transformers' mask.
+    fast_path = CausalFastPath(model)
+    attention = partial(fast_path.selected, packed=not variant.fast_path)
     if variant.compile:
         compile_decoder_layers(model)
     bf16 = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -170,12 +189,20 @@ def setup(variant: Variant, args: argparse.Namespace) -> tuple[Callable[[dict], 
 
         def step(batch: dict[str, torch.Tensor]) -> None:
             if variant.loss == "hf":
-                engine.backward(engine(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
+                with attention():
+                    loss = engine(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+                engine.backward(loss)
             else:
                 inputs = {"input_ids": batch["input_ids"], "labels": batch["shifted_labels"]}
                 if variant.position_ids:
                     inputs["position_ids"] = batch["position_ids"]
-                loss = token_sum_loss(engine, inputs, sharder=sharder)
+                with attention():
+                    if variant.loss == "logits":
+                        labels = inputs.pop("labels")
+                        logits = engine(**inputs, use_cache=False).logits
+                        loss = -token_log_probs(logits, labels).sum()
+                    else:
+                        loss = token_sum_loss(engine, inputs, sharder=sharder)
                 engine.backward(loss, num_tokens=args.batch * (args.seq - 1))
             engine.step()
 
@@ -334,6 +361,7 @@ def main() -> None:
     init_process_group(args.device)
     table = variants(args)
     chosen = [table[name] for name in args.variants.split(",")]
+    chosen.sort(key=lambda v: v.liger)  # its patches stay: after every other variant
     if args.device != "cuda":
         # Inductor on the CPU needs a C++ toolchain; the quick run checks the plumbing only.
         chosen = [replace(v, compile=False) for v in chosen]

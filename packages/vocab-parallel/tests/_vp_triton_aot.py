@@ -83,6 +83,26 @@ def main() -> None:
             }
             src = ASTSource(fn=kernels._grad_kernel, signature=signature, constexprs=constants)
             triton.compile(src, target=TARGET, options={"num_warps": 8})
+    # The grads-in-forward loss's one-kernel chunk step, in place in the chunk logits' dtype.
+    for dtype in ("*bf16", "*fp16", "*fp32"):
+        signature = {
+            "x_ptr": dtype,
+            "stride_row": "i64",
+            "n_cols": "i32",
+            "inv_t": "fp32",
+            "target_col_ptr": "*i64",
+            "g_ptr": "*fp32",
+            "log_p_ptr": "*fp32",
+            "BLOCK": "constexpr",
+        }
+        src = ASTSource(
+            fn=kernels._loss_grad_kernel, signature=signature, constexprs={"BLOCK": 8192}
+        )
+        triton.compile(src, target=TARGET, options={"num_warps": 8})
+        # Backward's scaling of the stored gradients by the upstream gradient.
+        signature = {"x_ptr": dtype, "scale_ptr": "*fp32", "n": "i64", "BLOCK": "constexpr"}
+        src = ASTSource(fn=kernels._scale_kernel, signature=signature, constexprs={"BLOCK": 4096})
+        triton.compile(src, target=TARGET, options={"num_warps": 4})
     print("ok")
 
 

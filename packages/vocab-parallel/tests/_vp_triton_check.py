@@ -231,6 +231,36 @@ def check_fused_float64(
             )
 
 
+def check_fused_upstream_scale(device: str, dtype: torch.dtype) -> None:
+    """Backward scales the gradients formed in forward by the upstream gradient (a Triton kernel
+    on this backend): grads of ``loss * s`` equal ``s`` times the grads of ``loss``, to one
+    rounding of the gradient's dtype, and the default scale of 1 changes nothing."""
+    gen = torch.Generator().manual_seed(11)
+    hidden = torch.randn(40, 24, generator=gen).to(dtype).to(device)
+    weight = (torch.randn(101, 24, generator=gen) / 5).to(dtype).to(device)
+    labels = make_labels((40,), 101, seed=12).to(device)
+    scale = 0.37
+    grads = []
+    for factor in (1.0, scale):
+        h = hidden.clone().requires_grad_()
+        w = weight.clone().requires_grad_()
+        loss = vp.linear_cross_entropy(
+            h,
+            w,
+            labels,
+            reduction="sum",
+            chunk_size=16,
+            backend="triton",
+            fp32_weight_grad=False,
+        )
+        (loss * factor).backward()
+        grads.append((h.grad, w.grad))
+    ulp = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    for base, scaled in zip(grads[0], grads[1], strict=True):
+        want = base.double() * scale
+        assert ((scaled.double() - want).abs() <= ulp * want.abs() + 1e-30).all(), dtype
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
@@ -249,6 +279,7 @@ def main() -> None:
         linear = [(300, 20011, 200, 5000), (256, 151936, 256, None), (1000, 4096, 1024, 1024)]
     for dtype in (torch.float32, torch.bfloat16):
         check_in_place(args.device, dtype)
+        check_fused_upstream_scale(args.device, dtype)
     if args.device == "cpu":
         fused = [(37, 101, 24, 8)]
     else:

@@ -147,7 +147,7 @@ def test_linear_default_blocks_on_cuda_match_float64() -> None:
 def test_grads_in_forward_default_chunks_on_cuda_match_float64(
     fp32_logits: bool, fp32_weight_grad: bool, tol: float
 ) -> None:
-    """linear_cross_entropy over its default chunks (26 here, a ragged last one) on CUDA:
+    """linear_cross_entropy over its default chunks (22 here, a ragged last one) on CUDA:
     loss and both gradients against a float64 dense reference computed with plain PyTorch."""
     gen = torch.Generator().manual_seed(2)
     tokens, vocab, width = 16384, 10000, 32

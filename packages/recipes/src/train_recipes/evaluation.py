@@ -19,24 +19,28 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from train_recipes import _integrations as data_api
+from train_recipes._integrations import ModelBatch
+
+if TYPE_CHECKING:
+    from energon_sft import SFTTaskEncoder
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["held_out_batches", "held_out_loss"]
 
 #: (device batch, host batch) -> the sum over the batch's trained tokens of -log p, 0-dim.
-LossSum = Callable[[dict[str, Tensor], dict[str, Tensor]], Tensor]
+LossSum = Callable[[ModelBatch, ModelBatch], Tensor]
 
 
 def held_out_batches(
-    encoder: Any,
+    encoder: SFTTaskEncoder,
     rows: Sequence[dict[str, Any]],
     *,
     batch_size: int,
@@ -45,7 +49,7 @@ def held_out_batches(
     media_root: str | Path | None = None,
     vlm: bool = False,
     cp: int = 1,
-) -> list[dict[str, Tensor]]:
+) -> list[ModelBatch]:
     """This replica's held-out batches, on the host (built once, reused at every evaluation).
 
     Args:
@@ -75,6 +79,8 @@ def held_out_batches(
         raw = data_api.collate_chat_rows(encoder, chunk, media_root=media_root)
         batch = data_api.batch_tensors(raw, vlm=vlm, cp=cp)
         batch["labels"][~torch.tensor(keep)] = -100
+        # The filler rows' labels were just dropped: the loader's count no longer holds.
+        batch["num_trainable_tokens"] = int((batch["labels"] != -100).sum())
         batches.append(batch)
     return batches
 
@@ -82,7 +88,7 @@ def held_out_batches(
 @torch.no_grad()
 def held_out_loss(
     model: nn.Module,
-    batches: Sequence[dict[str, Tensor]],
+    batches: Sequence[ModelBatch],
     *,
     loss_sum: LossSum,
     device: torch.device,
@@ -109,7 +115,7 @@ def held_out_loss(
         for host in batches:
             batch = data_api.to_device(host, device)
             totals[0] += loss_sum(batch, host).to(torch.float64)
-            totals[1] += float((host["labels"] != -100).sum())
+            totals[1] += float(host["num_trainable_tokens"])
     finally:
         model.train(was_training)
     if dist.is_initialized() and dist.get_world_size() > 1:

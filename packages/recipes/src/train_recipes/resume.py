@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from train_recipes.config import ConfigError, SFTConfig, config_from_dict, to_dict
+from train_recipes.config_loader import ConfigError, config_from_dict, to_dict
+from train_recipes.config_sft import SFTConfig
 from train_recipes.run_folder import CHECKPOINT_DIR
+
+if TYPE_CHECKING:
+    from energon_sft import SFTLoader
+    from train_engine import Engine, LossWindow
 
 __all__ = [
     "CHANGEABLE",
@@ -135,7 +140,9 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     return engine_complete_checkpoints(Path(output_dir) / CHECKPOINT_DIR)
 
 
-def load_newest(engine: Any, candidates: list[Path], *, say: Any) -> tuple[Path, Any] | None:
+def load_newest(
+    engine: Engine, candidates: list[Path], *, say: Callable[[str], None]
+) -> tuple[Path, Any] | None:
     """Load the first of ``candidates`` whose files pass their checksums (collective).
 
     A corrupt checkpoint (train-engine's CheckpointCorruptError, raised on every rank before
@@ -311,12 +318,12 @@ def _mean_window(states: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def save(
-    engine: Any,
+    engine: Engine,
     output_dir: Path,
     *,
     step: int,
-    loader: Any,
-    window: Any,
+    loader: SFTLoader,
+    window: LossWindow,
     config: SFTConfig,
     dp_size: int,
     accuracy_before: float | None,
@@ -390,14 +397,14 @@ def _layout_note(saved_dp: int, saved_accum: int, dp_size: int, config: SFTConfi
 
 
 def restore(
-    engine: Any,
-    loader: Any,
-    window: Any,
+    engine: Engine,
+    loader: SFTLoader,
+    window: LossWindow,
     config: SFTConfig,
     *,
     dp_size: int,
     is_main: bool,
-    say: Any,
+    say: Callable[[str], None],
 ) -> Restored | None:
     """Load the newest complete checkpoint of ``config.train.output_dir`` (collective).
 

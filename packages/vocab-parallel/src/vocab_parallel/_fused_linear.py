@@ -30,11 +30,14 @@ from vocab_parallel._math import chunk_grad, scaled_fp32, scaled_target, shard_s
 from vocab_parallel._reduce import reduce_stats
 
 # Default chunking: one chunk's logits hold at most 1/FUSED_CHUNKS of the full [N, Vl] logits
-# (1/24 = 0.042x, under the 0.05x goal), but at least FUSED_MIN_CHUNK_ELEMENTS logits (8 MiB
+# (1/20 = 0.05x, the memory goal; rounded down to 64 tokens: 384 of 8192, 768 of 16384, 0.047x),
+# but at least FUSED_MIN_CHUNK_ELEMENTS logits (8 MiB
 # of bf16), so that a small batch is not cut into chunks too thin for the matmuls to run near
 # peak. Fewer chunks would be faster: every chunk reads and writes the whole weight-gradient
-# accumulator once (its addmm), so that traffic is chunks x 2 x the accumulator's bytes.
-FUSED_CHUNKS = 24
+# accumulator once (its addmm), so that traffic is chunks x 2 x the accumulator's bytes: on an
+# H200 (V=151936, H=4096, bf16 accumulator) 1/20 ran 2.1% (T=8192) and 4.6% (T=16384) faster
+# than 1/24 (benchmarks/results/vocab_parallel_h200_T*_perf.json).
+FUSED_CHUNKS = 20
 FUSED_MIN_CHUNK_ELEMENTS = 1 << 22
 
 
@@ -115,6 +118,26 @@ def _chunk_logits_grad(
     return grad.to(dtype)
 
 
+def _chunk_matmuls(
+    grad_logits: Tensor,
+    h_chunk: Tensor,
+    weight: Tensor,
+    grad_hidden: Tensor | None,
+    accumulator: Tensor | None,
+    start: int,
+) -> None:
+    """The chunk's hidden-gradient rows (grad_logits [C, Vl] @ weight [Vl, H]) and its share
+    of the weight gradient (accumulator [Vl, H] += grad_logits.T @ h_chunk), one rank."""
+    if grad_hidden is not None:
+        torch.mm(grad_logits, weight, out=grad_hidden[start : start + grad_logits.shape[0]])
+    if accumulator is None:
+        return
+    if start == 0 and accumulator.dtype == grad_logits.dtype:
+        torch.mm(grad_logits.T, h_chunk, out=accumulator)
+    else:
+        _add_matmul_(accumulator, grad_logits.T, h_chunk)
+
+
 class FusedLinearLoss(torch.autograd.Function):
     """(loss, log_p) from hidden [N, H], local projection rows [Vl, H], labels and c [N].
 
@@ -149,11 +172,44 @@ class FusedLinearLoss(torch.autograd.Function):
         target_grad = torch.where(targets.in_shard, g_all, 0.0)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         accumulator = None
+        # The whole vocabulary on this rank, Triton, gradients wanted and the chunk logits in
+        # the input dtype: one kernel per chunk does the softmax, the log-probs and the
+        # gradient in place (no collective to wait for between them).
+        one_kernel = (
+            plan.backend == "triton"
+            and plan.group is None
+            and not fp32_logits
+            and local_vocab > 0
+            and (need_hidden or need_weight)
+        )
         if need_weight:
             acc_dtype = torch.float32 if fp32_weight_grad else weight.dtype
-            accumulator = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
+            if one_kernel and acc_dtype == weight.dtype and n:
+                # The first chunk's matmul writes every element (no zero fill, no first read).
+                accumulator = torch.empty(weight.shape, dtype=acc_dtype, device=weight.device)
+            else:
+                accumulator = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
         log_p = hidden.new_zeros(n, dtype=torch.float32)
+        if one_kernel:
+            if targets.invalid is not None and int(targets.invalid):
+                raise_invalid(labels, plan=plan, count=int(targets.invalid))
+            target_col = torch.where(targets.in_shard, targets.index, -1)
         for start in range(0, n, plan.chunk_size):
+            if one_kernel:
+                stop = min(start + plan.chunk_size, n)
+                h_chunk = hidden[start:stop]
+                grad_logits = h_chunk @ weight.T  # [C, Vl]: overwritten by its gradient
+                from vocab_parallel import _triton
+
+                log_p[start:stop] = _triton.loss_grad_(
+                    grad_logits,
+                    inv_temperature=inv_t,
+                    target_col=target_col[start:stop],
+                    grad_scale=g_all[start:stop],
+                )
+                _chunk_matmuls(grad_logits, h_chunk, weight, grad_hidden, accumulator, start)
+                del grad_logits
+                continue
             stop = min(start + plan.chunk_size, n)
             h_chunk = hidden[start:stop]
             # [C, Vl]: with its gradient, the only logits-sized buffers.
@@ -213,6 +269,7 @@ class FusedLinearLoss(torch.autograd.Function):
         loss = (coef * log_p).sum()
         # Not saved with save_for_backward: these are results, handed over once in backward.
         ctx.grads = (grad_hidden, grad_weight)
+        ctx.backend = plan.backend
         ctx.mark_non_differentiable(log_p)
         return loss, log_p
 
@@ -229,6 +286,13 @@ class FusedLinearLoss(torch.autograd.Function):
         if grad_loss is not None:
             # In place, in the gradients' dtype: exact when the upstream gradient is 1.
             for grad in (grad_hidden, grad_weight):
-                if grad is not None:
+                if grad is None:
+                    continue
+                if ctx.backend == "triton" and grad.is_contiguous():
+                    from vocab_parallel import _triton
+
+                    # Same values as mul_, one vectorized pass (no mixed-dtype kernel).
+                    _triton.scale_(grad, grad_loss.to(torch.float32).reshape(1).contiguous())
+                else:
                     grad.mul_(grad_loss)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None

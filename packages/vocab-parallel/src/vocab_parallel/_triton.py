@@ -145,6 +145,109 @@ def _grad_kernel(
         tl.store(g_row + cols, grad.to(g_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _loss_grad_kernel(
+    x_ptr,
+    stride_row,
+    n_cols,
+    inv_t,
+    target_col_ptr,
+    g_ptr,
+    log_p_ptr,
+    BLOCK: tl.constexpr,
+):
+    # One token row of a whole-vocabulary chunk, everything the grads-in-forward loss needs in
+    # one launch: pass 1 the online softmax normalizer (as _stats_kernel), then log p(target),
+    # pass 2 the gradient g * (onehot - p) written over the logits (each stretch is read
+    # before it is written). target_col < 0 marks an ignored token (log p = 0; g is 0 there).
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_row
+    offsets = tl.arange(0, BLOCK)
+    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
+    s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offsets
+        z = tl.load(x_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32) * inv_t
+        m_new = tl.maximum(m, tl.max(z, 0))
+        c_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - c_new) + tl.sum(tl.exp(z - c_new), 0)
+        m = m_new
+    log_z = tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
+    target_col = tl.load(target_col_ptr + row)
+    valid = target_col >= 0
+    z_target = tl.load(x_row + tl.maximum(target_col, 0)).to(tl.float32) * inv_t
+    tl.store(log_p_ptr + row, tl.where(valid, z_target - log_z, 0.0))
+    g = tl.load(g_ptr + row)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offsets
+        mask = cols < n_cols
+        z = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_t
+        grad = tl.where(cols == target_col, g, 0.0) - g * tl.exp(z - log_z)
+        tl.store(x_row + cols, grad.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def loss_grad_(
+    logits: Tensor, *, inv_temperature: float, target_col: Tensor, grad_scale: Tensor
+) -> Tensor:
+    """Overwrite whole-vocabulary chunk logits with the gradient of sum_t g_t * T * log p_t.
+
+    Args:
+        logits: [C, V] with unit stride along V, every column of the vocabulary (no shard);
+            overwritten by ``g_t * (onehot(target_t) - softmax(logits_t / T))``.
+        inv_temperature: 1 / T.
+        target_col: [C] int64 target column, negative for an ignored token.
+        grad_scale: [C] fp32 g_t = c_t / T (0 for an ignored token).
+
+    Returns:
+        log p(target) [C] fp32 (0 for an ignored token).
+    """
+    rows, v = logits.shape
+    log_p = torch.zeros(rows, device=logits.device, dtype=torch.float32)
+    if rows == 0 or v == 0:
+        return log_p
+    block, warps = _launch_config(v)
+    with _on_device(logits):
+        _loss_grad_kernel[(rows,)](
+            logits,
+            logits.stride(0),
+            v,
+            inv_temperature,
+            target_col.contiguous(),
+            grad_scale.contiguous(),
+            log_p,
+            BLOCK=block,
+            num_warps=warps,
+        )
+    return log_p
+
+
+@triton.jit
+def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+    # x *= scale for a contiguous 16- or 32-bit tensor and an fp32 scalar held on the device,
+    # in fp32 then rounded (as mul_ computes it, which for a bf16 tensor times an fp32 0-dim
+    # tensor runs PyTorch's unvectorized mixed-dtype kernel).
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    scale = tl.load(scale_ptr)
+    x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
+    tl.store(x_ptr + offsets, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_(x: Tensor, scale: Tensor) -> None:
+    """x *= scale in place without a host sync.
+
+    Args:
+        x: contiguous float tensor of any shape (modified).
+        scale: one-element fp32 tensor on x's device.
+    """
+    n = x.numel()
+    if n == 0:
+        return
+    block = 4096
+    with _on_device(x):
+        _scale_kernel[(triton.cdiv(n, block),)](x, scale, n, BLOCK=block, num_warps=4)
+
+
 def _launch_config(n_cols: int) -> tuple[int, int]:
     block = min(_MAX_BLOCK, triton.next_power_of_2(max(n_cols, 16)))
     return block, (8 if block >= 4096 else 4)

@@ -138,8 +138,8 @@ def fused_linear_token_loss(
             passes, e.g., -advantage_t / num_tokens.
         temperature: > 0; the logits are divided by it.
         ignore_index: label value without a target.
-        chunk_size: tokens per chunk; None picks max(N / 24, 4M / V_local) tokens (rounded
-            down to a multiple of 64): one chunk's logits are at most 1/24 of the full logits
+        chunk_size: tokens per chunk; None picks max(N / 20, 4M / V_local) tokens (rounded
+            down to a multiple of 64): one chunk's logits are at most 1/20 of the full logits
             for large N. With the fp32 weight-gradient accumulator (16-bit weight that needs
             a gradient, ``fp32_weight_grad=True``), at least H / 2 tokens: the chunk then
             holds at most a quarter of the accumulator's bytes, and the accumulator (read and

@@ -1,0 +1,162 @@
+"""Where a grads-in-forward chunk spends its time: the three cuBLAS matmuls of one token chunk
+of C tokens, timed alone, at the shapes of the fused linear loss (CUDA only).
+
+# C tokens per chunk, H hidden, V vocabulary
+
+Per chunk: logits [C, V] = h_c @ W.T; dH_c [C, H] = G_c @ W (K = V, a small output: run
+plain and split over the vocabulary into S batched slices summed in fp32); dW [V, H] += G_c.T
+@ h_c (K = C, a large output read and written once per chunk: into a bf16 and an fp32
+accumulator). Each time is the median of CUDA-event-timed repeats, reported per 1k tokens
+so that chunk sizes compare directly (the full three matmuls over N tokens are N / 1k times
+the sum).
+
+    python packages/vocab-parallel/bench/chunk_matmuls.py --chunks 256,384,512,768,1024,2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+
+def _time_ms(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2 * repeats)]
+    for i in range(repeats):
+        events[2 * i].record()
+        fn()
+        events[2 * i + 1].record()
+    torch.cuda.synchronize()
+    return statistics.median(events[2 * i].elapsed_time(events[2 * i + 1]) for i in range(repeats))
+
+
+def _idle_gaps(trace: dict, top: int = 8) -> str:
+    """GPU idle time between consecutive kernels of a chrome trace, and the largest gaps."""
+    gpu = sorted(
+        (
+            e
+            for e in trace.get("traceEvents", [])
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+        ),
+        key=lambda e: e["ts"],
+    )
+    if not gpu:
+        return "no GPU events"
+    gaps, end = [], gpu[0]["ts"] + gpu[0].get("dur", 0)
+    for e in gpu[1:]:
+        if e["ts"] > end:
+            gaps.append((e["ts"] - end, e["name"][:60]))
+        end = max(end, e["ts"] + e.get("dur", 0))
+    span = end - gpu[0]["ts"]
+    idle = sum(g for g, _ in gaps)
+    lines = [f"GPU span {span / 1e3:.2f} ms, idle {idle / 1e3:.2f} ms in {len(gaps)} gaps"]
+    lines += [f"  {g / 1e3:.3f} ms before {name}" for g, name in sorted(gaps, reverse=True)[:top]]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--chunks", default="256,384,512,768,1024,2048")
+    parser.add_argument("--splits", default="2,4,8")
+    parser.add_argument("--full-tokens", default="", help="also time linear_cross_entropy")
+    parser.add_argument("--full-chunks", default="384,768,1024")
+    parser.add_argument("--profile", default="", help="TOKENS:CHUNK,... kernel tables")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    v, h = args.vocab, args.hidden
+    dt = torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.randn(v, h, device="cuda", dtype=dt, generator=gen) * 0.02
+    acc16 = torch.randn(v, h, device="cuda", dtype=dt, generator=gen) * 1e-3
+    acc32 = acc16.float()
+    rows = []
+    for c in (int(x) for x in args.chunks.split(",")):
+        hid = torch.randn(c, h, device="cuda", dtype=dt, generator=gen)
+        grad = torch.randn(c, v, device="cuda", dtype=dt, generator=gen) * 1e-4
+        dh = torch.empty(c, h, device="cuda", dtype=dt)
+        row = {"chunk": c}
+        row["logits"] = _time_ms(lambda hid=hid: hid @ weight.T)
+        row["dH"] = _time_ms(lambda grad=grad, dh=dh: torch.mm(grad, weight, out=dh))
+        for s in (int(x) for x in args.splits.split(",")):
+            if v % s:
+                continue
+            w3 = weight.view(s, v // s, h)
+            g3 = grad.view(c, s, v // s).transpose(0, 1)  # [S, C, V/S], no copy
+
+            def split(g3=g3, w3=w3, dh=dh) -> None:
+                part = torch.bmm(g3, w3, out_dtype=torch.float32)
+                dh.copy_(part.sum(0))
+
+            row[f"dH_split{s}"] = _time_ms(split)
+        row["dW_bf16"] = _time_ms(lambda grad=grad, hid=hid: acc16.addmm_(grad.T, hid))
+        row["dW_fp32"] = _time_ms(
+            lambda grad=grad, hid=hid: torch.addmm(
+                acc32, grad.T, hid, out_dtype=torch.float32, out=acc32
+            )
+        )
+        row["dW_plain"] = _time_ms(lambda grad=grad, hid=hid: grad.T @ hid)
+        k = 1024 / c
+        best_dh = min(val for key, val in row.items() if key.startswith("dH"))
+        row["three_bf16_per_1k"] = k * (row["logits"] + best_dh + row["dW_bf16"])
+        rows.append(row)
+        print(json.dumps({key: round(val, 4) for key, val in row.items()}), flush=True)
+        del hid, grad, dh
+    full = []
+    if args.full_tokens:
+        import vocab_parallel as vp
+
+        for n in (int(x) for x in args.full_tokens.split(",")):
+            hidden = torch.randn(n, h, device="cuda", dtype=dt, generator=gen).requires_grad_()
+            w = weight.detach().requires_grad_()
+            labels = torch.randint(0, v, (n,), device="cuda", generator=gen)
+            for c in (int(x) for x in args.full_chunks.split(",")):
+
+                def step(c=c, hidden=hidden, w=w, labels=labels) -> None:
+                    hidden.grad = w.grad = None
+                    vp.linear_cross_entropy(
+                        hidden, w, labels, reduction="sum", chunk_size=c, fp32_weight_grad=False
+                    ).backward()
+
+                full.append({"tokens": n, "chunk": c, "ms": _time_ms(step, repeats=5)})
+                print(json.dumps(full[-1]), flush=True)
+                if f"{n}:{c}" in args.profile.split(","):
+                    from torch.profiler import ProfilerActivity, profile
+
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        step()
+                        torch.cuda.synchronize()
+                    print(
+                        prof.key_averages().table(
+                            sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60
+                        ),
+                        flush=True,
+                    )
+                    trace = Path(args.out or "chunk_matmuls.json").with_suffix(".trace.json")
+                    prof.export_chrome_trace(str(trace))
+                    print(_idle_gaps(json.loads(trace.read_text())), flush=True)
+                    trace.unlink()
+            del hidden, w, labels
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "vocab": v,
+                    "hidden": h,
+                    "rows": rows,
+                    "full": full,
+                },
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
