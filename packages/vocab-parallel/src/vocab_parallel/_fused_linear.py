@@ -126,8 +126,11 @@ def _chunk_matmuls(
     accumulator: Tensor | None,
     start: int,
 ) -> None:
-    """The chunk's hidden-gradient rows (grad_logits [C, Vl] @ weight [Vl, H]) and its share
-    of the weight gradient (accumulator [Vl, H] += grad_logits.T @ h_chunk), one rank."""
+    """Form one chunk's gradients on one rank.
+
+    The chunk's hidden-gradient rows are grad_logits [C, Vl] @ weight [Vl, H]; its share of the
+    weight gradient is accumulator [Vl, H] += grad_logits.T @ h_chunk.
+    """
     if grad_hidden is not None:
         torch.mm(grad_logits, weight, out=grad_hidden[start : start + grad_logits.shape[0]])
     if accumulator is None:

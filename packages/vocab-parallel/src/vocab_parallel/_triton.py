@@ -234,7 +234,7 @@ def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
 
 
 def scale_(x: Tensor, scale: Tensor) -> None:
-    """x *= scale in place without a host sync.
+    """Multiply x by scale in place, without a host sync.
 
     Args:
         x: contiguous float tensor of any shape (modified).
