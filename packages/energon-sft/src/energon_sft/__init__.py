@@ -25,6 +25,7 @@ from energon_sft.families import (
 )
 from energon_sft.loader import LoaderOptions, SFTLoader, build_sft_loader
 from energon_sft.loss import global_trainable_tokens, token_mean_loss
+from energon_sft.megatron import MegatronInputs, to_megatron_inputs
 from energon_sft.render import render_conversation
 from energon_sft.rope import mrope_position_ids
 from energon_sft.schema import ChatSample, MediaItem
@@ -46,6 +47,7 @@ __all__ = [
     "ImageFeatures",
     "LoaderOptions",
     "MediaItem",
+    "MegatronInputs",
     "ModelFamilyAdapter",
     "Qwen25VLAdapter",
     "SFTBatch",
@@ -74,6 +76,7 @@ __all__ = [
     "prepare_dataset",
     "register_model_family",
     "render_conversation",
+    "to_megatron_inputs",
     "token_mean_loss",
     "write_chat_shards",
 ]
