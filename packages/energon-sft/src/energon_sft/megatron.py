@@ -107,8 +107,8 @@ def to_megatron_inputs(batch: SFTBatch | Mapping[str, Any]) -> MegatronInputs:
 
     Args:
         batch: an :class:`~energon_sft.SFTBatch`, or a mapping with its fields ``input_ids``,
-            ``labels``, ``position_ids`` ([B, S] each), ``qkv_format`` and, when packed,
-            ``cu_seqlens`` [K + 1] and ``max_seqlen``.
+            ``labels``, ``position_ids`` ([B, S] each), ``qkv_format`` (absent means
+            "bshd") and, when packed, ``cu_seqlens`` [K + 1] and ``max_seqlen``.
 
     Returns:
         Packed ("thd") batches as one flat row [1, B * S] with the batch's segment offsets;
@@ -128,7 +128,10 @@ def to_megatron_inputs(batch: SFTBatch | Mapping[str, Any]) -> MegatronInputs:
     input_ids: Tensor = _field(batch, "input_ids")
     labels: Tensor = _field(batch, "labels")
     position_ids: Tensor = _field(batch, "position_ids")
-    qkv_format = str(_field(batch, "qkv_format"))
+    # A mapping without the marker holds unpacked rows (train-recipes' batch_tensors omits it).
+    qkv_format = str(
+        batch.get("qkv_format", "bshd") if isinstance(batch, Mapping) else batch.qkv_format
+    )
     if qkv_format not in ("thd", "bshd"):
         raise ValueError(f"qkv_format={qkv_format!r}; energon-sft writes 'thd' or 'bshd'")
     if input_ids.ndim != 2 or labels.shape != input_ids.shape:

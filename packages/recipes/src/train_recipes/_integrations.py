@@ -23,7 +23,7 @@ _TOKEN_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
 _IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 # Host-side layout keys: cp-sharder plans the packed layout from them on the host, so they
 # stay there (a device copy would have to be read back, stalling the GPU's queue).
-HOST_KEYS = frozenset({"qkv_format", "seq_lens"})
+HOST_KEYS = frozenset({"qkv_format", "seq_lens", "cu_seqlens", "max_seqlen"})
 
 
 def family_takes_images(model_family: str) -> bool:
@@ -162,6 +162,9 @@ def batch_tensors(batch: Any, *, vlm: bool = False, cp: int = 1) -> dict[str, An
     if get("qkv_format") == "thd":
         out["qkv_format"] = "thd"
         out["seq_lens"] = get("seq_lens")
+        # The flat form of the same layout, for the megatron backend's PackedSeqParams.
+        out["cu_seqlens"] = get("cu_seqlens")
+        out["max_seqlen"] = get("max_seqlen")
     if vlm:
         mrope = get("mrope_position_ids")
         if mrope is None:
