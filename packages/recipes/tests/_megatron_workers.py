@@ -234,3 +234,43 @@ def check_hf_export_round_trip(rank: int, world_size: int, tp: int, out_dir: str
             return "ok"
         finally:
             parallel_state.destroy_model_parallel()
+
+
+def run_megatron_sft_on_rank(
+    rank: int, world_size: int, overrides: list[str], probe: list[list[int]]
+) -> dict[str, Any]:
+    """The SFT recipe with ``model.backend=megatron`` (on the CPU shim); rank 0 returns the
+    logged losses, and every rank the probe logits of an HF copy of the trained weights."""
+    import json
+
+    from megatron.core import parallel_state
+
+    from train_recipes.config import SFTConfig, load_config, validate_sft
+    from train_recipes.megatron.recipe import hf_copy
+    from train_recipes.sft import run_sft
+    from train_testing.megatron_cpu import megatron_on_cpu
+
+    config = load_config(SFTConfig, None, [*overrides, "model.backend=megatron"])
+    validate_sft(config, world_size=world_size)
+    with megatron_on_cpu():
+        try:
+            result = run_sft(config)
+            with torch.no_grad():
+                logits = hf_copy(result.model, device=torch.device("cpu"))(
+                    input_ids=torch.tensor(probe)
+                ).logits
+        finally:
+            parallel_state.destroy_model_parallel()
+    if rank != 0:
+        return {}
+    rows = [
+        json.loads(x)
+        for x in (Path(config.train.output_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
+    return {
+        "losses": {r["step"]: r["loss"] for r in rows if "loss" in r},
+        "logits": logits,
+        "accuracy_before": result.accuracy_before,
+        "accuracy_after": result.accuracy_after,
+        "export_dir": str(result.export_dir),
+    }

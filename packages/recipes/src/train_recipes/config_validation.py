@@ -137,7 +137,11 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
             "the sharded load reads a model folder's safetensors (needs model.path) and does "
             "not combine with LoRA; set model.sharded_load=null or false",
         )
-    if config.parallel.tp > 1:
+    if model.backend == "megatron":
+        from train_recipes.megatron.validation import check_megatron_config
+
+        check_megatron_config(config)
+    elif config.parallel.tp > 1:  # the megatron backend shards Megatron's own layers
         _check_tensor_parallel(config)
     if train.checkpoint_every < 0:
         raise ConfigError("train.checkpoint_every", f"must be >= 0, got {train.checkpoint_every}")

@@ -62,6 +62,10 @@ def build_parallel_model(
     """
     from train_engine import apply_data_parallel
 
+    if config.model.backend == "megatron":
+        from train_recipes.megatron.recipe import build_megatron_model
+
+        return build_megatron_model(config, tokenizer, ctx)
     sharded = uses_sharded_load(config)
     if sharded:
         assert config.model.path is not None  # validate_sft enforces it

@@ -140,8 +140,13 @@ def token_sum_loss(
     Returns:
         0-dim float32 tensor.
     """
+    from train_recipes.megatron.recipe import is_megatron_model
     from vocab_parallel import token_log_probs
 
+    if is_megatron_model(model):  # model.backend: megatron (same loss, Megatron's inputs)
+        from train_recipes.megatron.training import megatron_token_sum_loss
+
+        return megatron_token_sum_loss(model, batch)
     inputs: dict[str, Any] = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
     if vlm:
         if "mrope_position_ids" not in batch:
@@ -175,6 +180,16 @@ def token_sum_loss(
     with train_ctx():
         logits = model(**local, use_cache=False).logits  # [B, S_l, V]
         return -token_log_probs(logits, labels).sum()
+
+
+def _generation_model(model: Any, megatron: bool, device: torch.device) -> Any:
+    """The HF model to generate from and export: the model itself, or (megatron backend) an
+    HF copy of the GPTModel's weights (collective over tp)."""
+    if not megatron:
+        return unwrap(model)
+    from train_recipes.megatron.recipe import hf_copy
+
+    return hf_copy(model, device=device)
 
 
 def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
@@ -250,8 +265,10 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
     vlm = is_vlm(config)
     packed = config.data.packing
     sharder = None
-    # Packed rows take cp-sharder's variable-length attention, at cp=1 as well.
-    if ctx.cp_size > 1 or packed:
+    megatron = config.model.backend == "megatron"
+    # Packed rows take cp-sharder's variable-length attention, at cp=1 as well (the megatron
+    # backend's own attention reads the packed layout from PackedSeqParams instead).
+    if not megatron and (ctx.cp_size > 1 or packed):
         from cp_sharder import ContextParallelSharder
 
         sharder = ContextParallelSharder(
@@ -344,13 +361,13 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
         run_log.write(f"resumed from {restored.path} at step {start_step}")
     if eval_rows and start_step == 0:
         accuracy_before = exact_match_accuracy(
-            unwrap(model),
+            _generation_model(model, megatron, ctx.device),
             processor,
             eval_rows,
             max_new_tokens=train.eval_max_new_tokens,
             device=ctx.device,
             media_root=eval_path.parent if eval_path is not None else None,
-            tp=ctx.tp_size,
+            tp=1 if megatron else ctx.tp_size,
         )
         run_log.write(
             f"held-out exact match before training: {accuracy_before:.1%} ({len(eval_rows)} questions)"
@@ -358,7 +375,7 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
         run_log.log(0, {"eval/exact_match": accuracy_before})
 
     # Unpacked text without cp: causal SDPA without transformers' mask construction.
-    fast_path = CausalFastPath(model) if not vlm and sharder is None else None
+    fast_path = CausalFastPath(model) if not (vlm or megatron) and sharder is None else None
     router_losses = moe.router_losses(model, engine, config, ctx)
     batches = _forever(loader)
     accum = train.gradient_accumulation_steps
@@ -505,20 +522,24 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
     accuracy_after: float | None = None
     if eval_rows:
         accuracy_after = exact_match_accuracy(
-            unwrap(model),
+            _generation_model(model, megatron, ctx.device),
             processor,
             eval_rows,
             max_new_tokens=train.eval_max_new_tokens,
             device=ctx.device,
             media_root=eval_path.parent if eval_path is not None else None,
-            tp=ctx.tp_size,
+            tp=1 if megatron else ctx.tp_size,
         )
         run_log.log(train.steps, {"eval/exact_match": accuracy_after})
     export_dir = None
     if train.export:  # written beside, then moved in whole
         staging = staging_dir(out_dir / EXPORT_DIR, clear=ctx.is_main)
         written = export_hf(
-            model, processor, staging, is_main=ctx.is_main, lora_export=config.lora.export
+            _generation_model(model, megatron, ctx.device) if megatron else model,
+            processor,
+            staging,
+            is_main=ctx.is_main,
+            lora_export=config.lora.export,
         )
         if written is not None:
             export_dir = publish_dir(written, out_dir / EXPORT_DIR)

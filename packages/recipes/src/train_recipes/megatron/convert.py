@@ -16,6 +16,9 @@ The mapping (layer i; "rows" = split along dim 0 over the tp ranks, "cols" = alo
 | model.norm.weight | decoder.final_layernorm.weight | replicated |
 | lm_head.weight [V, H] (absent when tied) | output_layer.weight | rows |
 
+The embedding and output rows are padded with zeros to a multiple of tp (Megatron splits the
+vocabulary evenly; the recipe masks the padding's logits) and trimmed again on the way back.
+
 Megatron's fused QKV weight holds, for each of the Ng groups in turn, the group's Nq / Ng query
 heads, then its key head, then its value head; tp ranks take whole groups. Its fc1 weight is
 [gate; up] *per rank*: rank r holds its slice of gate over its slice of up, because the GLU
@@ -93,8 +96,14 @@ def hf_to_megatron(
     def cols(t: Tensor) -> Tensor:
         return t.chunk(tp, dim=1)[tp_rank].contiguous()
 
+    def vocab_rows(t: Tensor) -> Tensor:
+        padding = -(-t.shape[0] // tp) * tp - t.shape[0]
+        if padding:
+            t = torch.cat([t, t.new_zeros(padding, t.shape[1])])
+        return rows(t)
+
     out: dict[str, Tensor] = {
-        "embedding.word_embeddings.weight": rows(get("model.embed_tokens.weight"))
+        "embedding.word_embeddings.weight": vocab_rows(get("model.embed_tokens.weight"))
     }
     for i in range(hf_config.num_hidden_layers):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
@@ -113,7 +122,7 @@ def hf_to_megatron(
         out[mg + "mlp.linear_fc2.weight"] = cols(get(hf + "mlp.down_proj.weight"))
     out["decoder.final_layernorm.weight"] = get("model.norm.weight").clone()
     if not getattr(hf_config, "tie_word_embeddings", False):
-        out["output_layer.weight"] = rows(get("lm_head.weight"))
+        out["output_layer.weight"] = vocab_rows(get("lm_head.weight"))
     return out
 
 
@@ -174,7 +183,10 @@ def megatron_state_dict_full(model: nn.Module, hf_config: Any) -> dict[str, Tens
 
 def megatron_to_hf(full: dict[str, Tensor], hf_config: Any) -> dict[str, Tensor]:
     """HF Llama names and tensors from full (tp = 1) ``GPTModel`` weights (the inverse map)."""
-    out: dict[str, Tensor] = {"model.embed_tokens.weight": full["embedding.word_embeddings.weight"]}
+    vocab = hf_config.vocab_size  # the padding rows (tp does not divide V) are dropped
+    out: dict[str, Tensor] = {
+        "model.embed_tokens.weight": full["embedding.word_embeddings.weight"][:vocab]
+    }
     for i in range(hf_config.num_hidden_layers):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
         q, k, v = _split_qkv(full[mg + "self_attention.linear_qkv.weight"], hf_config)
@@ -192,5 +204,5 @@ def megatron_to_hf(full: dict[str, Tensor], hf_config: Any) -> dict[str, Tensor]
     if getattr(hf_config, "tie_word_embeddings", False):
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     else:
-        out["lm_head.weight"] = full["output_layer.weight"]
+        out["lm_head.weight"] = full["output_layer.weight"][:vocab]
     return out

@@ -20,6 +20,7 @@ __all__ = [
     "MEGATRON_EXTRA",
     "build_gpt_model",
     "init_megatron_parallel",
+    "padded_vocab_size",
     "require_megatron",
     "rope_base",
     "transformer_config",
@@ -154,6 +155,15 @@ def transformer_config(hf_config: Any, *, tp: int, dtype: torch.dtype) -> Any:
     )
 
 
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of tp (Megatron splits it evenly over tp).
+
+    The padding rows of the embedding and output layer are zeros; their logits are masked to
+    -inf before any softmax (``training.mask_padded_vocab``), so they change no probability.
+    """
+    return -(-vocab_size // tp) * tp
+
+
 def build_gpt_model(hf_config: Any, *, tp: int, dtype: torch.dtype) -> nn.Module:
     """A megatron-core ``GPTModel`` with the architecture of ``hf_config``, on the CPU.
 
@@ -161,9 +171,7 @@ def build_gpt_model(hf_config: Any, *, tp: int, dtype: torch.dtype) -> nn.Module
     local shards over Megatron's tensor-parallel group), which vocab-parallel's
     ``vocab_group=`` form reads without gathering. Call :func:`init_megatron_parallel` first.
 
-    Raises:
-        ValueError: a vocabulary that tp does not divide (Megatron would pad it, and padded
-            columns would change the softmax).
+    The vocabulary is padded to a multiple of tp (:func:`padded_vocab_size`).
     """
     require_megatron()
     from megatron.core.models.gpt import GPTModel
@@ -171,20 +179,13 @@ def build_gpt_model(hf_config: Any, *, tp: int, dtype: torch.dtype) -> nn.Module
 
     from train_recipes.megatron.attention import SegmentCausalAttention
 
-    vocab = hf_config.vocab_size
-    if vocab % tp:
-        raise ValueError(
-            f"vocab_size={vocab} is not divisible by parallel.tp={tp}; the megatron backend "
-            "keeps the vocabulary unpadded (padding would add columns to the softmax): pick a tp "
-            "that divides it"
-        )
     config = transformer_config(hf_config, tp=tp, dtype=dtype)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = SegmentCausalAttention
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
-        vocab_size=vocab,
+        vocab_size=padded_vocab_size(hf_config.vocab_size, tp),
         max_sequence_length=hf_config.max_position_embeddings,
         parallel_output=True,
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
@@ -192,3 +193,6 @@ def build_gpt_model(hf_config: Any, *, tp: int, dtype: torch.dtype) -> nn.Module
         rotary_percent=1.0,
         rotary_base=rope_base(hf_config),  # typed int by Megatron, used as a float
     )
+    # The real vocabulary, for masking the padding's logits (training.mask_padded_vocab).
+    model.unpadded_vocab_size = hf_config.vocab_size
+    return model

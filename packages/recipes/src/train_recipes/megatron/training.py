@@ -24,9 +24,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
-__all__ = ["megatron_token_sum_loss", "tensor_parallel_shards", "wrap_data_parallel"]
+__all__ = [
+    "mask_padded_vocab",
+    "megatron_token_sum_loss",
+    "tensor_parallel_shards",
+    "wrap_data_parallel",
+]
 
 
 def tensor_parallel_shards(model: nn.Module) -> Any:
@@ -96,6 +102,19 @@ def wrap_data_parallel(model: nn.Module, *, dp_group: Any) -> nn.Module:
     return wrapped
 
 
+def mask_padded_vocab(logits: Tensor, vocab_size: int) -> Tensor:
+    """Local vocab-parallel logits [..., V / tp] with the padding columns (global index >=
+    ``vocab_size``) at -inf, so they take no probability; unchanged when nothing is padded."""
+    from megatron.core import parallel_state
+
+    local = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * local
+    if start + local <= vocab_size:
+        return logits
+    padding = torch.arange(start, start + local, device=logits.device) >= vocab_size
+    return logits.masked_fill(padding, float("-inf"))
+
+
 def megatron_token_sum_loss(model: Any, batch: dict[str, Any]) -> Tensor:
     """The sum over this rank's trained tokens of -log p(label), for a ``GPTModel``.
 
@@ -125,9 +144,17 @@ def megatron_token_sum_loss(model: Any, batch: dict[str, Any]) -> Tensor:
         None,  # SegmentCausalAttention is causal per sequence and reads no mask
         packed_seq_params=inputs.packed_seq_params(),
     )  # [B, S, V / tp] or [1, T, V / tp]
+    logits = mask_padded_vocab(logits, _vocab_size(model))
     log_p = token_log_probs(
         logits,
         inputs.labels,
         vocab_group=parallel_state.get_tensor_model_parallel_group(),
     )
     return -log_p.sum()
+
+
+def _vocab_size(model: Any) -> int:
+    """The unpadded vocabulary of the GPTModel inside the Engine / DDP wrappers."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return int(getattr(model, "unpadded_vocab_size", model.vocab_size))
