@@ -1,7 +1,9 @@
 """``model.backend: megatron`` through the whole SFT recipe on 2 gloo ranks: the same tiny Llama
 weights (the recipe's seeded random init) trained as a megatron-core GPTModel follow the HF
-backend's losses, at tp=1 (dp=2) and tp=2 (an odd vocabulary: padded and masked), and the HF
-export of the trained GPTModel loads with from_pretrained and gives its logits."""
+backend's losses at tp=2 (an odd vocabulary: padded and masked; accumulation 2 against the HF
+run's dp=2, the same global batches), and the HF export of the trained GPTModel loads with
+from_pretrained and gives its logits. (tp=1 with dp=2 is checked against float64 HF autograd in
+test_megatron_backend_dist.py.)"""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from train_recipes.demo import DemoSplit
 pytest.importorskip("megatron.core", reason="megatron-core is the megatron extra's dependency")
 
 PROBE = [[3, 23, 24, 17, 25, 35, 5, 4], [3, 30, 31, 17, 22, 22, 35, 5]]
-STEPS = 6
+STEPS = 5
 
 
 def _common(split: DemoSplit, out: Path) -> list[str]:
@@ -49,13 +51,6 @@ def test_megatron_backend_follows_the_hf_backend_and_exports(
     hf_run = rank_pool.run(  # type: ignore[attr-defined]
         2, run_sft_on_rank, _common(demo_data, tmp_path / "hf"), PROBE, timeout_s=240
     )[0]
-    tp1 = rank_pool.run(  # type: ignore[attr-defined]
-        2,
-        run_megatron_sft_on_rank,
-        [*_common(demo_data, tmp_path / "mg1"), "train.export=true"],
-        PROBE,
-        timeout_s=240,
-    )[0]
     tp2 = rank_pool.run(  # type: ignore[attr-defined]
         2,
         run_megatron_sft_on_rank,
@@ -70,7 +65,7 @@ def test_megatron_backend_follows_the_hf_backend_and_exports(
     )[0]
     reference = _losses(hf_run)
     assert reference[-1] < reference[0], f"loss did not go down: {reference.tolist()}"
-    for name, run in (("tp=1", tp1), ("tp=2", tp2)):
+    for name, run in (("tp=2", tp2),):
         got = _losses(run)
         torch.testing.assert_close(
             got,

@@ -151,7 +151,8 @@ def transformer_config(hf_config: Any, *, tp: int, dtype: torch.dtype) -> Any:
         fp16=dtype == torch.float16,
         # Weights are built on the CPU (and loaded from HF right after), then moved.
         use_cpu_initialization=True,
-        perform_initialization=True,
+        # Every weight is then overwritten from the HF model (convert.load_hf_weights).
+        perform_initialization=False,
     )
 
 
