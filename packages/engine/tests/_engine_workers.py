@@ -297,6 +297,11 @@ def setup_checks(rank: int, world: int) -> dict:
             make_model(), mesh=mesh, config=DDPConfig(bucket_cap_mb=0)
         ),
         "bad_config": lambda: apply_data_parallel(make_model(), mesh=mesh, config=object()),  # type: ignore[arg-type]
+        "bad_dtype_name": lambda: apply_data_parallel(
+            make_model(),
+            mesh=mesh,
+            config=FSDP2Config(param_dtype="fp8"),  # type: ignore[arg-type]
+        ),
     }.items():
         try:
             call()
@@ -318,6 +323,13 @@ def setup_checks(rank: int, world: int) -> dict:
     except RuntimeError as err:
         errors["ddp_forward_bypass"] = str(err)
 
+    # Dtypes by name (as YAML gives them) are resolved when wrapping: float64 parameters
+    # computed in float32 give float32 logits.
+    named = apply_data_parallel(
+        make_model().double(), mesh=mesh, config=FSDP2Config(param_dtype="float32")
+    )
+    stored = str(next(named.parameters()).dtype)  # read before a forward unshards them
+    named_dtypes = (str(named(ids).dtype), stored)
     fsdp = apply_data_parallel(make_model(), mesh=mesh, config=FSDP2Config())
     blocks_sharded = all(isinstance(b, FSDPModule) for b in fsdp.layers) and isinstance(
         fsdp, FSDPModule
@@ -343,6 +355,7 @@ def setup_checks(rank: int, world: int) -> dict:
     except ValueError as err:
         errors["mixed_divide_factors"] = str(err)
     return {
+        "named_dtypes": named_dtypes,
         "summed_size": summed_size,
         "errors": errors,
         "blocks_sharded": blocks_sharded,
@@ -363,7 +376,14 @@ def dp_cp_tokens_and_window(rank: int, world: int) -> dict:
     first = window.average()
     for step in range(5):
         window.update(torch.tensor(float(rank + 10 * step)))
+    # Contract (b): each of the 4 ranks (dp x cp) holds a disjoint part of the step's token-loss
+    # sum, with the global token count; the window reads sum over ranks / tokens.
+    token_mean = LossWindow(steps=2)
+    for step in (1, 2):
+        token_mean.update(torch.tensor(0.5 * step * (rank + 1), dtype=torch.float64), tokens)
     return {
+        "token_mean_last": token_mean.last(),
+        "token_mean_average": token_mean.average(),
         "grad_average_size": engine.grad_average_size,
         "tokens": int(tokens),
         "first": first,

@@ -121,6 +121,8 @@ def test_setup_validation_blocks_and_param_groups(rank_pool) -> None:
     assert "no_sync" in errors["static_graph_accum"]
     assert "bucket_cap_mb must be > 0" in errors["bucket_cap"]
     assert "DDPConfig or FSDP2Config" in errors["bad_config"]
+    assert "FSDP2Config.param_dtype='fp8' is not a dtype" in errors["bad_dtype_name"]
+    assert r["named_dtypes"] == ("torch.float32", "torch.float64"), r["named_dtypes"]
     assert "static_graph=False" in errors["engine_static_graph"]
     assert "call engine(...) instead of model(...)" in errors["ddp_forward_bypass"]
     assert "Finish the window" in errors["fsdp2_mid_window_zero_grad"]
@@ -144,6 +146,10 @@ def test_tokens_summed_over_dp_only_and_loss_window(rank_pool) -> None:
         expected = sum(rk + 10 * s for rk in range(4) for s in (2, 3, 4)) / 12
         assert r["average"] == pytest.approx(expected)
         assert r["last"] == pytest.approx(sum(rk + 40 for rk in range(4)) / 4)
+        # contract (b): per-step sums over the 4 ranks' parts, divided by the 25 global tokens
+        sums = [sum(0.5 * s * (rk + 1) for rk in range(4)) for s in (1, 2)]
+        assert r["token_mean_last"] == pytest.approx(sums[1] / 25), (rank, r)
+        assert r["token_mean_average"] == pytest.approx((sums[0] + sums[1]) / 2 / 25), (rank, r)
 
 
 def test_tiny_reference_is_not_trivially_matched() -> None:

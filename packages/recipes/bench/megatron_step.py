@@ -28,6 +28,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -69,9 +70,11 @@ def setup(name: str, args: argparse.Namespace) -> tuple[Callable[[dict], None], 
     hf = build_hf(args)
     config = hf.config
     n_params = sum(p.numel() for p in hf.parameters())
+    attention: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
     if name == "hf":
         model: torch.nn.Module = hf.to(args.device)
-        CausalFastPath(model).select(packed=False)  # the benchmark's rows are not packed
+        # The benchmark's rows are not packed: causal SDPA without transformers' mask.
+        attention = partial(CausalFastPath(model).selected, packed=False)
     else:
         from train_recipes.megatron.convert import load_hf_weights
         from train_recipes.megatron.model import build_gpt_model, init_megatron_parallel
@@ -95,7 +98,7 @@ def setup(name: str, args: argparse.Namespace) -> tuple[Callable[[dict], None], 
             "labels": batch["shifted_labels"],
             "position_ids": batch["position_ids"],
         }
-        with autocast:
+        with autocast, attention():
             loss = token_sum_loss(engine, inputs)
         engine.backward(loss, num_tokens=args.batch * (args.seq - 1))
         engine.step()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from train_recipes import moe
-from train_recipes._dist import RankContext, engine_dp_config
+from train_recipes._dist import RankContext
 from train_recipes.checkpointing import apply_activation_checkpointing
 from train_recipes.config_sft import SFTConfig
 from train_recipes.loading import build_on_meta, load_sharded_safetensors
@@ -95,7 +95,7 @@ def build_parallel_model(
     model = apply_data_parallel(
         model,
         mesh=ctx.grad_mesh(),
-        config=engine_dp_config(config.parallel),
+        config=config.parallel.data_parallel_config(),
         gradient_accumulation_steps=config.train.gradient_accumulation_steps,
         expert_shards=expert_shards,
     )
