@@ -151,8 +151,10 @@ def transformer_config(hf_config: Any, *, tp: int, dtype: torch.dtype) -> Any:
         fp16=dtype == torch.float16,
         # Weights are built on the CPU (and loaded from HF right after), then moved.
         use_cpu_initialization=True,
-        # Every weight is then overwritten from the HF model (convert.load_hf_weights).
-        perform_initialization=False,
+        # The weights are overwritten from the HF model right after (convert.load_hf_weights),
+        # but megatron-core marks its tp-sharded weights (``tensor_model_parallel``, which the
+        # Engine's tp-aware clipping reads) only while initialising them.
+        perform_initialization=True,
     )
 
 
