@@ -83,3 +83,37 @@ def test_megatron_backend_follows_the_hf_backend_and_exports(
             logits = model(input_ids=torch.tensor(PROBE)).logits
         torch.testing.assert_close(logits, run["logits"], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(logits, hf_run["logits"], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("parallel.cp=2", "parallel.cp"),
+        ("parallel.data_parallel=fsdp2", "parallel.data_parallel"),
+        ("lora.enabled=true", "lora.enabled"),
+        ("model.compile=true", "model.compile"),
+    ],
+)
+def test_megatron_backend_refuses_what_it_does_not_do(override: str, key: str) -> None:
+    from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
+
+    config = load_config(SFTConfig, None, ["model.backend=megatron", override])
+    with pytest.raises(ConfigError, match=r"model\.backend=megatron") as err:
+        validate_sft(config, world_size=2)
+    assert err.value.key == key
+
+
+def test_megatron_backend_without_megatron_core_names_the_extra(monkeypatch) -> None:
+    import importlib.util
+
+    from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name.startswith("megatron") else real(name, *a),
+    )
+    config = load_config(SFTConfig, None, ["model.backend=megatron"])
+    with pytest.raises(ConfigError, match=r"train-recipes\[megatron\]"):
+        validate_sft(config, world_size=2)

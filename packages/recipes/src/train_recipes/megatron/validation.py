@@ -16,7 +16,10 @@ def check_megatron_config(config: Any) -> None:
     Raises:
         ConfigError: a missing megatron-core, or an option only the HF backend has.
     """
-    if importlib.util.find_spec("megatron.core") is None:
+    # find_spec of a submodule imports its parent: ask for the parent first.
+    if importlib.util.find_spec("megatron") is None or (
+        importlib.util.find_spec("megatron.core") is None
+    ):
         raise ConfigError(
             "model.backend",
             "megatron needs megatron-core: pip install 'train-recipes[megatron]' "
