@@ -85,6 +85,11 @@ def build_encoder(
 
     Args:
         tokenizer: the tokenizer, or a processor with ``.tokenizer`` (VLM families).
+        model_family: energon-sft's model-family adapter name.
+        max_length: tokens per sample after the chat template.
+        train_on: "all_assistant" turns or only the "final_assistant" one.
+        pad_to_multiple_of: row padding (2 * cp, so rows split into the cp chunks).
+        packing: pack several samples per row (a 64-sample packing buffer).
     """
     from energon_sft import SFTTaskEncoder
 
@@ -132,8 +137,10 @@ def collate_chat_rows(
     *,
     media_root: str | Path | None = None,
 ) -> SFTBatch:
-    """Chat rows (``{"messages": [...], "media": [paths]}``, as in the held-out JSONL) encoded
-    and collated by energon-sft exactly as a training batch is, without Energon's loader.
+    """Chat rows encoded and collated by energon-sft exactly as a training batch is.
+
+    The rows are ``{"messages": [...], "media": [paths]}``, as in the held-out JSONL; Energon's
+    loader is not involved.
 
     ``media`` paths are read relative to ``media_root`` and handed over inline.
     """

@@ -1,5 +1,7 @@
-"""The SFT recipe object: energon-sft data -> (cp-sharder) -> HF causal LM -> vocab-parallel
-token-sum loss -> train_engine.Engine (DDP or FSDP2), as stages that the loop calls.
+"""The SFT recipe object: the stages that the loop calls.
+
+energon-sft data -> (cp-sharder) -> HF causal LM -> vocab-parallel token-sum loss ->
+train_engine.Engine (DDP or FSDP2).
 
 # B batch, S sequence
 """
