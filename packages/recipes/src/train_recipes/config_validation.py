@@ -205,7 +205,7 @@ def _check_loop(config: SFTConfig, world_size: int) -> None:
 
 
 def _check_tensor_parallel(config: SFTConfig) -> None:
-    """tp > 1: FSDP2, a model class with a TP plan, head counts divisible by tp."""
+    """Tp > 1: FSDP2, a model class with a TP plan, head counts divisible by tp."""
     from train_recipes.tensor_parallel import SUPPORTED_ARCHITECTURES, tp_head_counts
 
     tp, model = config.parallel.tp, config.model

@@ -1,5 +1,8 @@
-"""Build the SFT model and distribute it, in torchtitan's order: tensor parallelism, activation
-checkpointing, compile, then data parallelism (DDP or FSDP2 on the (dp, cp) gradient mesh)."""
+"""Build the SFT model and distribute it, in torchtitan's order.
+
+Tensor parallelism, activation checkpointing, compile, then data parallelism (DDP or FSDP2 on
+the (dp, cp) gradient mesh).
+"""
 
 from __future__ import annotations
 

@@ -102,8 +102,11 @@ def plain_vocab_shard(
 def resolve_vocab_shard(
     t: Tensor, vocab_group: VocabGroup | None, *, vocab_dim: int, name: str, expected: str
 ) -> VocabShard:
-    """The vocabulary layout of ``t``: from ``vocab_group`` when given, else from ``t`` itself
-    (a DTensor's placements, or a plain tensor holding all of V)."""
+    """The vocabulary layout of ``t``.
+
+    From ``vocab_group`` when given, else from ``t`` itself (a DTensor's placements, or a plain
+    tensor holding all of V).
+    """
     if vocab_group is None:
         return vocab_shard(t, vocab_dim=vocab_dim, name=name, expected=expected)
     return plain_vocab_shard(t, vocab_group, vocab_dim=vocab_dim, name=name)

@@ -55,7 +55,7 @@ class SegmentCausalAttention(nn.Module):
         self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        """query [B, Nq, L, D], key/value [B, Ng, L, D] -> [B, Nq, L, D], causal."""
+        """Query [B, Nq, L, D], key/value [B, Ng, L, D] -> [B, Nq, L, D], causal."""
         if key.shape[1] != query.shape[1]:  # grouped-query attention: share each kv group
             repeat = query.shape[1] // key.shape[1]
             key = key.repeat_interleave(repeat, dim=1)
@@ -78,7 +78,8 @@ class SegmentCausalAttention(nn.Module):
 
         Args:
             query: [T, Nq, D] packed ("thd"), else [S, B, Nq, D].
-            key, value: [T, Ng, D] packed, else [S, B, Ng, D].
+            key: [T, Ng, D] packed, else [S, B, Ng, D].
+            value: like ``key``.
             attention_mask: ignored: attention is causal within each sequence (right padding
                 precedes no real token, and packed padding is a segment of its own).
             attn_mask_type: ignored (always causal).

@@ -76,7 +76,8 @@ def hf_to_megatron(
     Args:
         hf_state: ``LlamaForCausalLM.state_dict()`` names and full tensors.
         hf_config: its config (head counts, layers, tied embeddings).
-        tp: tensor-parallel size; tp_rank: this rank's index in it.
+        tp: tensor-parallel size.
+        tp_rank: this rank's index in the tp group.
 
     Raises:
         KeyError: an HF weight the mapping needs is missing (the message names it).

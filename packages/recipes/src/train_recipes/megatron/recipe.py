@@ -31,8 +31,10 @@ def _innermost(model: Any) -> Any:
 
 
 def is_megatron_model(model: Any) -> bool:
-    """Whether ``model`` (or the module inside its Engine / DDP wrapper) is a megatron-core
-    model. Imports nothing."""
+    """Whether ``model`` is a megatron-core model (or wraps one in an Engine / DDP).
+
+    Imports nothing.
+    """
     return type(_innermost(model)).__module__.startswith("megatron.core")
 
 
@@ -78,8 +80,10 @@ def build_megatron_model(config: Any, tokenizer: Any, ctx: Any) -> nn.Module:
 
 @torch.no_grad()
 def hf_copy(model: Any, *, device: torch.device) -> nn.Module:
-    """The GPTModel's current weights as a transformers model on ``device`` (collective over
-    tp: every rank gets the full model), in eval mode."""
+    """The GPTModel's current weights as a transformers model on ``device``, in eval mode.
+
+    Collective over tp: every rank gets the full model.
+    """
     from transformers import AutoModelForCausalLM
 
     from train_recipes.megatron.convert import megatron_state_dict_full, megatron_to_hf

@@ -22,6 +22,7 @@ any model: no gradient sync until the window's last micro-batch).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -103,8 +104,11 @@ def wrap_data_parallel(model: nn.Module, *, dp_group: Any) -> nn.Module:
 
 
 def mask_padded_vocab(logits: Tensor, vocab_size: int) -> Tensor:
-    """Local vocab-parallel logits [..., V / tp] with the padding columns (global index >=
-    ``vocab_size``) at -inf, so they take no probability; unchanged when nothing is padded."""
+    """Local vocab-parallel logits [..., V / tp] with the vocabulary padding at -inf.
+
+    The padding columns (global index >= ``vocab_size``) then take no probability; the logits
+    are returned unchanged when this rank holds none.
+    """
     from megatron.core import parallel_state
 
     local = logits.shape[-1]
@@ -115,7 +119,7 @@ def mask_padded_vocab(logits: Tensor, vocab_size: int) -> Tensor:
     return logits.masked_fill(padding, float("-inf"))
 
 
-def megatron_token_sum_loss(model: Any, batch: dict[str, Any]) -> Tensor:
+def megatron_token_sum_loss(model: Any, batch: Mapping[str, Any]) -> Tensor:
     """The sum over this rank's trained tokens of -log p(label), for a ``GPTModel``.
 
     The same loss of contract as the HF backend's ``token_sum_loss``: energon-sft's batch goes
