@@ -24,6 +24,7 @@ from energon_sft.families import (
     register_model_family,
 )
 from energon_sft.loader import LoaderOptions, SFTLoader, build_sft_loader
+from energon_sft.megatron import MegatronInputs, to_megatron_inputs
 from energon_sft.render import render_conversation
 from energon_sft.rope import mrope_position_ids
 from energon_sft.schema import ChatSample, MediaItem
@@ -45,6 +46,7 @@ __all__ = [
     "ImageFeatures",
     "LoaderOptions",
     "MediaItem",
+    "MegatronInputs",
     "ModelFamilyAdapter",
     "Qwen25VLAdapter",
     "SFTBatch",
@@ -72,5 +74,6 @@ __all__ = [
     "prepare_dataset",
     "register_model_family",
     "render_conversation",
+    "to_megatron_inputs",
     "write_chat_shards",
 ]

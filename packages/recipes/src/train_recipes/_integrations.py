@@ -24,10 +24,13 @@ logger = logging.getLogger(__name__)
 # (THD) batches, and the M-RoPE ids and images of vision families.
 _TOKEN_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
 _IMAGE_KEYS = ("pixel_values", "image_grid_thw")
-# Host-side keys: cp-sharder plans the packed layout from them on the host, and the recipe
-# takes the loader's count of trained tokens (it owns that count: nobody recounts the labels),
-# so they stay there (a device copy would have to be read back, stalling the GPU's queue).
-HOST_KEYS = frozenset({"qkv_format", "seq_lens", "num_trainable_tokens"})
+# Host-side keys: cp-sharder plans the packed layout from them on the host (and the megatron
+# backend's PackedSeqParams from cu_seqlens/max_seqlen), and the recipe takes the loader's count
+# of trained tokens (it owns that count: nobody recounts the labels), so they stay there (a
+# device copy would have to be read back, stalling the GPU's queue).
+HOST_KEYS = frozenset(
+    {"qkv_format", "seq_lens", "cu_seqlens", "max_seqlen", "num_trainable_tokens"}
+)
 
 
 class ModelBatch(TypedDict, total=False):
@@ -43,6 +46,8 @@ class ModelBatch(TypedDict, total=False):
     num_trainable_tokens: Required[int]  # the loader's count of labels != -100 (host)
     qkv_format: Literal["thd"]  # packed rows only (host)
     seq_lens: Tensor  # [B, N] document lengths, -1 past the last (host)
+    cu_seqlens: Tensor  # [K + 1] int32 segment offsets into [B * S], packed only (host)
+    max_seqlen: int  # the longest segment, packed only (host)
     mrope_position_ids: Tensor  # [3, B, S], VLM only
     pixel_values: Tensor  # [P, D], VLM batches with images
     image_grid_thw: Tensor  # [N, 3], VLM batches with images
@@ -85,6 +90,11 @@ def build_encoder(
 
     Args:
         tokenizer: the tokenizer, or a processor with ``.tokenizer`` (VLM families).
+        model_family: energon-sft's model-family adapter name.
+        max_length: tokens per sample after the chat template.
+        train_on: "all_assistant" turns or only the "final_assistant" one.
+        pad_to_multiple_of: row padding (2 * cp, so rows split into the cp chunks).
+        packing: pack several samples per row (a 64-sample packing buffer).
     """
     from energon_sft import SFTTaskEncoder
 
@@ -132,8 +142,10 @@ def collate_chat_rows(
     *,
     media_root: str | Path | None = None,
 ) -> SFTBatch:
-    """Chat rows (``{"messages": [...], "media": [paths]}``, as in the held-out JSONL) encoded
-    and collated by energon-sft exactly as a training batch is, without Energon's loader.
+    """Chat rows encoded and collated by energon-sft exactly as a training batch is.
+
+    The rows are ``{"messages": [...], "media": [paths]}``, as in the held-out JSONL; Energon's
+    loader is not involved.
 
     ``media`` paths are read relative to ``media_root`` and handed over inline.
     """
@@ -195,6 +207,9 @@ def batch_tensors(
     if get("qkv_format") == "thd":
         out["qkv_format"] = "thd"
         out["seq_lens"] = get("seq_lens")
+        # The flat form of the same layout, for the megatron backend's PackedSeqParams.
+        out["cu_seqlens"] = get("cu_seqlens")
+        out["max_seqlen"] = get("max_seqlen")
     if vlm:
         mrope = get("mrope_position_ids")
         if mrope is None:

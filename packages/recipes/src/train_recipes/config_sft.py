@@ -63,6 +63,9 @@ class ModelConfig:
         sharded_load: build ``path``'s model on the meta device, shard it (TP, FSDP2), then
             read from its safetensors only each rank's slices. None: on with fsdp2 and a
             ``path`` (no LoRA); false: ``from_pretrained`` on every rank.
+        backend: "hf" trains the transformers model; "megatron" converts its weights into a
+            megatron-core GPTModel (Llama-style models, text only, local layer spec, tp over
+            Megatron's own layers; extra ``train-recipes[megatron]``).
     """
 
     path: str | None = None
@@ -74,6 +77,7 @@ class ModelConfig:
     activation_checkpointing: bool = False
     activation_checkpointing_every: int = 1
     sharded_load: bool | None = None
+    backend: Literal["hf", "megatron"] = "hf"
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -138,7 +138,11 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
             "the sharded load reads a model folder's safetensors (needs model.path) and does "
             "not combine with LoRA; set model.sharded_load=null or false",
         )
-    if config.parallel.tp > 1:
+    if model.backend == "megatron":
+        from train_recipes.megatron.validation import check_megatron_config
+
+        check_megatron_config(config)
+    elif config.parallel.tp > 1:  # the megatron backend shards Megatron's own layers
         _check_tensor_parallel(config)
     if train.checkpoint_every < 0:
         raise ConfigError("train.checkpoint_every", f"must be >= 0, got {train.checkpoint_every}")
@@ -201,7 +205,7 @@ def _check_loop(config: SFTConfig, world_size: int) -> None:
 
 
 def _check_tensor_parallel(config: SFTConfig) -> None:
-    """tp > 1: FSDP2, a model class with a TP plan, head counts divisible by tp."""
+    """Tp > 1: FSDP2, a model class with a TP plan, head counts divisible by tp."""
     from train_recipes.tensor_parallel import SUPPORTED_ARCHITECTURES, tp_head_counts
 
     tp, model = config.parallel.tp, config.model

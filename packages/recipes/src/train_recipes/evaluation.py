@@ -56,7 +56,8 @@ def held_out_batches(
         encoder: the training data's energon-sft ``SFTTaskEncoder``.
         rows: chats (``{"messages": [...], "media": [paths]}``).
         batch_size: chats per batch.
-        replica, replicas: this data-parallel replica and their number.
+        replica: this data-parallel replica.
+        replicas: the number of data-parallel replicas.
         media_root: the folder ``media`` paths are relative to.
         vlm: the image-text path (M-RoPE ids and media keys), as for training batches.
         cp: the context-parallel degree the rows are padded for.
@@ -102,8 +103,9 @@ def held_out_loss(
         batches: this rank's :func:`held_out_batches`.
         loss_sum: the training loss's token sum for one batch (cp sharding included).
         device: this rank's device.
-        cp, tp: context- and tensor-parallel degrees: cp ranks hold parts of a replica's
-            token sum, tp ranks each hold all of it; every one counts the replica's tokens.
+        cp: context-parallel degree: a replica's cp ranks each hold a part of its token sum.
+        tp: tensor-parallel degree: a replica's tp ranks each hold all of its token sum (every
+            cp and tp rank counts the replica's tokens).
 
     Returns:
         sum of -log p over all held-out trained tokens / their number, same on every rank.

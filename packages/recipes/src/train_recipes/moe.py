@@ -333,8 +333,10 @@ class RouterLosses:
         return total * scale
 
     def after_step(self, device: torch.device) -> None:
-        """After the optimizer step: DeepSeek-V3's bias update from the window's global loads
-        (collective when the rate is set: every rank calls it, and all apply the same update)."""
+        """After the optimizer step: DeepSeek-V3's bias update from the window's global loads.
+
+        Collective when the rate is set: every rank calls it, and all apply the same update.
+        """
         load, self._window_load = self._window_load, torch.zeros_like(self._window_load)
         if not self.active or self.bias_update_rate == 0:
             return
@@ -348,8 +350,10 @@ class RouterLosses:
                 update_score_correction_bias(layer.router, layer_load, rate=self.bias_update_rate)
 
     def metrics(self, device: torch.device) -> dict[str, float]:
-        """Tokens per expert (min, max, coefficient of variation) and dropped tokens since the
-        last call, summed over all ranks (collective: every rank calls it)."""
+        """Tokens per expert (min, max, coefficient of variation) and dropped tokens.
+
+        Counted since the last call, summed over all ranks (collective: every rank calls it).
+        """
         if not self.active:
             return {}
         packed = torch.cat([self._load.reshape(-1), self._pairs]).to(device)

@@ -1,5 +1,8 @@
-"""Build the SFT model and distribute it, in torchtitan's order: tensor parallelism, activation
-checkpointing, compile, then data parallelism (DDP or FSDP2 on the (dp, cp) gradient mesh)."""
+"""Build the SFT model and distribute it, in torchtitan's order.
+
+Tensor parallelism, activation checkpointing, compile, then data parallelism (DDP or FSDP2 on
+the (dp, cp) gradient mesh).
+"""
 
 from __future__ import annotations
 
@@ -62,6 +65,10 @@ def build_parallel_model(
     """
     from train_engine import apply_data_parallel
 
+    if config.model.backend == "megatron":
+        from train_recipes.megatron.recipe import build_megatron_model
+
+        return build_megatron_model(config, tokenizer, ctx)
     sharded = uses_sharded_load(config)
     if sharded:
         assert config.model.path is not None  # validate_sft enforces it

@@ -1,5 +1,7 @@
-"""Checkpoints of the SFT recipe: what a save holds besides the Engine's state, which checkpoint a
-resume takes, and which config changes a resume applies or refuses.
+"""Checkpoints of the SFT recipe and how a run resumes from them.
+
+What a save holds besides the Engine's state, which checkpoint a resume takes, and which config
+changes a resume applies or refuses.
 
 A save's per-rank extra state holds the loader position, the step, the loss window, the first
 logged loss, the held-out accuracy before training and the config that trained up to it. A
@@ -361,8 +363,10 @@ def _step_of(name: str) -> int | None:
 
 
 def _prune(output_dir: Path, *, keep: int, upto: int) -> None:
-    """Keep the newest ``keep`` checkpoints of steps <= ``upto`` (never a higher step: those
-    are not this timeline's and were removed at resume)."""
+    """Keep the newest ``keep`` checkpoints of steps <= ``upto``.
+
+    Never a higher step: those are not this timeline's and were removed at resume.
+    """
     if keep <= 0:
         return
     root = output_dir / CHECKPOINT_DIR
@@ -374,8 +378,10 @@ def _prune(output_dir: Path, *, keep: int, upto: int) -> None:
 
 
 def _drop_newer(output_dir: Path, step: int) -> list[str]:
-    """Remove checkpoints newer than the one resumed from (they failed to load or are a
-    discarded timeline); a reader would otherwise take them first."""
+    """Remove checkpoints newer than the one resumed from.
+
+    They failed to load or are a discarded timeline; a reader would otherwise take them first.
+    """
     root = output_dir / CHECKPOINT_DIR
     removed = []
     for path in sorted(root.iterdir()) if root.is_dir() else []:

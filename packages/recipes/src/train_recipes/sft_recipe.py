@@ -1,5 +1,7 @@
-"""The SFT recipe object: energon-sft data -> (cp-sharder) -> HF causal LM -> vocab-parallel
-token-sum loss -> train_engine.Engine (DDP or FSDP2), as stages that the loop calls.
+"""The SFT recipe object: the stages that the loop calls.
+
+energon-sft data -> (cp-sharder) -> HF causal LM -> vocab-parallel token-sum loss ->
+train_engine.Engine (DDP or FSDP2).
 
 # B batch, S sequence
 """
@@ -177,8 +179,10 @@ class SFTRecipe:
             dp_group=ctx.mesh["dp"].get_group(),
         )
         self.sharder = None
-        # Packed rows take cp-sharder's variable-length attention, at cp=1 as well.
-        if ctx.cp_size > 1 or config.data.packing:
+        self._megatron = config.model.backend == "megatron"
+        # Packed rows take cp-sharder's variable-length attention, at cp=1 as well (the megatron
+        # backend's own attention reads the packed layout from PackedSeqParams instead).
+        if not self._megatron and (ctx.cp_size > 1 or config.data.packing):
             from cp_sharder import ContextParallelSharder
 
             self.sharder = ContextParallelSharder(
@@ -221,7 +225,11 @@ class SFTRecipe:
         )
         clock.end()
         # Unpacked text without cp: causal SDPA without transformers' mask construction.
-        self._fast_path = CausalFastPath(model) if not self.vlm and self.sharder is None else None
+        self._fast_path = (
+            CausalFastPath(model)
+            if not (self.vlm or self._megatron) and self.sharder is None
+            else None
+        )
         self._router_losses = moe.router_losses(model, self.engine, config, ctx)
         self._batches = itertools.chain.from_iterable(itertools.repeat(self.loader))
         self._input_tokens = torch.zeros((), dtype=torch.float64)  # since the last record
@@ -389,7 +397,7 @@ class SFTRecipe:
     def evaluate(self, step: int) -> StepRecord:
         """Step 0: held-out exact match before training; later: the held-out loss."""
         if step == 0:
-            accuracy = self._evaluation.exact_match(unwrap(self.model))
+            accuracy = self._exact_match()
             if accuracy is None:
                 return StepRecord(step=0)
             self._accuracy_before = accuracy
@@ -402,6 +410,21 @@ class SFTRecipe:
         self._eval_losses.append(loss)
         line = f"step {step}: eval/loss {loss:.4f} (held-out)"
         return StepRecord(step=step, metrics={"eval/loss": loss}, lines=(line,))
+
+    def _hf_model(self) -> torch.nn.Module:
+        """The model to generate from: the HF model itself, or (megatron backend) an HF copy of
+        the GPTModel's current weights (collective over tp; every rank holds all of it)."""
+        if not self._megatron:
+            return unwrap(self.model)
+        from train_recipes.megatron.recipe import hf_copy
+
+        return hf_copy(self.model, device=self.ctx.device)
+
+    def _exact_match(self) -> float | None:
+        """Held-out exact match (collective), None without held-out rows."""
+        if not self._evaluation.rows:
+            return None
+        return self._evaluation.exact_match(self._hf_model())
 
     def _held_out_loss_sum(self, batch: ModelBatch, host_batch: ModelBatch) -> Tensor:
         with self._forward_attention(host_batch), sdpa_backends(self.config.model.sdpa_backends):
@@ -431,14 +454,14 @@ class SFTRecipe:
         if self._watchdog is not None:
             self._watchdog.stop()  # from here on, rank 0 alone writes plots and files
         metrics: dict[str, Any] = {}
-        self._accuracy_after = self._evaluation.exact_match(unwrap(self.model))
+        self._accuracy_after = self._exact_match()
         if self._accuracy_after is not None:
             metrics["eval/exact_match"] = self._accuracy_after
         export_dir = None
         if train.export:  # written beside, then moved in whole
             staging = staging_dir(self.out_dir / EXPORT_DIR, clear=ctx.is_main)
             written = export_hf(
-                self.model,
+                self._hf_model() if self._megatron else self.model,
                 self.processor,
                 staging,
                 is_main=ctx.is_main,

@@ -48,7 +48,9 @@ def token_sum_loss(
     position ids (the 1-D ids, then the loader's M-RoPE ids, per packed document) and the
     images; the model's own M-RoPE builder would treat a packed row as one sequence. With a
     ``sharder`` the batch is sharded (cp > 1: over the cp ranks) and the forward runs in its
-    context.
+    context. A megatron-core model (``model.backend: megatron``) takes the same batch through
+    ``train_recipes.megatron.training.megatron_token_sum_loss`` (no sharder: its attention
+    reads the packed layout from ``PackedSeqParams``).
 
     Args:
         model: the (wrapped) model or the Engine.
@@ -62,6 +64,12 @@ def token_sum_loss(
     Returns:
         0-dim float32 tensor.
     """
+    from train_recipes.megatron.recipe import is_megatron_model
+
+    if is_megatron_model(model):
+        from train_recipes.megatron.training import megatron_token_sum_loss
+
+        return megatron_token_sum_loss(model, batch)
     inputs: dict[str, Any] = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
     if vlm:
         if "mrope_position_ids" not in batch:

@@ -10,10 +10,12 @@ from vocab_parallel.losses import (
     token_log_probs,
     token_log_probs_and_entropy,
 )
+from vocab_parallel.plain_shard import VocabSplit
 
 __version__ = _version("vocab-parallel")
 
 __all__ = [
+    "VocabSplit",
     "__version__",
     "cross_entropy",
     "fused_linear_token_loss",

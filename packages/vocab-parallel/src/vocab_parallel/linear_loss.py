@@ -21,6 +21,7 @@ from vocab_parallel._fused_linear import FusedLinearLoss, fused_chunk_tokens
 from vocab_parallel._logits import Plan
 from vocab_parallel._sharding import replicated_local
 from vocab_parallel.losses import Backend, _linear_operands, _resolve_backend
+from vocab_parallel.plain_shard import VocabGroup
 
 
 def _fused_loss(
@@ -36,10 +37,16 @@ def _fused_loss(
     backend: str,
     fp32_logits: bool,
     fp32_weight_grad: bool,
+    vocab_group: VocabGroup | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, log_p [...], valid [...]) with loss = sum_t c_t * log p(label_t)."""
     inv_t, shard, flat_hidden, labels, batch_shape = _linear_operands(
-        hidden, weight, labels, temperature=temperature, chunk_size=chunk_size
+        hidden,
+        weight,
+        labels,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        vocab_group=vocab_group,
     )
     n = flat_hidden.shape[0]
     if isinstance(coefficients, Tensor):
@@ -111,6 +118,7 @@ def fused_linear_token_loss(
     fp32_logits: bool = False,
     fp32_weight_grad: bool = True,
     return_log_probs: bool = False,
+    vocab_group: VocabGroup | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Weighted log-prob sum over tokens, with both gradients formed in forward.
 
@@ -158,6 +166,9 @@ def fused_linear_token_loss(
             cross-entropy libraries). The hidden gradient is one matmul per chunk either way.
         return_log_probs: also return log p(label) [...] (fp32, not differentiable, 0 where
             ignored), e.g. for logging.
+        vocab_group: for a plain local weight shard ``[Vl, H]`` (Megatron's output layer): its
+            process group (even split) or a :class:`~vocab_parallel.VocabSplit`; None: the
+            layout comes from ``weight``.
 
     Returns:
         The fp32 0-dim loss, identical on every vocabulary rank (and ``log_probs`` when asked).
@@ -179,6 +190,7 @@ def fused_linear_token_loss(
         backend=backend,
         fp32_logits=fp32_logits,
         fp32_weight_grad=fp32_weight_grad,
+        vocab_group=vocab_group,
     )
     return (loss, log_p) if return_log_probs else loss
 
@@ -196,6 +208,7 @@ def linear_cross_entropy(
     backend: Backend = "auto",
     fp32_logits: bool = False,
     fp32_weight_grad: bool = True,
+    vocab_group: VocabGroup | None = None,
 ) -> Tensor:
     """``F.cross_entropy(hidden @ weight.T / temperature, labels)``, gradients formed in forward.
 
@@ -216,6 +229,7 @@ def linear_cross_entropy(
         backend: "auto", "torch" or "triton".
         fp32_logits: keep chunk logits in fp32.
         fp32_weight_grad: sum the weight gradient in fp32.
+        vocab_group: as in :func:`fused_linear_token_loss`.
         reduction: "mean" or "sum" (per-token losses: use
             :func:`vocab_parallel.linear_token_log_probs`).
 
@@ -247,6 +261,7 @@ def linear_cross_entropy(
         backend=backend,
         fp32_logits=fp32_logits,
         fp32_weight_grad=fp32_weight_grad,
+        vocab_group=vocab_group,
     )
     if valid_count is not None:
         loss = torch.where(valid_count > 0, loss, torch.full_like(loss, float("nan")))

@@ -22,7 +22,8 @@ from torch import Tensor
 
 from vocab_parallel._linear import LinearLogProbs, block_size_for
 from vocab_parallel._logits import Plan, VocabStats, chunk_size_for
-from vocab_parallel._sharding import VocabShard, check_labels, replicated_local, vocab_shard
+from vocab_parallel._sharding import VocabShard, check_labels, replicated_local
+from vocab_parallel.plain_shard import VocabGroup, resolve_vocab_shard
 
 Reduction = Literal["none", "mean", "sum"]
 Backend = Literal["auto", "torch", "triton"]
@@ -80,7 +81,13 @@ def _check_float(t: Tensor, name: str) -> None:
 
 
 def _linear_operands(
-    hidden: Tensor, weight: Tensor, labels: Tensor, *, temperature: float, chunk_size: int | None
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float,
+    chunk_size: int | None,
+    vocab_group: VocabGroup | None = None,
 ) -> tuple[float, VocabShard, Tensor, Tensor, torch.Size]:
     """The checked operands of both fused linear forms.
 
@@ -91,7 +98,9 @@ def _linear_operands(
     inv_t = _check_temperature(temperature)
     _check_chunk(chunk_size)
     _check_linear_inputs(hidden, weight)
-    shard = vocab_shard(weight, vocab_dim=0, name="weight", expected="Shard(0)")
+    shard = resolve_vocab_shard(
+        weight, vocab_group, vocab_dim=0, name="weight", expected="Shard(0)"
+    )
     local_hidden = replicated_local(hidden, name="hidden")
     batch_shape = local_hidden.shape[:-1]
     labels = check_labels(
@@ -149,6 +158,7 @@ def _vocab_stats(
     validate: bool,
     backend: str,
     in_place: bool = False,
+    vocab_group: VocabGroup | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Run :class:`VocabStats` on any logits; returns (log_p, entropy, uniform), each [...]."""
     inv_t = _check_temperature(temperature)
@@ -156,7 +166,9 @@ def _vocab_stats(
     if logits.ndim < 1:
         raise ValueError("logits must have at least one dim (the vocabulary, last)")
     _check_float(logits, "logits")
-    shard = vocab_shard(logits, vocab_dim=-1, name="logits", expected="Shard(-1)")
+    shard = resolve_vocab_shard(
+        logits, vocab_group, vocab_dim=-1, name="logits", expected="Shard(-1)"
+    )
     batch_shape = logits.shape[:-1]
     flat_labels = None
     if labels is not None:
@@ -197,6 +209,7 @@ def token_log_probs(
     validate: bool = False,
     backend: Backend = "auto",
     in_place: bool = False,
+    vocab_group: VocabGroup | None = None,
 ) -> Tensor:
     """Log-probability of each label under softmax(logits / temperature).
 
@@ -212,6 +225,10 @@ def token_log_probs(
             never read out of bounds but yields a meaningless value.
         backend: "auto" (Triton kernels for CUDA tensors when triton is installed, else
             PyTorch), "torch" (chunked PyTorch, any device) or "triton".
+        vocab_group: for a plain local vocabulary shard ``[..., Vl]`` (Megatron's
+            vocab-parallel logits): its process group (the even split, rank r holding
+            ``[r * Vl, (r + 1) * Vl)``) or a :class:`~vocab_parallel.VocabSplit` with an explicit
+            offset. None: the layout comes from ``logits`` (a DTensor, or all of V).
         in_place: give up the logits: backward writes their gradient into their storage (no
             logits-sized buffer; the returned gradient aliases ``logits``), so after backward
             ``logits`` holds the gradient, and a second backward through this call raises.
@@ -233,6 +250,7 @@ def token_log_probs(
         validate=validate,
         backend=backend,
         in_place=in_place,
+        vocab_group=vocab_group,
     )
     return log_p
 
@@ -244,6 +262,7 @@ def token_entropy(
     chunk_size: int | None = None,
     backend: Backend = "auto",
     in_place: bool = False,
+    vocab_group: VocabGroup | None = None,
 ) -> Tensor:
     """Entropy H = -sum_v p_v log p_v (>= 0) of softmax(logits / temperature), differentiable.
 
@@ -253,6 +272,7 @@ def token_entropy(
         chunk_size: tokens per fp32 working chunk; None = automatic.
         backend: "auto", "torch" or "triton" (see :func:`token_log_probs`).
         in_place: write the gradient into the logits (see :func:`token_log_probs`).
+        vocab_group: a plain shard's group or split (see :func:`token_log_probs`).
 
     Returns:
         [...] float32, identical on every vocabulary rank.
@@ -268,6 +288,7 @@ def token_entropy(
         validate=False,
         backend=backend,
         in_place=in_place,
+        vocab_group=vocab_group,
     )
     return ent
 
@@ -282,10 +303,11 @@ def token_log_probs_and_entropy(
     validate: bool = False,
     backend: Backend = "auto",
     in_place: bool = False,
+    vocab_group: VocabGroup | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Both :func:`token_log_probs` and :func:`token_entropy` from one pass over the logits.
 
-    Options as in :func:`token_log_probs` (``in_place`` included).
+    Options as in :func:`token_log_probs` (``in_place`` and ``vocab_group`` included).
 
     Returns:
         (log_probs [...], entropy [...]), both float32; the entropy is computed for every
@@ -302,6 +324,7 @@ def token_log_probs_and_entropy(
         validate=validate,
         backend=backend,
         in_place=in_place,
+        vocab_group=vocab_group,
     )
     return log_p, ent
 
@@ -317,6 +340,7 @@ def cross_entropy(
     validate: bool = False,
     backend: Backend = "auto",
     in_place: bool = False,
+    vocab_group: VocabGroup | None = None,
 ) -> Tensor:
     """``torch.nn.functional.cross_entropy`` over the last dim, vocabulary-parallel.
 
@@ -334,6 +358,7 @@ def cross_entropy(
         validate: check the label range (one device-to-host sync).
         backend: "auto", "torch" or "triton" (see :func:`token_log_probs`).
         in_place: write the gradient into the logits (see :func:`token_log_probs`).
+        vocab_group: a plain shard's group or split (see :func:`token_log_probs`).
 
     Returns:
         float32 loss (dtype differs from PyTorch, which returns the logits' dtype).
@@ -354,6 +379,7 @@ def cross_entropy(
         validate=validate,
         backend=backend,
         in_place=in_place,
+        vocab_group=vocab_group,
     )
     valid = replicated_local(labels, name="labels") != ignore_index
     loss = -log_p
@@ -377,6 +403,7 @@ def linear_token_log_probs(
     chunk_size: int | None = None,
     validate: bool = False,
     backend: Backend = "auto",
+    vocab_group: VocabGroup | None = None,
 ) -> Tensor:
     """Log p(label) under softmax(hidden @ weight.T / temperature), never building [N, V].
 
@@ -404,13 +431,21 @@ def linear_token_log_probs(
         validate: check the label range (one device-to-host sync).
         backend: "auto", "torch" or "triton" for the per-block softmax work around the
             matmuls (see :func:`token_log_probs`).
+        vocab_group: for a plain local weight shard ``[Vl, H]`` (Megatron's output layer): its
+            process group (even split) or a :class:`~vocab_parallel.VocabSplit`; None: the
+            layout comes from ``weight`` (see :func:`token_log_probs`).
 
     Returns:
         [...] float32, identical on every vocabulary rank. The hidden gradient is summed over
         the vocabulary ranks in backward, so it is the full gradient on every rank.
     """
     inv_t, shard, flat_hidden, labels, batch_shape = _linear_operands(
-        hidden, weight, labels, temperature=temperature, chunk_size=chunk_size
+        hidden,
+        weight,
+        labels,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        vocab_group=vocab_group,
     )
     resolved = _resolve_backend(backend, flat_hidden)
     low_precision = resolved == "triton" and flat_hidden.dtype in (torch.bfloat16, torch.float16)
