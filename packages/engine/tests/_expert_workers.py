@@ -124,7 +124,11 @@ def run(
         engine.backward(loss, num_tokens=num_tokens)
         result = engine.step()
     assert result is not None and result.updated
-    full = {name: p.full_tensor() for name, p in model.named_parameters() if name != "experts"}
+    full = {  # FSDP2 shards the dense parameters (DTensors); DDP replicates them
+        name: p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+        for name, p in model.named_parameters()
+        if name != "experts"
+    }
     experts = [torch.empty_like(model.experts) for _ in range(ep)]
     dist.all_gather(experts, model.experts.detach().contiguous(), group=ep_group)
     full["experts"] = torch.cat(experts)

@@ -4,12 +4,13 @@ token-sum contract (unequal tokens, accumulation), synced and clipped with the d
 from __future__ import annotations
 
 import pytest
+import torch
 
 import _expert_workers as w
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("kind", ["fsdp2"])
+@pytest.mark.parametrize("kind", ["fsdp2", "ddp"])
 def test_expert_gradients_match_single_process_reference(rank_pool, kind: str) -> None:
     counts = [[3, 1], [0, 5]]  # unequal tokens per rank, an empty micro-batch, accumulation 2
     want = w.reference(counts, seed=3)
@@ -23,10 +24,11 @@ def test_expert_gradients_match_single_process_reference(rank_pool, kind: str) -
 
 
 @pytest.mark.timeout(300)
-def test_dp4_ep2_sums_expert_gradients_over_replicas(rank_pool) -> None:
+@pytest.mark.parametrize("kind", ["fsdp2", "ddp"])
+def test_dp4_ep2_sums_expert_gradients_over_replicas(rank_pool, kind: str) -> None:
     counts = [[3, 1], [0, 5], [2, 2], [4, 0]]  # 2 ep groups of 2; experts on 2 ranks each
     want = w.reference(counts, seed=5)
-    results = rank_pool.run(4, w.run, "fsdp2", counts, 5, 2, timeout_s=240)
+    results = rank_pool.run(4, w.run, kind, counts, 5, 2, timeout_s=240)
     for got in results:
         assert got["norm"] == pytest.approx(want["norm"], rel=1e-5)
         for name, value in want["params"].items():
@@ -34,14 +36,23 @@ def test_dp4_ep2_sums_expert_gradients_over_replicas(rank_pool) -> None:
             assert err < 1e-6, f"{name}: max |param - ref| = {err:.3e}"
 
 
-def test_expert_shards_reject_empty_and_ddp() -> None:
-    from torch import nn
+def test_expert_shards_reject_empty() -> None:
 
-    from train_engine import DDPConfig, ExpertShards, apply_data_parallel
+    from train_engine import ExpertShards
 
     with pytest.raises(ValueError, match="at least one"):
         ExpertShards(params=())
-    model = nn.Linear(2, 2)
-    shards = ExpertShards(params=(model.weight,))
-    with pytest.raises(NotImplementedError, match="FSDP2Config"):
-        apply_data_parallel(model, mesh=None, config=DDPConfig(), expert_shards=shards)  # type: ignore[arg-type]
+
+
+def test_ddp_ignores_root_and_nested_expert_parameters_under_both_spellings() -> None:
+    """DDP's reducer names a root parameter ``.name``: without that spelling in the ignore
+    list, DDP all-reduces it (the cause of the wrong DDP expert gradients)."""
+    from torch import nn
+
+    from train_engine.expert_parallel import ddp_ignored_names
+
+    model = nn.Module()
+    model.experts = nn.Parameter(torch.zeros(2))
+    model.block = nn.Linear(2, 2)
+    names = ddp_ignored_names(model, {model.experts, model.block.weight})
+    assert names == [".experts", "block.weight", "experts"]

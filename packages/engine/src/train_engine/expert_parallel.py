@@ -57,6 +57,24 @@ class ExpertShards:
             )
 
 
+def ddp_ignored_names(model: nn.Module, ignored: set[nn.Parameter]) -> list[str]:
+    """The names under which DDP must be told to leave ``ignored`` alone.
+
+    DDP reads its ignore list under two spellings: its broadcast and parameter list use
+    ``named_parameters()`` names (``experts``), but its gradient reducer builds
+    ``f"{module_name}.{param_name}"``, which for a parameter of the root module itself reads
+    ``.experts``. With only the first spelling, such a parameter is still all-reduced
+    (averaged over ranks holding different experts: wrong gradients). Both are listed.
+    """
+    ids = {id(p) for p in ignored}
+    names = {name for name, p in model.named_parameters() if id(p) in ids}
+    for module_name, module in model.named_modules():
+        for param_name, p in module.named_parameters(recurse=False):
+            if id(p) in ids:
+                names.add(f"{module_name}.{param_name}")
+    return sorted(names)
+
+
 def attach(model: nn.Module, shards: ExpertShards) -> None:
     """Record ``shards`` on the (wrapped) model, where the Engine finds them."""
     setattr(model, ATTRIBUTE, shards)
