@@ -36,6 +36,29 @@ def test_dp4_ep2_sums_expert_gradients_over_replicas(rank_pool, kind: str) -> No
             assert err < 1e-6, f"{name}: max |param - ref| = {err:.3e}"
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("kind", "world"), [("fsdp2", 2), ("ddp", 4)])
+def test_checkpoint_keeps_every_ep_ranks_experts(
+    rank_pool, tmp_path, kind: str, world: int
+) -> None:
+    """Saved at ep=2 (on 4 ranks: 2 replicas of each expert), reloaded at ep=2 into other
+    weights and in one process holding all experts: parameters and Adam moments equal."""
+    directory = str(tmp_path / "ckpt")
+    results = rank_pool.run(world, w.save_and_reload, kind, 7, 2, directory, timeout_s=240)
+    saved = results[0]["saved"]
+    # Each ep rank's experts differ (otherwise a checkpoint of one rank's would pass).
+    half = w.EXPERTS // 2
+    assert not torch.equal(saved["experts"][:half], saved["experts"][half:])
+    for got in results:
+        for name, value in saved.items():
+            assert torch.equal(got["loaded"][name], value), f"{kind} {name} after reload"
+        assert torch.equal(got["loaded_moments"], results[0]["saved_moments"])
+    alone = w.load_in_one_process(directory, seed=8, blocks=kind == "fsdp2")
+    for name, value in saved.items():
+        assert torch.equal(alone["params"][name], value), f"{name} loaded in one process"
+    assert torch.equal(alone["moments"], results[0]["saved_moments"])
+
+
 def test_expert_shards_reject_empty() -> None:
 
     from train_engine import ExpertShards
