@@ -41,7 +41,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from train_engine import Engine, FSDP2Config, apply_data_parallel, param_groups
-from train_recipes.modeling import CausalFastPath, compile_decoder_layers, sdpa_backends
+from train_recipes.attention import CausalFastPath, sdpa_backends
+from train_recipes.modeling import compile_decoder_layers
 from train_recipes.sft import token_sum_loss
 
 # `device_name`, `free_memory`, `init_process_group`, `sync`, FULL and TINY stay importable from

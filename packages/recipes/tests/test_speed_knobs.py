@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from _recipes_workers import compiled_layers_under_fsdp2
+from train_recipes.attention import sdpa_backends
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
-from train_recipes.modeling import decoder_layers, sdpa_backends
+from train_recipes.modeling import decoder_layers
 
 
 @pytest.mark.timeout(300)
@@ -92,7 +93,7 @@ def test_speed_config_keys() -> None:
 
 
 def test_causal_fast_path_matches_transformers_sdpa_and_switches_back() -> None:
-    from train_recipes.modeling import CAUSAL_ATTENTION, CausalFastPath, rows_are_packed
+    from train_recipes.attention import CAUSAL_ATTENTION, CausalFastPath, rows_are_packed
     from train_recipes.sft import token_sum_loss
 
     model = _tiny_llama()
@@ -130,7 +131,7 @@ def test_causal_fast_path_matches_transformers_sdpa_and_switches_back() -> None:
 
 
 def test_causal_fast_path_is_off_for_other_attention_implementations() -> None:
-    from train_recipes.modeling import CausalFastPath
+    from train_recipes.attention import CausalFastPath
 
     model = _tiny_llama()
     model.config._attn_implementation = "eager"

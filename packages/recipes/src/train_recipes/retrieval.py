@@ -26,7 +26,8 @@ import yaml
 from torch import Tensor, nn
 
 from train_recipes._dist import engine_dp_config, init_distributed
-from train_recipes.config import RetrievalConfig, RetrievalModelConfig, to_dict
+from train_recipes.config_loader import to_dict
+from train_recipes.config_retrieval import RetrievalConfig, RetrievalModelConfig
 from train_recipes.metrics import RunLogger, loss_plot_or_notice
 from train_recipes.schedule import build_lr_scheduler
 

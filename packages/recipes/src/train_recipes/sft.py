@@ -29,28 +29,22 @@ from train_recipes._dist import (
     init_distributed,
     process_group_timeout_s,
 )
-from train_recipes.config import SFTConfig, to_dict
+from train_recipes.attention import CausalFastPath, attention_path, rows_are_packed, sdpa_backends
+from train_recipes.config_loader import to_dict
+from train_recipes.config_sft import SFTConfig
 from train_recipes.evaluation import held_out_batches, held_out_loss
+from train_recipes.exact_match import exact_match_accuracy
 from train_recipes.health import (
     HangWatchdog,
     SkipTracker,
     default_store,
     engine_skip_warnings_replaced,
 )
+from train_recipes.hf_export import export_hf
 from train_recipes.metrics import RunLogger, StartupClock, loss_plot_or_notice
-from train_recipes.modeling import (
-    CausalFastPath,
-    attention_path,
-    exact_match_accuracy,
-    export_hf,
-    is_vlm,
-    load_processor,
-    rows_are_packed,
-    sdpa_backends,
-    tokenizer_of,
-    unwrap,
-)
+from train_recipes.modeling import is_vlm, unwrap
 from train_recipes.parallelize import build_parallel_model
+from train_recipes.processors import load_processor, tokenizer_of
 from train_recipes.run_folder import (
     CHECKPOINT_DIR,
     CONFIG_FILE,

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from train_recipes.config import SFTConfig
+from train_recipes.config_sft import SFTConfig
 
 if TYPE_CHECKING:
     from train_recipes._dist import RankContext
