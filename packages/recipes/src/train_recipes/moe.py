@@ -169,8 +169,8 @@ def build_groups(ctx: Any, ep: int) -> MoEGroups:
 def convert_model(model: nn.Module, groups: MoEGroups) -> Any:
     """Convert the HF sparse blocks in place; returns the ``ExpertShards`` (None when ep == 1).
 
-    The router-logit output of transformers is switched off (the converted layers have no HF
-    router; the recipe's own ``moe.aux_loss_coef`` replaces it).
+    The router-logit output of transformers is switched off: the recipe's own
+    ``moe.aux_loss_coef`` (scaled under the token-sum contract) replaces transformers' loss.
     """
     from moe_dispatch import AllToAllDispatcher, EqualizingDispatcher, convert_hf_moe
     from train_engine import ExpertShards
