@@ -81,6 +81,16 @@ def check_moe_config(config: Any, *, world_size: int) -> None:
     model_type, raw = read_model_type(config.model.path)
     supported = model_type in SUPPORTED_MODEL_TYPES
     uses_moe = ep > 1 or moe.aux_loss_coef > 0 or moe.z_loss_coef > 0
+    if supported and config.model.sharded_load:
+        # The meta-device load reads each rank's slices by the HF names into the distributed
+        # model; a converted model has other names and experts sliced over ep, and conversion
+        # itself copies the loaded HF weights.
+        raise ConfigError(
+            "model.sharded_load",
+            f"model_type {model_type!r} is converted to moe-dispatch layers after a full load; "
+            "the sharded (meta-device) load does not support MoE models: set "
+            "model.sharded_load=false (or leave it unset)",
+        )
     if moe.bias_update_rate > 0 and model_type != "deepseek_v3":
         raise ConfigError(
             "moe.bias_update_rate",
@@ -110,21 +120,6 @@ def check_moe_config(config: Any, *, world_size: int) -> None:
             raise ConfigError(
                 "parallel.ep",
                 f"ep={ep} does not divide the model's {experts} experts; pick ep dividing {experts}",
-            )
-        if config.train.checkpoint_every:
-            # The expert shards are plain tensors with the same names on every ep rank: the
-            # distributed checkpoint would keep one rank's experts only.
-            raise ConfigError(
-                "train.checkpoint_every",
-                "checkpoints of expert-parallel runs are not supported yet (each ep rank holds "
-                "different experts under the same names); set train.checkpoint_every=0 and keep "
-                "the HF export (train.export=true)",
-            )
-        if parallel.data_parallel != "fsdp2":
-            raise ConfigError(
-                "parallel.data_parallel",
-                "parallel.ep > 1 needs parallel.data_parallel=fsdp2 (the experts stay out of "
-                "FSDP2; DDP with expert shards is not supported)",
             )
     if config.lora.enabled:
         raise ConfigError("lora.enabled", "LoRA is not supported on converted MoE models")
@@ -195,6 +190,18 @@ def convert_model(model: nn.Module, groups: MoEGroups) -> Any:
     return ExpertShards(
         params=tuple(params), ep_group=groups.ep_group, replica_group=groups.replica_group
     )
+
+
+def convert_for_export(model: nn.Module) -> bool:
+    """Convert a supported MoE model in one process (ep=1) so an SFT checkpoint loads into it.
+
+    Checkpoints hold the converted layers' names; their experts, saved as shards over any ep
+    degree, load whole (the distributed checkpoint reshards them). Returns whether it converted.
+    """
+    if not is_convertible(model):
+        return False
+    convert_model(model, MoEGroups(ep=1, ep_group=None, replica_group=None))
+    return True
 
 
 def to_hf_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
