@@ -3,8 +3,8 @@
 A transformers MoE model of a supported family (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3) is
 converted after loading: each sparse block becomes an ``ExpertParallelMoE`` with the same
 weights. With ``parallel.ep`` > 1 each layer keeps E/ep experts and reaches the others through
-an all-to-all (with per-rank token equalization); the experts stay out of FSDP2 and the Engine
-syncs and clips them (``ExpertShards``).
+an all-to-all (with per-rank token equalization); the experts stay out of FSDP2 or DDP and the
+Engine syncs, clips and checkpoints them (``ExpertShards``).
 
 Expert-parallel groups: ``ep`` consecutive data-parallel ranks of the same (cp, tp) coordinate.
 The ranks holding the same experts (the replica group) are the other data-parallel blocks and
