@@ -70,6 +70,16 @@ def test_dp2_ep2_follows_ep1(
     )
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cp2_ep2_follows_ep1(rank_pool: object, demo_data: DemoSplit, tmp_path: Path) -> None:
+    """4 ranks, dp=2 x cp=2 with ep=2: each cp coordinate has its own ep group, and expert
+    gradients are summed over the cp ranks too."""
+    _ep2_follows_ep1(
+        rank_pool, demo_data, tmp_path, "qwen3_moe", world=4, data_parallel="fsdp2", cp=2
+    )
+
+
 def _ep2_follows_ep1(
     rank_pool: object,
     demo_data: DemoSplit,
@@ -78,6 +88,7 @@ def _ep2_follows_ep1(
     *,
     world: int,
     data_parallel: str,
+    cp: int = 1,
 ) -> None:
     model_dir = save_tiny_moe(kind, tmp_path / "model")
     runs = {}
@@ -85,13 +96,17 @@ def _ep2_follows_ep1(
         ranks = rank_pool.run(  # type: ignore[attr-defined]
             world,
             run_moe_sft_on_rank,
-            _overrides(demo_data, model_dir, tmp_path / f"ep{ep}", ep, data_parallel),
+            [
+                *_overrides(demo_data, model_dir, tmp_path / f"ep{ep}", ep, data_parallel),
+                f"parallel.cp={cp}",
+            ],
             PROBE,
             timeout_s=500,
         )
         runs[ep] = ranks[0]
-        if ep == 2:  # the two ranks of ep group 0 dispatched unequal token counts
-            assert ranks[0]["moe_tokens"] != ranks[1]["moe_tokens"], ranks[0]["moe_tokens"]
+        if ep == 2:  # rank 0 and its ep peer (the next dp rank) dispatched unequal token counts
+            peer = ranks[cp]
+            assert ranks[0]["moe_tokens"] != peer["moe_tokens"], ranks[0]["moe_tokens"]
     steps = list(range(1, STEPS + 1))
     a = torch.tensor([runs[1]["losses"][s] for s in steps], dtype=torch.float64)
     b = torch.tensor([runs[2]["losses"][s] for s in steps], dtype=torch.float64)
