@@ -48,12 +48,15 @@ class TinyExpertModel(nn.Module):
         rank: int,
         weights: dict[str, torch.Tensor],
         group: dist.ProcessGroup | None = None,
+        *,
+        blocks: bool = True,
     ) -> None:
         super().__init__()
         per_rank = EXPERTS // world  # world: the ep size, rank: the ep rank
         self.dense = nn.Linear(HIDDEN, HIDDEN, bias=False)
         self.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
-        self.layers = nn.ModuleList([self.dense, self.router])  # FSDP2 blocks
+        if blocks:  # FSDP2 blocks (the same modules under a second name)
+            self.layers = nn.ModuleList([self.dense, self.router])
         self.experts = nn.Parameter(weights["experts"][rank * per_rank : (rank + 1) * per_rank])
         self.world = world
         self.group = group
@@ -86,15 +89,9 @@ def make_tokens(seed: int, counts: list[int]) -> list[torch.Tensor]:
     return [torch.randn(n, HIDDEN, generator=g) for n in counts]
 
 
-def run(
-    rank: int, world: int, kind: str, counts: list[list[int]], seed: int, ep: int | None = None
-) -> dict[str, Any]:
-    """One SGD step, window len(counts[rank]), token-sum loss, clipping on; returns the update.
-
-    ``ep`` ranks (consecutive) split the experts; ranks ``e, e+ep, ...`` hold the same ones.
-    """
-    ep = world if ep is None else ep
-    weights = make_weights(seed)
+def _groups(rank: int, world: int, ep: int) -> tuple[Any, Any]:
+    """(ep group, replica group): ``ep`` consecutive ranks split the experts; ranks
+    ``e, e+ep, ...`` hold the same ones."""
     ep_group = replica_group = None
     for block in range(world // ep):  # every rank creates every group, in the same order
         group = dist.new_group(list(range(block * ep, (block + 1) * ep)))
@@ -105,14 +102,46 @@ def run(
         group = dist.new_group(members) if len(members) > 1 else None
         if rank in members:
             replica_group = group
-    model = TinyExpertModel(ep, rank % ep, weights, ep_group)
+    return ep_group, replica_group
+
+
+def _wrapped(
+    model: TinyExpertModel, world: int, kind: str, window: int, ep_group: Any, replica_group: Any
+) -> nn.Module:
     mesh = init_device_mesh("cpu", (world,))
     shards = ExpertShards(params=(model.experts,), ep_group=ep_group, replica_group=replica_group)
     config = DDPConfig() if kind == "ddp" else FSDP2Config()
-    window = len(counts[rank])
-    wrapped = apply_data_parallel(
+    return apply_data_parallel(
         model, mesh=mesh, config=config, gradient_accumulation_steps=window, expert_shards=shards
     )
+
+
+def _full_params(model: TinyExpertModel, ep: int, ep_group: Any) -> dict[str, torch.Tensor]:
+    full = {  # FSDP2 shards the dense parameters (DTensors); DDP replicates them
+        name: p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+        for name, p in model.named_parameters()
+        if name != "experts"
+    }
+    experts = [torch.empty_like(model.experts) for _ in range(ep)]
+    dist.all_gather(experts, model.experts.detach().contiguous(), group=ep_group)
+    full["experts"] = torch.cat(experts)
+    return {
+        k.replace("layers.0", "dense").replace("layers.1", "router"): v for k, v in full.items()
+    }
+
+
+def run(
+    rank: int, world: int, kind: str, counts: list[list[int]], seed: int, ep: int | None = None
+) -> dict[str, Any]:
+    """One SGD step, window len(counts[rank]), token-sum loss, clipping on; returns the update.
+
+    ``ep`` ranks (consecutive) split the experts; ranks ``e, e+ep, ...`` hold the same ones.
+    """
+    ep = world if ep is None else ep
+    ep_group, replica_group = _groups(rank, world, ep)
+    model = TinyExpertModel(ep, rank % ep, make_weights(seed), ep_group)
+    window = len(counts[rank])
+    wrapped = _wrapped(model, world, kind, window, ep_group, replica_group)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=1.0)
     engine = Engine(wrapped, optimizer, max_grad_norm=0.05, gradient_accumulation_steps=window)
     all_tokens = [make_tokens(seed + 1 + r, counts[r]) for r in range(world)]
@@ -124,14 +153,62 @@ def run(
         engine.backward(loss, num_tokens=num_tokens)
         result = engine.step()
     assert result is not None and result.updated
-    full = {name: p.full_tensor() for name, p in model.named_parameters() if name != "experts"}
-    experts = [torch.empty_like(model.experts) for _ in range(ep)]
-    dist.all_gather(experts, model.experts.detach().contiguous(), group=ep_group)
-    full["experts"] = torch.cat(experts)
-    full = {
-        k.replace("layers.0", "dense").replace("layers.1", "router"): v for k, v in full.items()
+    return {"params": _full_params(model, ep, ep_group), "norm": float(result.grad_norm)}
+
+
+def _adam_engine(
+    rank: int, world: int, kind: str, seed: int, ep: int, ep_group: Any, replica_group: Any
+) -> tuple[TinyExpertModel, Engine]:
+    # DDP: no second name for the dense modules (get_state_dict cannot reload a DDP model
+    # whose modules are registered twice, with or without experts).
+    blocks = kind == "fsdp2"
+    model = TinyExpertModel(ep, rank % ep, make_weights(seed), ep_group, blocks=blocks)
+    wrapped = _wrapped(model, world, kind, 1, ep_group, replica_group)
+    return model, Engine(wrapped, torch.optim.Adam(wrapped.parameters(), lr=0.1))
+
+
+def _expert_moments(model: TinyExpertModel, engine: Engine, ep: int, ep_group: Any) -> Any:
+    """Adam's exp_avg of the experts, gathered over the ep group: [E, H, H]."""
+    local = engine.optimizer.state[model.experts]["exp_avg"]
+    parts = [torch.empty_like(local) for _ in range(ep)]
+    dist.all_gather(parts, local.contiguous(), group=ep_group)
+    return torch.cat(parts)
+
+
+def save_and_reload(
+    rank: int, world: int, kind: str, seed: int, ep: int, directory: str
+) -> dict[str, Any]:
+    """Two Adam steps, save; a model built from other weights loads it. Returns the saved
+    parameters and expert moments, and those of the reloaded model (all gathered)."""
+    ep_group, replica_group = _groups(rank, world, ep)
+    model, engine = _adam_engine(rank, world, kind, seed, ep, ep_group, replica_group)
+    for step in range(2):
+        x = make_tokens(seed + 10 * step + rank, [3 + rank])[0]
+        engine.backward(engine(x).pow(2).sum(), num_tokens=engine.global_num_tokens(x.shape[0]))
+        assert engine.step().updated
+    engine.save_checkpoint(directory)
+    saved = _full_params(model, ep, ep_group), _expert_moments(model, engine, ep, ep_group)
+    fresh_model, fresh = _adam_engine(rank, world, kind, seed + 1, ep, ep_group, replica_group)
+    fresh.load_checkpoint(directory)
+    loaded = _full_params(fresh_model, ep, ep_group)
+    return {
+        "saved": saved[0],
+        "saved_moments": saved[1],
+        "loaded": loaded,
+        "loaded_moments": _expert_moments(fresh_model, fresh, ep, ep_group),
     }
-    return {"params": full, "norm": float(result.grad_norm)}
+
+
+def load_in_one_process(directory: str, seed: int, *, blocks: bool) -> dict[str, Any]:
+    """The checkpoint loaded without a process group into a model holding every expert."""
+    model = TinyExpertModel(1, 0, make_weights(seed), blocks=blocks)
+    engine = Engine(model, torch.optim.Adam(model.parameters(), lr=0.1))
+    engine.load_checkpoint(directory)
+    params = {
+        k.replace("layers.0", "dense").replace("layers.1", "router"): p.detach().clone()
+        for k, p in model.named_parameters()
+    }
+    return {"params": params, "moments": engine.optimizer.state[model.experts]["exp_avg"]}
 
 
 def reference(counts: list[list[int]], seed: int) -> dict[str, Any]:

@@ -144,21 +144,56 @@ def test_export_round_trip_gives_trained_logits(kind: str, tmp_path: Path) -> No
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_output_router_logits_points_to_own_loss() -> None:
-    model = tiny_causal_lm("qwen3_moe", seed=9)
-    convert_hf_moe(model)
-    ids = torch.randint(0, 64, (1, 5))
-    with pytest.raises(ValueError, match="load_balancing_loss"):
-        model(ids, output_router_logits=True)
-    model.config.output_router_logits = True
-    with pytest.raises(ValueError, match="output_router_logits=False"):
-        model(ids)
-    model.config.output_router_logits = False
-    with collect_routing(model) as routing:
-        model(ids)
-    assert len(routing) == 2 and routing[0].topk_ids.shape == (5, 2)
-    aux = sum(load_balancing_loss(r.probs, r.topk_ids) for r in routing)
-    assert torch.isfinite(torch.as_tensor(aux))
+@pytest.mark.parametrize("kind", FAMILIES)
+@pytest.mark.parametrize("record_before_convert", [False, True])
+def test_output_router_logits_equals_unconverted_model_float64(
+    kind: str, record_before_convert: bool
+) -> None:
+    """transformers' router_logits, aux_loss and loss (with its load-balancing term) and their
+    gradients are the same on the converted model as on the HF model with the same weights.
+    Also after a recording forward before the conversion (transformers' hooks already in)."""
+    import copy
+
+    hf = tiny_causal_lm(kind, seed=9).double().train()
+    hf.set_experts_implementation("eager")  # transformers' grouped_mm takes no float64
+    converted = copy.deepcopy(hf)
+    if record_before_convert:
+        with torch.no_grad():
+            converted(torch.zeros(1, 3, dtype=torch.long), output_router_logits=True)
+    assert convert_hf_moe(converted)
+    g = torch.Generator().manual_seed(10)
+    ids = torch.randint(0, 64, (2, 6), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0  # padding stays out of transformers' load-balancing loss
+    outs = []
+    for model in (hf, converted):
+        model.zero_grad()
+        out = model(ids, attention_mask=mask, labels=ids, output_router_logits=True)
+        out.loss.backward()
+        outs.append(out)
+    want, got = outs
+    assert len(got.router_logits) == len(want.router_logits) >= 1
+    for w_logits, g_logits in zip(want.router_logits, got.router_logits, strict=True):
+        assert g_logits.shape == w_logits.shape == (ids.numel(), w_logits.shape[-1])
+        torch.testing.assert_close(g_logits, w_logits, rtol=1e-12, atol=1e-12)
+    if getattr(want, "aux_loss", None) is not None:  # Qwen3-MoE, Mixtral (not DeepSeek-V3)
+        assert float(want.aux_loss) > 0
+        torch.testing.assert_close(got.aux_loss, want.aux_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-12, atol=1e-12)
+    hf_gates = [m.gate.weight for m in hf.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+    routers = [m.router.weight for m in converted.modules() if hasattr(m, "routing_sink")]
+    assert len(hf_gates) == len(routers) >= 1
+    for w_gate, g_router in zip(hf_gates, routers, strict=True):
+        assert w_gate.grad is not None and g_router.grad is not None
+        torch.testing.assert_close(g_router.grad, w_gate.grad, rtol=1e-10, atol=1e-12)
+    # The package's own losses stay available without transformers' flag.
+    with torch.no_grad(), collect_routing(converted) as routing:
+        plain = converted(ids)
+    assert getattr(plain, "router_logits", None) is None
+    assert routing and all(r.topk_ids.shape[0] == ids.numel() for r in routing)
+    assert torch.isfinite(
+        torch.as_tensor(sum(load_balancing_loss(r.probs, r.topk_ids) for r in routing))
+    )
 
 
 def test_unsupported_moe_block_is_rejected() -> None:

@@ -10,15 +10,20 @@ import torch
 
 
 def run_sft_on_rank(
-    rank: int, world_size: int, overrides: list[str], probe: list[list[int]]
+    rank: int,
+    world_size: int,
+    overrides: list[str],
+    probe: list[list[int]],
+    resume: bool = False,
 ) -> dict[str, Any]:
-    """Run the SFT recipe on this rank; rank 0 returns the logged losses and probe logits."""
+    """Run the SFT recipe on this rank (``resume``: from the output folder's newest checkpoint);
+    rank 0 returns the logged losses and probe logits."""
     from train_recipes.config import SFTConfig, load_config, validate_sft
     from train_recipes.sft import run_sft
 
     config = load_config(SFTConfig, None, overrides)
     validate_sft(config, world_size=world_size)
-    result = run_sft(config)
+    result = run_sft(config, resume=resume)
     # Every rank runs the probe forward: an FSDP2 model's forward is collective.
     with torch.no_grad():
         result.model.eval()

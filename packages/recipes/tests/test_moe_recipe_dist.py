@@ -1,15 +1,17 @@
-"""MoE models through the SFT recipe on 2 gloo ranks: ep=2 follows ep=1 (float32, unequal tokens
-per rank), the export loads with from_pretrained and gives the trained logits; bad ep rejected."""
+"""MoE models through the SFT recipe on gloo ranks: ep=2 follows ep=1 (float32, unequal tokens per
+rank, FSDP2 and DDP), an ep=2 checkpoint resumes exactly and exports in one process, the export
+loads with from_pretrained and gives the trained logits; bad ep rejected before launch."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from _moe_recipe_models import save_tiny_moe
-from _recipes_workers import run_sft_on_rank
+from _moe_recipe_workers import export_on_rank, run_moe_sft_on_rank
 from conftest import data_overrides
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
 from train_recipes.demo import DemoSplit
@@ -18,7 +20,9 @@ PROBE = [[3, 23, 24, 17, 25, 35, 5, 4], [3, 30, 31, 17, 22, 22, 35, 5]]
 STEPS = 4
 
 
-def _overrides(split: DemoSplit, model_dir: Path, out: Path, ep: int) -> list[str]:
+def _overrides(
+    split: DemoSplit, model_dir: Path, out: Path, ep: int, data_parallel: str = "fsdp2"
+) -> list[str]:
     return [
         *data_overrides(split),
         f"model.path={model_dir}",
@@ -30,11 +34,11 @@ def _overrides(split: DemoSplit, model_dir: Path, out: Path, ep: int) -> list[st
         "train.tensorboard=false",
         "train.device=cpu",
         "train.gradient_accumulation_steps=2",
-        "data.micro_batch_size=4",
+        "data.micro_batch_size=2",  # rows of unequal length: unequal tokens per ep rank
         "data.shuffle=false",
         "optim.lr=3e-3",
         "optim.warmup_steps=0",
-        "parallel.data_parallel=fsdp2",
+        f"parallel.data_parallel={data_parallel}",
         f"parallel.ep={ep}",
         "moe.aux_loss_coef=0.01",
         "moe.z_loss_coef=0.001",
@@ -43,33 +47,66 @@ def _overrides(split: DemoSplit, model_dir: Path, out: Path, ep: int) -> list[st
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize(
+    ("kind", "data_parallel"),
+    [("qwen3_moe", "fsdp2"), ("mixtral", "ddp"), ("deepseek_v3", "fsdp2")],
+)
 def test_ep2_follows_ep1_and_export_round_trips(
-    rank_pool: object, demo_data: DemoSplit, tmp_path: Path, kind: str
+    rank_pool: object, demo_data: DemoSplit, tmp_path: Path, kind: str, data_parallel: str
 ) -> None:
-    _ep2_follows_ep1(rank_pool, demo_data, tmp_path, kind, world=2)
+    _ep2_follows_ep1(rank_pool, demo_data, tmp_path, kind, world=2, data_parallel=data_parallel)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_dp4_ep2_follows_ep1(rank_pool: object, demo_data: DemoSplit, tmp_path: Path) -> None:
-    """4 ranks: two ep groups of 2, each expert on 2 ranks (gradients summed over replicas)."""
-    _ep2_follows_ep1(rank_pool, demo_data, tmp_path, "qwen3_moe", world=4)
+@pytest.mark.parametrize("data_parallel", ["fsdp2", "ddp"])
+def test_dp2_ep2_follows_ep1(
+    rank_pool: object, demo_data: DemoSplit, tmp_path: Path, data_parallel: str
+) -> None:
+    """4 ranks, dp=2 x ep=2: two ep groups of 2, each expert on 2 ranks (gradients summed over
+    replicas)."""
+    _ep2_follows_ep1(
+        rank_pool, demo_data, tmp_path, "qwen3_moe", world=4, data_parallel=data_parallel
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cp2_ep2_follows_ep1(rank_pool: object, demo_data: DemoSplit, tmp_path: Path) -> None:
+    """4 ranks, dp=2 x cp=2 with ep=2: each cp coordinate has its own ep group, and expert
+    gradients are summed over the cp ranks too."""
+    _ep2_follows_ep1(
+        rank_pool, demo_data, tmp_path, "qwen3_moe", world=4, data_parallel="fsdp2", cp=2
+    )
 
 
 def _ep2_follows_ep1(
-    rank_pool: object, demo_data: DemoSplit, tmp_path: Path, kind: str, *, world: int
+    rank_pool: object,
+    demo_data: DemoSplit,
+    tmp_path: Path,
+    kind: str,
+    *,
+    world: int,
+    data_parallel: str,
+    cp: int = 1,
 ) -> None:
     model_dir = save_tiny_moe(kind, tmp_path / "model")
     runs = {}
     for ep in (1, 2):
-        runs[ep] = rank_pool.run(  # type: ignore[attr-defined]
+        ranks = rank_pool.run(  # type: ignore[attr-defined]
             world,
-            run_sft_on_rank,
-            _overrides(demo_data, model_dir, tmp_path / f"ep{ep}", ep),
+            run_moe_sft_on_rank,
+            [
+                *_overrides(demo_data, model_dir, tmp_path / f"ep{ep}", ep, data_parallel),
+                f"parallel.cp={cp}",
+            ],
             PROBE,
             timeout_s=500,
-        )[0]
+        )
+        runs[ep] = ranks[0]
+        if ep == 2:  # rank 0 and its ep peer (the next dp rank) dispatched unequal token counts
+            peer = ranks[cp]
+            assert ranks[0]["moe_tokens"] != peer["moe_tokens"], ranks[0]["moe_tokens"]
     steps = list(range(1, STEPS + 1))
     a = torch.tensor([runs[1]["losses"][s] for s in steps], dtype=torch.float64)
     b = torch.tensor([runs[2]["losses"][s] for s in steps], dtype=torch.float64)
@@ -78,13 +115,45 @@ def _ep2_follows_ep1(
     for name in ("moe/tokens_per_expert_min", "moe/tokens_per_expert_cv"):
         assert runs[2]["metrics"][name] == pytest.approx(runs[1]["metrics"][name], rel=1e-6)
     torch.testing.assert_close(runs[2]["logits"], runs[1]["logits"], rtol=1e-4, atol=1e-5)
+    _assert_export_gives(runs[2]["export_dir"], runs[2]["logits"], kind)
+
+
+def _assert_export_gives(export_dir: str, want: torch.Tensor, kind: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    exported = AutoModelForCausalLM.from_pretrained(runs[2]["export_dir"]).eval()
+    exported = AutoModelForCausalLM.from_pretrained(export_dir).eval()
     assert type(exported).__name__.lower().startswith(kind.split("_")[0])
     with torch.no_grad():
         logits = exported(input_ids=torch.tensor(PROBE)).logits
-    torch.testing.assert_close(logits, runs[2]["logits"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(500)
+def test_ep2_checkpoint_resumes_exactly_and_exports_in_one_process(
+    rank_pool: object, demo_data: DemoSplit, tmp_path: Path
+) -> None:
+    """ep=2 saves each rank's experts: resuming at step 2 gives the uninterrupted run's losses
+    and weights, and `train-recipes export` (one process, all experts) its logits."""
+    model_dir = save_tiny_moe("qwen3_moe", tmp_path / "model")
+    out = tmp_path / "run"
+    overrides = [
+        *_overrides(demo_data, model_dir, out, 2),
+        "train.checkpoint_every=2",
+        "train.export=false",
+    ]
+    run = rank_pool.run  # type: ignore[attr-defined]
+    whole = run(2, run_moe_sft_on_rank, overrides, PROBE, False, timeout_s=400)[0]
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000002", "step_000004"]
+    exported = run(1, export_on_rank, str(checkpoints / "step_000004"), str(tmp_path / "hf"))[0]
+    _assert_export_gives(exported, whole["logits"], "qwen3_moe")
+    shutil.rmtree(checkpoints / "step_000004")  # as if killed after step 2's save
+    resumed = run(2, run_moe_sft_on_rank, overrides, PROBE, True, timeout_s=400)[0]
+    later = [3, 4]
+    a = torch.tensor([whole["losses"][s] for s in later], dtype=torch.float64)
+    b = torch.tensor([resumed["losses"][s] for s in later], dtype=torch.float64)
+    torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=lambda m: f"{a}\n{b}\n{m}")
+    torch.testing.assert_close(resumed["logits"], whole["logits"], rtol=1e-5, atol=1e-6)
 
 
 def test_bad_ep_is_rejected_before_launch(tmp_path: Path, demo_data: DemoSplit) -> None:
@@ -96,18 +165,15 @@ def test_bad_ep_is_rejected_before_launch(tmp_path: Path, demo_data: DemoSplit) 
             validate_sft(config, world_size=world)
         assert err.value.key == key
 
-    base = [f"model.path={model_dir}", "parallel.data_parallel=fsdp2", "train.checkpoint_every=0"]
+    base = [f"model.path={model_dir}", "parallel.data_parallel=fsdp2"]
     check([*base, "parallel.ep=3"], 3, "parallel.ep", "4 experts")
     check([*base, "parallel.ep=2"], 3, "parallel.ep", "data-parallel size 3")
-    check(
-        [*base[:1], "parallel.ep=2", "train.checkpoint_every=0"],
-        2,
-        "parallel.data_parallel",
-        "fsdp2",
-    )
-    check([*base[:2], "parallel.ep=2"], 2, "train.checkpoint_every", "not supported yet")
+    check([*base, "parallel.ep=2", "parallel.cp=2"], 2, "parallel.ep", "data-parallel size 1")
     check([*base[1:], "parallel.ep=2"], 2, "parallel.ep", "no MoE layers")
     check([*base, "moe.bias_update_rate=0.001"], 2, "moe.bias_update_rate", "sigmoid routing")
+    check([*base, "model.sharded_load=true"], 2, "model.sharded_load", "does not support MoE")
+    check([*base, "parallel.ep=2", "lora.enabled=true"], 2, "lora.enabled", "LoRA")
+    check([*base, "parallel.ep=2", "parallel.tp=2"], 4, "parallel.tp", "no tensor-parallel plan")
     other = tmp_path / "olmoe"
     other.mkdir()
     (other / "config.json").write_text('{"model_type": "olmoe", "num_experts": 4}')
@@ -117,3 +183,16 @@ def test_bad_ep_is_rejected_before_launch(tmp_path: Path, demo_data: DemoSplit) 
         "parallel.ep",
         "without conversion support",
     )
+    for data_parallel in ("fsdp2", "ddp"):  # checkpoints and DDP with ep > 1 are accepted
+        config = load_config(
+            SFTConfig,
+            None,
+            [
+                *data_overrides(demo_data),
+                f"model.path={model_dir}",
+                f"parallel.data_parallel={data_parallel}",
+                "parallel.ep=2",
+                "train.checkpoint_every=2",
+            ],
+        )
+        validate_sft(config, world_size=2)

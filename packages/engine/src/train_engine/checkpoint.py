@@ -45,6 +45,7 @@ from train_engine._checksums import (
     mismatches,
 )
 from train_engine._rng import rng_state, set_rng_state
+from train_engine.expert_parallel import checkpoint_views
 
 __all__ = [
     "CheckpointCorruptError",
@@ -218,7 +219,8 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    # Expert-parallel shards become DTensors over the ep group: every rank's experts are kept.
+    model_state, optim_state = checkpoint_views(model, *get_state_dict(model, optimizer))
     dcp.save(
         {"model": model_state, "optim": optim_state},
         checkpoint_id=str(tmp / _DCP_DIR),
@@ -402,10 +404,12 @@ def load_checkpoint(
     if meta["lr_scheduler"] is None and lr_scheduler is not None:
         raise ValueError(f"the checkpoint at {path} holds no scheduler state to load")
     model_state, optim_state = get_state_dict(model, optimizer)
-    # DCP loads in place into the tensors of these dicts.
+    # DCP loads in place into the tensors of these dicts (expert shards through DTensor views
+    # of the same storage, resharded from whatever ep layout saved them).
+    model_view, optim_view = checkpoint_views(model, model_state, optim_state)
     try:
         dcp.load(
-            {"model": model_state, "optim": optim_state},
+            {"model": model_view, "optim": optim_view},
             checkpoint_id=str(path / _DCP_DIR),
             no_dist=not _distributed(),
         )

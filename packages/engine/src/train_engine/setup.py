@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from train_engine.expert_parallel import ExpertShards, attach
+from train_engine.expert_parallel import ExpertShards, attach, ddp_ignored_names
 
 __all__ = ["DDPConfig", "DTypeName", "FSDP2Config", "apply_data_parallel"]
 
@@ -125,8 +125,9 @@ def apply_data_parallel(
             wrappers do not support (DDP ``static_graph`` with accumulation).
         block_types: module classes sharded as one FSDP2 unit each; None picks the children of
             the largest ``nn.ModuleList`` (the transformer blocks of common model layouts).
-        expert_shards: expert-parallel parameters to leave out of the wrapper (DDP ignores
-            them, FSDP2 does not shard them); the Engine syncs and clips them instead.
+        expert_shards: expert-parallel parameters to leave out of the wrapper (DDP does not
+            broadcast or all-reduce them, FSDP2 does not shard them); the Engine syncs and
+            clips them instead.
 
     Returns:
         The DDP wrapper, or ``model`` itself (``fully_shard`` works in place) for FSDP2.
@@ -141,13 +142,6 @@ def apply_data_parallel(
         owned = {id(p) for p in model.parameters()}
         if any(id(p) not in owned for p in ignored):
             raise ValueError("expert_shards holds parameters that are not the model's")
-    if expert_shards is not None and isinstance(config, DDPConfig):
-        # In the gloo test, the expert gradients that arrive through the all-to-all backward
-        # came out wrong under DDP (right without it and under FSDP2); not supported until
-        # that is understood.
-        raise NotImplementedError(
-            "expert_shards with DDPConfig is not supported; use FSDP2Config for expert parallelism"
-        )
     wrapped: nn.Module
     if isinstance(config, DDPConfig):
         wrapped = _apply_ddp(
@@ -212,8 +206,9 @@ def _apply_ddp(
     if config.bucket_cap_mb is not None:
         kwargs["bucket_cap_mb"] = config.bucket_cap_mb
     if ignored:
-        names = [name for name, p in model.named_parameters() if p in ignored]
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, ddp_ignored_names(model, ignored)
+        )
     return DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,

@@ -153,7 +153,32 @@ def from_hf_moe_block(
         "shared": shared_name if shared is not None else None,
         "transposed": transposed,
     }
+    gate_class: type[nn.Module] = type(block.get_submodule("gate"))
+    moe.router_logits_relay = _relay_class(gate_class)()
     return moe
+
+
+class _RouterLogitsRelay(nn.Module):
+    """Hands the router logits of a converted layer to transformers' output recorder.
+
+    transformers 5.x collects ``router_logits`` (for ``output_router_logits=True`` and its
+    load-balancing loss) with forward hooks on the modules of its router class, taking output
+    0. A converted layer has no such router, so each keeps one of these: a weightless module
+    of a subclass of the HF router class (see :func:`_relay_class`), called with the layer's
+    [T, E] logits, whose output 0 is those logits. Without an active recorder it does nothing.
+    """
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)  # not the HF router's __init__: no weights, no config
+
+    def forward(self, logits: Tensor) -> tuple[Tensor, None, None]:
+        """[T, E] -> ([T, E], None, None), the HF routers' (logits, scores, indices) shape."""
+        return logits, None, None
+
+
+def _relay_class(router_class: type[nn.Module]) -> type[nn.Module]:
+    """A relay class whose instances are instances of ``router_class`` (the HF router's)."""
+    return type(f"{router_class.__name__}LogitsRelay", (_RouterLogitsRelay, router_class), {})
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -177,10 +202,11 @@ def convert_hf_moe(
     blocks outside :data:`SUPPORTED_BLOCKS` raise before anything is replaced. Its layer id is
     the decoder-layer index in its name (``...layers.<i>.mlp``).
 
-    A converted model has no HF router modules, so transformers cannot collect
-    ``router_logits``: calling it with ``output_router_logits=True`` (or a config that sets
-    it) raises a ValueError that points to :func:`moe_dispatch.load_balancing_loss` and
-    :func:`moe_dispatch.collect_routing`.
+    ``output_router_logits=True`` keeps working on the converted model: each layer hands its
+    [T, E] router logits to transformers' recorder, so ``router_logits`` has transformers'
+    shape and transformers' ``aux_loss`` (and the loss it adds under ``labels``) are computed
+    as on the unconverted model. The package's own losses (:func:`collect_routing`,
+    :func:`load_balancing_loss`) need no transformers.
 
     Args:
         model: a transformers model (or a pipeline part of one).
@@ -214,25 +240,28 @@ def convert_hf_moe(
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
         layer_ids.append(layer_id)
-    if layer_ids and not getattr(model, "_moe_dispatch_router_logits_guard", False):
-        model.register_forward_pre_hook(_reject_router_logits, with_kwargs=True)
-        model._moe_dispatch_router_logits_guard = True  # type: ignore[assignment]
+        if new.router_logits_relay is not None:
+            _hook_if_recorder_installed(model, new.router_logits_relay)
     return layer_ids
 
 
-def _reject_router_logits(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    flag = kwargs.get("output_router_logits")
-    if flag is None:
-        flag = getattr(getattr(module, "config", None), "output_router_logits", False)
-    if flag:
-        raise ValueError(
-            "output_router_logits=True on a model converted by moe_dispatch.convert_hf_moe: "
-            "its MoE layers have no transformers router modules, so transformers cannot "
-            "collect router_logits for its load-balancing loss. Pass output_router_logits=False "
-            "(and set model.config.output_router_logits=False), and add the package's own loss: "
-            "collect each layer's routing with moe_dispatch.collect_routing(model) and sum "
-            "moe_dispatch.load_balancing_loss(r.probs, r.topk_ids) over the layers"
-        )
+def _hook_if_recorder_installed(model: nn.Module, relay: nn.Module) -> None:
+    """Give ``relay`` transformers' recording hook when the model already installed its hooks.
+
+    transformers installs them lazily, on the first forward that records an output, and marks
+    the model; modules added afterwards (by a conversion after such a forward) would be missed.
+    """
+    if not any(getattr(m, "_output_capturing_hooks_installed", False) for m in model.modules()):
+        return
+    try:
+        from transformers.utils.output_capturing import install_output_capuring_hook
+    except ImportError as err:  # another transformers layout: no way to hook in afterwards
+        raise RuntimeError(
+            "this model recorded outputs (output_router_logits / output_hidden_states) before "
+            "convert_hf_moe, and this transformers version offers no way to hook the converted "
+            "layers into that recorder; convert the model before its first such forward"
+        ) from err
+    install_output_capuring_hook(relay, "router_logits", 0)
 
 
 @torch.no_grad()

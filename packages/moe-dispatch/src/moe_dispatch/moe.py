@@ -227,6 +227,9 @@ class ExpertParallelMoE(nn.Module):
         self.hf_layout: dict[str, Any] | None = None
         #: Set by :func:`moe_dispatch.collect_routing`: receives each forward's RouterOutput.
         self.routing_sink: list[RouterOutput] | None = None
+        #: Set by the HF converter: called with each forward's [T, E] router logits, so that
+        #: transformers' ``output_router_logits`` hooks record them (see ``hf.py``).
+        self.router_logits_relay: nn.Module | None = None
 
     @property
     def local_experts(self) -> range:
@@ -302,6 +305,8 @@ class ExpertParallelMoE(nn.Module):
         if self.routing_sink is not None and torch._C._current_graph_task_id() == -1:
             # Not during backward: a checkpoint recompute must not be collected twice.
             self.routing_sink.append(routing)
+        if self.router_logits_relay is not None:
+            self.router_logits_relay(routing.logits)
         expert_input, counts, handle = self.dispatcher.dispatch(
             x, routing.topk_ids, routing.topk_weights
         )

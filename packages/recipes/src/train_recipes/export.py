@@ -57,6 +57,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None)
     from train_recipes._dist import init_distributed
     from train_recipes.hf_export import export_hf
     from train_recipes.modeling import apply_lora, build_model
+    from train_recipes.moe import convert_for_export
     from train_recipes.processors import load_processor
 
     given = Path(checkpoint)
@@ -80,6 +81,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None)
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "tokenizer")
     torch.manual_seed(config.train.seed)
     model = apply_lora(build_model(config, tokenizer), config)
+    convert_for_export(model)  # a MoE run's checkpoint holds the converted layers
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.optim.lr)
     engine = Engine(model, optimizer)
     ckpt = _load_newest(engine, candidates)

@@ -3,8 +3,8 @@
 A transformers MoE model of a supported family (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3) is
 converted after loading: each sparse block becomes an ``ExpertParallelMoE`` with the same
 weights. With ``parallel.ep`` > 1 each layer keeps E/ep experts and reaches the others through
-an all-to-all (with per-rank token equalization); the experts stay out of FSDP2 and the Engine
-syncs and clips them (``ExpertShards``).
+an all-to-all (with per-rank token equalization); the experts stay out of FSDP2 or DDP and the
+Engine syncs, clips and checkpoints them (``ExpertShards``).
 
 Expert-parallel groups: ``ep`` consecutive data-parallel ranks of the same (cp, tp) coordinate.
 The ranks holding the same experts (the replica group) are the other data-parallel blocks and
@@ -86,6 +86,16 @@ def check_moe_config(config: SFTConfig, *, world_size: int) -> None:
     model_type, raw = read_model_type(config.model.path)
     supported = model_type in SUPPORTED_MODEL_TYPES
     uses_moe = ep > 1 or moe.aux_loss_coef > 0 or moe.z_loss_coef > 0
+    if supported and config.model.sharded_load:
+        # The meta-device load reads each rank's slices by the HF names into the distributed
+        # model; a converted model has other names and experts sliced over ep, and conversion
+        # itself copies the loaded HF weights.
+        raise ConfigError(
+            "model.sharded_load",
+            f"model_type {model_type!r} is converted to moe-dispatch layers after a full load; "
+            "the sharded (meta-device) load does not support MoE models: set "
+            "model.sharded_load=false (or leave it unset)",
+        )
     if moe.bias_update_rate > 0 and model_type != "deepseek_v3":
         raise ConfigError(
             "moe.bias_update_rate",
@@ -115,21 +125,6 @@ def check_moe_config(config: SFTConfig, *, world_size: int) -> None:
             raise ConfigError(
                 "parallel.ep",
                 f"ep={ep} does not divide the model's {experts} experts; pick ep dividing {experts}",
-            )
-        if config.train.checkpoint_every:
-            # The expert shards are plain tensors with the same names on every ep rank: the
-            # distributed checkpoint would keep one rank's experts only.
-            raise ConfigError(
-                "train.checkpoint_every",
-                "checkpoints of expert-parallel runs are not supported yet (each ep rank holds "
-                "different experts under the same names); set train.checkpoint_every=0 and keep "
-                "the HF export (train.export=true)",
-            )
-        if parallel.data_parallel != "fsdp2":
-            raise ConfigError(
-                "parallel.data_parallel",
-                "parallel.ep > 1 needs parallel.data_parallel=fsdp2 (the experts stay out of "
-                "FSDP2; DDP with expert shards is not supported)",
             )
     if config.lora.enabled:
         raise ConfigError("lora.enabled", "LoRA is not supported on converted MoE models")
@@ -174,8 +169,8 @@ def build_groups(ctx: RankContext, ep: int) -> MoEGroups:
 def convert_model(model: nn.Module, groups: MoEGroups) -> ExpertShards | None:
     """Convert the HF sparse blocks in place; returns the ``ExpertShards`` (None when ep == 1).
 
-    The router-logit output of transformers is switched off (the converted layers have no HF
-    router; the recipe's own ``moe.aux_loss_coef`` replaces it).
+    The router-logit output of transformers is switched off: the recipe's own
+    ``moe.aux_loss_coef`` (scaled under the token-sum contract) replaces transformers' loss.
     """
     from moe_dispatch import AllToAllDispatcher, EqualizingDispatcher, convert_hf_moe
     from train_engine import ExpertShards
@@ -200,6 +195,18 @@ def convert_model(model: nn.Module, groups: MoEGroups) -> ExpertShards | None:
     return ExpertShards(
         params=tuple(params), ep_group=groups.ep_group, replica_group=groups.replica_group
     )
+
+
+def convert_for_export(model: nn.Module) -> bool:
+    """Convert a supported MoE model in one process (ep=1) so an SFT checkpoint loads into it.
+
+    Checkpoints hold the converted layers' names; their experts, saved as shards over any ep
+    degree, load whole (the distributed checkpoint reshards them). Returns whether it converted.
+    """
+    if not is_convertible(model):
+        return False
+    convert_model(model, MoEGroups(ep=1, ep_group=None, replica_group=None))
+    return True
 
 
 def to_hf_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
