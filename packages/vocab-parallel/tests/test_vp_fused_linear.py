@@ -282,3 +282,28 @@ def test_in_place_backward_twice_raises_and_sliced_logits_are_written() -> None:
     ref_log_probs(ref[:, :-1], labels, 1.0, IGNORE).sum().backward()
     assert logits.grad is not None
     torch.testing.assert_close(logits.grad.double(), ref.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_autocast_runs_in_its_dtype_and_returns_fp32_gradients() -> None:
+    """fp32 master weights under bf16 autocast (as Megatron's and AMP loops call it).
+
+    The loss equals the same call on operands cast to bf16 by hand, and the fp32 leaves
+    receive fp32 gradients equal to the bf16 call's, upcast.
+    """
+    hidden, weight, labels = _inputs(torch.float32, 6)
+    h32, w32 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = vp.linear_cross_entropy(h32, w32, labels, reduction="sum")
+    loss.backward()
+    h16 = hidden.to(torch.bfloat16).requires_grad_()
+    w16 = weight.to(torch.bfloat16).requires_grad_()
+    by_hand = vp.linear_cross_entropy(h16, w16, labels, reduction="sum")
+    by_hand.backward()
+    assert h32.grad is not None and w32.grad is not None
+    assert h16.grad is not None and w16.grad is not None
+    assert h32.grad.dtype == torch.float32 and w32.grad.dtype == torch.float32
+    torch.testing.assert_close(loss.float(), by_hand.float(), rtol=0, atol=0)
+    torch.testing.assert_close(h32.grad, h16.grad.float(), rtol=0, atol=0)
+    torch.testing.assert_close(w32.grad, w16.grad.float(), rtol=0, atol=0)
+    ref = -ref_log_probs(hidden.double() @ weight.double().T, labels, 1.0, IGNORE).sum()
+    assert abs(loss.item() - ref.item()) <= 2e-2 * max(1.0, abs(ref.item()))

@@ -12,6 +12,7 @@ backward: four matmuls).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Literal
 
 import torch
@@ -67,6 +68,17 @@ def _fused_loss(
     else:
         flat_coef = flat_hidden.new_full((n,), float(coefficients), dtype=torch.float32)
     local_weight = shard.local
+    # Under autocast the Function's matmuls would run in the autocast dtype while its buffers
+    # follow the inputs' dtypes (an out= of the wrong dtype): cast the operands once here, as
+    # autocast would, and run the Function with autocast off. The casts are differentiable, so
+    # fp32 master weights still receive fp32 gradients.
+    device_type = flat_hidden.device.type
+    autocast_off: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+        flat_hidden = flat_hidden.to(compute_dtype)
+        local_weight = local_weight.to(compute_dtype)
+        autocast_off = torch.autocast(device_type, enabled=False)
     grad_enabled = torch.is_grad_enabled()
     need_weight = grad_enabled and local_weight.requires_grad
     fp32_accumulator_width = 0
@@ -90,17 +102,18 @@ def _fused_loss(
         backend=_resolve_backend(backend, flat_hidden),
     )
     flat_labels = labels.reshape(-1)
-    loss, log_p = FusedLinearLoss.apply(
-        flat_hidden,
-        local_weight,
-        flat_labels,
-        flat_coef,
-        plan,
-        grad_enabled and flat_hidden.requires_grad,
-        need_weight,
-        bool(fp32_logits),
-        bool(fp32_weight_grad),
-    )
+    with autocast_off:
+        loss, log_p = FusedLinearLoss.apply(
+            flat_hidden,
+            local_weight,
+            flat_labels,
+            flat_coef,
+            plan,
+            grad_enabled and flat_hidden.requires_grad,
+            need_weight,
+            bool(fp32_logits),
+            bool(fp32_weight_grad),
+        )
     return loss, log_p.view(batch_shape), (labels != ignore_index)
 
 
