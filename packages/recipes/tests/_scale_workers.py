@@ -13,12 +13,14 @@ IMAGE_PAD, VISION_START, VISION_END = 98, 99, 100
 
 
 def tiny_hf_model(kind: str, *, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
-    """A random-init transformers model of ``kind`` ("llama", "qwen3", "qwen2_5_vl")."""
+    """A random-init transformers model of ``kind`` ("llama", "qwen2", "qwen3", "qwen2_5_vl")."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
+        Qwen2Config,
+        Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
     )
@@ -36,6 +38,10 @@ def tiny_hf_model(kind: str, *, dtype: torch.dtype = torch.float64) -> torch.nn.
     if kind == "llama":
         model = LlamaForCausalLM(
             LlamaConfig(**common, tie_word_embeddings=False, attn_implementation="sdpa")
+        )
+    elif kind == "qwen2":  # q/k/v projections with biases (sharded with their outputs)
+        model = Qwen2ForCausalLM(
+            Qwen2Config(**common, tie_word_embeddings=False, attn_implementation="sdpa")
         )
     elif kind == "qwen3":
         model = Qwen3ForCausalLM(
@@ -119,8 +125,11 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def tp_loss_and_grads(rank: int, world_size: int, kind: str, model_dir: str) -> dict[str, Any]:
-    """Load the saved model (float64), shard it over tp=world, one forward and backward."""
+def tp_loss_and_grads(
+    rank: int, world_size: int, kind: str, model_dir: str, sequence_parallel: bool = False
+) -> dict[str, Any]:
+    """Load the saved model (float64), shard it over tp=world (with sequence-parallel norms
+    or not), one forward and backward."""
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -129,18 +138,19 @@ def tp_loss_and_grads(rank: int, world_size: int, kind: str, model_dir: str) -> 
     auto = AutoModelForImageTextToText if kind == "qwen2_5_vl" else AutoModelForCausalLM
     model = auto.from_pretrained(model_dir, dtype=torch.float64)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    apply_tensor_parallel(model, mesh)
+    apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
+    layer = model.get_submodule("model.language_model" if kind == "qwen2_5_vl" else "model").layers[
+        0
+    ]
+    residual_lengths: list[int] = []  # the residual stream's local length after layer 0
+    layer.register_forward_hook(lambda _m, _a, out: residual_lengths.append(out.shape[1]))
     loss = token_sum_loss_of(model, batch_for(kind))
     loss.backward()
-    local_q = (
-        model.get_submodule("model.language_model" if kind == "qwen2_5_vl" else "model")
-        .layers[0]
-        .self_attn.q_proj.weight.to_local()
-    )
     return {
         "loss": float(loss.detach()),
         "grads": full_grads(model),
-        "local_q_rows": local_q.shape[0],
+        "local_q_rows": layer.self_attn.q_proj.weight.to_local().shape[0],
+        "residual_length": residual_lengths[0],
     }
 
 

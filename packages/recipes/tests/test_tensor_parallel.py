@@ -23,13 +23,17 @@ def _auto(kind: str) -> Any:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2_5_vl"])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen2_5_vl"])
 def test_tp2_loss_and_gradients_equal_single_process(
-    rank_pool: Any, kind: str, tmp_path: Path
+    rank_pool: Any, kind: str, sequence_parallel: bool, tmp_path: Path
 ) -> None:
-    """Llama untied; Qwen3 tied with per-head q/k norms; Qwen2.5-VL tied, with an image."""
+    """Llama untied; Qwen2 with q/k/v biases; Qwen3 tied with per-head q/k norms; Qwen2.5-VL
+    tied, with an image merged into the embeddings before the sequence is split."""
     model_dir = save_tiny(kind, tmp_path / kind)
-    results = rank_pool.run(2, tp_loss_and_grads, kind, str(model_dir), timeout_s=240)
+    results = rank_pool.run(
+        2, tp_loss_and_grads, kind, str(model_dir), sequence_parallel, timeout_s=240
+    )
 
     # Reference: the same folder in one process, float64, plain cross-entropy.
     reference = _auto(kind).from_pretrained(model_dir, dtype=torch.float64)
@@ -44,6 +48,8 @@ def test_tp2_loss_and_gradients_equal_single_process(
     heads_rows = 4 * 16  # 4 query heads of 16
     for rank, result in enumerate(results):
         assert result["local_q_rows"] == heads_rows // 2, "q_proj is not sharded over heads"
+        # Sequence parallel: each rank keeps half of the 12 positions between the blocks.
+        assert result["residual_length"] == (6 if sequence_parallel else 12), result
         assert result["loss"] == pytest.approx(float(loss.detach()), rel=1e-6), rank
         ref_grads = {n: p.grad for n, p in reference.named_parameters()}
         assert result["grads"].keys() == ref_grads.keys()
