@@ -358,14 +358,20 @@ def lora_model(seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def lora_tp_loss_and_grads(rank: int, world_size: int) -> dict[str, Any]:
+def lora_tp_loss_and_grads(
+    rank: int, world_size: int, sequence_parallel: bool = False
+) -> dict[str, Any]:
     """The LoRA model sharded over tp=world: loss and the adapters' full gradients."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from train_recipes.tensor_parallel import apply_tensor_parallel
 
     model = lora_model()
-    apply_tensor_parallel(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)))
+    apply_tensor_parallel(
+        model,
+        init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)),
+        sequence_parallel=sequence_parallel,
+    )
     loss = token_sum_loss_of(model, batch_for("llama"))
     loss.backward()
     grads = {}

@@ -226,6 +226,8 @@ def apply_tensor_parallel(
     embed = text.get_submodule("embed_tokens")
     head = _get(base, plan.lm_head)
     tied = head.weight is embed.weight
+    # SequenceParallel re-creates parameters as trainable; LoRA's frozen norms must stay frozen.
+    frozen = {name for name, param in base.named_parameters() if not param.requires_grad}
     # Sequence parallel: row-parallel outputs are reduce-scattered over the sequence (Shard(1),
     # returned as the local [B, S/tp, H]) instead of all-reduced.
     rowwise_out = Shard(1) if sequence_parallel else Replicate()
@@ -320,6 +322,9 @@ def apply_tensor_parallel(
     )
     if tied:
         head.weight = embed.weight
+    for name, param in base.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
     logger.info(
         "tensor parallel over tp=%d%s: %d layers, embedding and output projection over V%s",
         tp,
