@@ -381,3 +381,45 @@ def lora_tp_loss_and_grads(
             grad = param.grad
             grads[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
     return {"loss": float(loss.detach()), "grads": grads}
+
+
+def packed_loss_and_grads_with_checkpointing(rank: int, world_size: int, cp: int) -> dict[str, Any]:
+    """The packing tests' rows (several documents per row, padding) through cp-sharder at
+    ``cp`` and the recipe's token-sum loss, with every decoder layer checkpointed and without;
+    the cp ranks' losses and gradients summed (as FSDP2 over the replica would)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from _packing_workers import packed_batch, reference_loss, tiny_model
+    from cp_sharder import ContextParallelSharder
+    from train_recipes.checkpointing import apply_activation_checkpointing
+    from train_recipes.sft import token_sum_loss
+
+    batch, rows = packed_batch("llama")
+    mesh = init_device_mesh("cpu", (world_size // cp, cp), mesh_dim_names=("dp", "cp"))
+    out: dict[str, Any] = {}
+    for checkpointed in (False, True):
+        model = tiny_model("llama")
+        if checkpointed:
+            apply_activation_checkpointing(model)
+        sharder = ContextParallelSharder(model, mesh["cp"], padding_token_id=0)
+        loss = token_sum_loss(model, batch, sharder=sharder)
+        loss.backward()  # outside train_ctx, as the Engine's backward is
+        total = loss.detach().clone()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        if cp > 1:
+            group = mesh["cp"].get_group()
+            dist.all_reduce(total, group=group)
+            for grad in grads.values():
+                dist.all_reduce(grad, group=group)
+        out["ac" if checkpointed else "plain"] = {"loss": total, "grads": grads}
+    if rank != 0:
+        return {}
+    reference = tiny_model("llama")
+    ref_loss = reference_loss(reference, rows, vlm=False)
+    ref_loss.backward()
+    out["reference"] = {
+        "loss": ref_loss.detach(),
+        "grads": {n: p.grad for n, p in reference.named_parameters() if p.grad is not None},
+    }
+    return out

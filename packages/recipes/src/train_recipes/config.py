@@ -605,15 +605,6 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
             f"{'a vision model_family (qwen2_5_vl)' if data.demo == 'shapes' else 'model_family text'}"
             f", got {data.model_family!r}",
         )
-    if model.activation_checkpointing and (data.packing or config.parallel.cp > 1):
-        # The sharder's attention context covers the forward only; a checkpointed layer's
-        # recomputation in backward would run the model's own attention (wrong gradients).
-        raise ConfigError(
-            "model.activation_checkpointing",
-            "activation checkpointing does not combine with cp-sharder's attention yet "
-            "(data.packing=true or parallel.cp>1): the recomputation in backward runs outside "
-            "the sharder's context; set model.activation_checkpointing=false",
-        )
     if model.activation_checkpointing_every < 1:
         raise ConfigError(
             "model.activation_checkpointing_every",
