@@ -163,7 +163,7 @@ def build_processor(image_size: int) -> Any:
     )
 
     from train_recipes.demo import build_char_tokenizer
-    from train_recipes.modeling import LocalProcessor
+    from train_recipes.processors import LocalProcessor
 
     if image_size % 28:
         raise SystemExit(f"--image-size {image_size} must be a multiple of 28 (patch 14 x merge 2)")

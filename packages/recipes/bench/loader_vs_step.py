@@ -223,7 +223,7 @@ def measure_step(
     """Median SFT step on batches already on the device; returns (row, model description)."""
     from train_engine import Engine, FSDP2Config, apply_data_parallel, param_groups
     from train_recipes import _integrations as data_api
-    from train_recipes.modeling import tokenizer_of
+    from train_recipes.processors import tokenizer_of
     from train_recipes.sft import token_sum_loss
 
     if device.type == "cuda":

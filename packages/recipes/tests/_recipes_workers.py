@@ -64,7 +64,8 @@ def run_lora_on_rank(
     """A LoRA SFT run; rank 0 also writes the adapter-only export and checks frozen weights."""
     from train_recipes.config import SFTConfig, load_config, validate_sft
     from train_recipes.demo import build_char_tokenizer
-    from train_recipes.modeling import build_model, export_hf
+    from train_recipes.hf_export import export_hf
+    from train_recipes.modeling import build_model
     from train_recipes.sft import run_sft
 
     config = load_config(SFTConfig, None, overrides)

@@ -298,7 +298,8 @@ def lora_fsdp2_on_rank(
 
     from train_recipes.config import SFTConfig, load_config, validate_sft
     from train_recipes.demo import build_char_tokenizer
-    from train_recipes.modeling import build_model, export_hf
+    from train_recipes.hf_export import export_hf
+    from train_recipes.modeling import build_model
     from train_recipes.sft import run_sft
 
     config = load_config(SFTConfig, None, overrides)

@@ -18,7 +18,8 @@ from conftest import data_overrides
 from train_recipes import _integrations as data_api
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
 from train_recipes.demo import DemoSplit, build_char_tokenizer
-from train_recipes.modeling import build_model, is_vlm, load_processor, tokenizer_of
+from train_recipes.modeling import build_model, is_vlm
+from train_recipes.processors import load_processor, tokenizer_of
 
 
 def _first_batch(

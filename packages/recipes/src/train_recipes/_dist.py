@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from train_engine import DDPConfig, FSDP2Config
-from train_recipes.config import ParallelConfig
+from train_recipes.config_shared import ParallelConfig
 
 logger = logging.getLogger(__name__)
 

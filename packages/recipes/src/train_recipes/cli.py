@@ -150,7 +150,7 @@ def _guard_run_folder(
     lock, the folder check and --overwrite and by every rank for the resume plan (read-only),
     so that all ranks agree on a finished run.
     """
-    from train_recipes.config import SFTConfig
+    from train_recipes.config_sft import SFTConfig
     from train_recipes.resume import plan_resume
     from train_recipes.run_folder import RunLock, check_output_dir, clear_run
 
@@ -195,7 +195,7 @@ def _guard_run_folder(
 
 
 def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from train_recipes.config import ConfigError
+    from train_recipes.config_loader import ConfigError
 
     if _under_launcher():
         from train_recipes._dist import die_with_parent
@@ -222,13 +222,13 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         try:
             if args.command == "sft":
-                from train_recipes.config import SFTConfig
+                from train_recipes.config_sft import SFTConfig
                 from train_recipes.sft import run_sft
 
                 assert isinstance(config, SFTConfig)
                 run_sft(config, resume=args.resume)
             else:
-                from train_recipes.config import RetrievalConfig
+                from train_recipes.config_retrieval import RetrievalConfig
                 from train_recipes.retrieval import run_retrieval
 
                 assert isinstance(config, RetrievalConfig)
@@ -357,8 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show.set_defaults(handler=_versions)
 
-    from train_recipes.config import RetrievalConfig, SFTConfig
     from train_recipes.config_help import keys_help
+    from train_recipes.config_retrieval import RetrievalConfig
+    from train_recipes.config_sft import SFTConfig
 
     sft = commands.add_parser(
         "sft",
@@ -434,8 +435,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.handler is None:
         return _train(args, argv)
-    from train_recipes.config import ConfigError
     from train_recipes.config_commands import UsageError
+    from train_recipes.config_loader import ConfigError
 
     try:
         return int(args.handler(args))

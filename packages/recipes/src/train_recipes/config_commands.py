@@ -15,8 +15,10 @@ from typing import Any, Literal
 
 import yaml
 
-from train_recipes.config import ConfigError, RetrievalConfig, SFTConfig, load_config, to_dict
 from train_recipes.config_help import config_keys
+from train_recipes.config_loader import ConfigError, load_config, to_dict
+from train_recipes.config_retrieval import RetrievalConfig
+from train_recipes.config_sft import SFTConfig
 from train_recipes.preflight import DevicePlan
 
 Recipe = Literal["sft", "retrieval"]

@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 import yaml
 
-from train_recipes.config import RetrievalTrainConfig, TrainConfig
+from train_recipes.config_retrieval import RetrievalTrainConfig
+from train_recipes.config_sft import TrainConfig
 
 
 def _type_name(tp: Any) -> str:

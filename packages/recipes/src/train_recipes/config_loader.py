@@ -1,8 +1,9 @@
 """Typed YAML loading for keyword-only dataclass configs: strict conversion, dotted overrides.
 
 Pure Python with no torch import, so a config is read and rejected (naming the offending key)
-before any process group starts or any process is launched. :mod:`train_recipes.config` holds the
-recipe dataclasses and their validation, and re-exports this module's names.
+before any process group starts or any process is launched. The recipe schemas are in
+:mod:`train_recipes.config_sft` and :mod:`train_recipes.config_retrieval`; :mod:`train_recipes.config`
+re-exports this module's names with them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
+
+__all__ = ["ConfigError", "config_from_dict", "load_config", "parse_override", "to_dict"]
 
 T = TypeVar("T")
 

@@ -14,13 +14,9 @@ from typing import TYPE_CHECKING
 from train_recipes.config_loader import ConfigError
 
 if TYPE_CHECKING:
-    from train_recipes.config import (
-        OptimConfig,
-        RetrievalConfig,
-        RetrievalTrainConfig,
-        SFTConfig,
-        TrainConfig,
-    )
+    from train_recipes.config_retrieval import RetrievalConfig, RetrievalTrainConfig
+    from train_recipes.config_sft import SFTConfig, TrainConfig
+    from train_recipes.config_shared import OptimConfig
 
 
 def _at_least(key: str, value: int, low: int, fix: str = "") -> None:

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import yaml
 
-from train_recipes.config import SFTConfig, config_from_dict
+from train_recipes.config_loader import config_from_dict
+from train_recipes.config_sft import SFTConfig
 from train_recipes.run_folder import CHECKPOINT_DIR, CONFIG_FILE, publish_dir
 
 logger = logging.getLogger(__name__)
@@ -51,14 +52,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None)
 
     from train_engine import Engine
     from train_recipes._dist import init_distributed
-    from train_recipes.modeling import (
-        LocalProcessor,
-        apply_lora,
-        build_model,
-        demo_image_processor,
-        export_hf,
-        is_vlm,
-    )
+    from train_recipes.hf_export import export_hf
+    from train_recipes.modeling import apply_lora, build_model
+    from train_recipes.processors import load_processor
 
     given = Path(checkpoint)
     if not given.is_dir():
@@ -85,14 +81,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None)
     engine = Engine(model, optimizer)
     ckpt = _load_newest(engine, candidates)
     out = Path(out_dir) if out_dir is not None else ckpt / "hf_model"
-    processor: Any = tokenizer
-    if is_vlm(config):
-        if config.model.path is None:
-            processor = LocalProcessor(tokenizer, demo_image_processor())
-        else:
-            from transformers import AutoProcessor
-
-            processor = AutoProcessor.from_pretrained(config.model.path)
+    processor = load_processor(config, tokenizer=tokenizer)
     staging = out.with_name(out.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     written = export_hf(model, processor, staging, is_main=True, lora_export=config.lora.export)

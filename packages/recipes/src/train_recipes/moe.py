@@ -68,7 +68,7 @@ def check_moe_config(config: Any, *, world_size: int) -> None:
     Raises:
         ConfigError: naming the offending key.
     """
-    from train_recipes.config import ConfigError
+    from train_recipes.config_loader import ConfigError
 
     parallel, moe = config.parallel, config.moe
     ep = parallel.ep

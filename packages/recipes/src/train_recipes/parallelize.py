@@ -13,7 +13,7 @@ from torch import nn
 from train_recipes import moe
 from train_recipes._dist import RankContext, engine_dp_config
 from train_recipes.checkpointing import apply_activation_checkpointing
-from train_recipes.config import SFTConfig
+from train_recipes.config_sft import SFTConfig
 from train_recipes.loading import build_on_meta, load_sharded_safetensors
 from train_recipes.modeling import apply_lora, build_model, compile_decoder_layers, is_vlm
 from train_recipes.tensor_parallel import apply_tensor_parallel

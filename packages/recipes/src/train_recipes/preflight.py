@@ -14,13 +14,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from train_recipes.config import (
-    ConfigError,
-    RetrievalConfig,
-    SFTConfig,
-    validate_retrieval,
-    validate_sft,
-)
+from train_recipes.config_loader import ConfigError
+from train_recipes.config_retrieval import RetrievalConfig
+from train_recipes.config_sft import SFTConfig
+from train_recipes.config_validation import validate_retrieval, validate_sft
 
 # Families whose samples carry images (energon-sft adapters with a vision tower).
 _VISION_FAMILIES = ("qwen2_5_vl", "qwen2_vl")

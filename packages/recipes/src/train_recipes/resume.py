@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from train_recipes.config import ConfigError, SFTConfig, config_from_dict, to_dict
+from train_recipes.config_loader import ConfigError, config_from_dict, to_dict
+from train_recipes.config_sft import SFTConfig
 from train_recipes.run_folder import CHECKPOINT_DIR
 
 __all__ = [

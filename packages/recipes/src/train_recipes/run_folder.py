@@ -20,7 +20,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from train_recipes.config import ConfigError
+from train_recipes.config_loader import ConfigError
 
 __all__ = [
     "CHECKPOINT_DIR",

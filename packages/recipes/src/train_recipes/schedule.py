@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
     from torch.optim.lr_scheduler import LRScheduler
 
-    from train_recipes.config import OptimConfig, SFTConfig
+    from train_recipes.config_sft import SFTConfig
+    from train_recipes.config_shared import OptimConfig
 
 __all__ = [
     "build_lr_scheduler",

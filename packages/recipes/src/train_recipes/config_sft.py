@@ -1,0 +1,220 @@
+"""The SFT recipe's config schema: keyword-only slotted dataclasses, one per YAML section.
+
+Pure Python (no torch import). Validation is in :mod:`train_recipes.config_validation`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from train_recipes.config_shared import OptimConfig, ParallelConfig
+
+__all__ = [
+    "DataConfig",
+    "LoRAConfig",
+    "MoELossConfig",
+    "ModelConfig",
+    "SFTConfig",
+    "TinyModelConfig",
+    "TrainConfig",
+]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TinyModelConfig:
+    """A config-only Llama-style model with random weights, for demos and tests.
+
+    Attributes:
+        hidden_size: model width H.
+        num_layers: transformer blocks.
+        num_heads: attention heads (H must be divisible by it).
+        num_kv_heads: key/value heads (grouped-query attention); must divide num_heads.
+        intermediate_size: MLP width; None means 3*H.
+        tie_word_embeddings: share the input embedding with the output projection (kept
+            tied under tp > 1: both are sharded over the vocabulary).
+    """
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    intermediate_size: int | None = None
+    tie_word_embeddings: bool = True
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ModelConfig:
+    """Which model to fine-tune.
+
+    Attributes:
+        path: a local Hugging Face model directory (config, weights, tokenizer). None builds
+            ``tiny`` from scratch with the demo tokenizer.
+        tiny: the architecture of the random-init model used when ``path`` is None.
+        dtype: parameter dtype for the forward: "float32" or "bfloat16".
+        attn_implementation: passed to ``from_pretrained``/``from_config`` ("sdpa", "eager").
+        compile: compile each decoder layer's forward with torch.compile (before DDP/FSDP2
+            wrapping; parameter names and checkpoints are unchanged). Pays off on GPUs.
+        sdpa_backends: scaled_dot_product_attention backends to allow, in priority order
+            ("cudnn", "flash", "efficient", "math"); None leaves torch's choice.
+        activation_checkpointing: recompute each checkpointed decoder layer's activations in
+            backward instead of keeping them (less memory, about one more forward of compute).
+        activation_checkpointing_every: checkpoint decoder layers 0, k, 2k, ... (1: all).
+        sharded_load: build ``path``'s model on the meta device, shard it (TP, FSDP2), then
+            read from its safetensors only each rank's slices. None: on with fsdp2 and a
+            ``path`` (no LoRA); false: ``from_pretrained`` on every rank.
+    """
+
+    path: str | None = None
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    attn_implementation: str = "sdpa"
+    compile: bool = False
+    sdpa_backends: tuple[Literal["cudnn", "flash", "efficient", "math"], ...] | None = None
+    activation_checkpointing: bool = False
+    activation_checkpointing_every: int = 1
+    sharded_load: bool | None = None
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DataConfig:
+    """Training data (an Energon dataset prepared by ``energon-sft convert``).
+
+    Attributes:
+        path: the prepared Energon dataset directory. None (with ``demo``) generates the
+            embedded demo dataset under ``<train.output_dir>/data``.
+        demo: the embedded demo task used when ``path`` is None: "addition", "reverse" or
+            "shapes" (pictures; needs ``model_family: qwen2_5_vl``).
+        demo_train_size: demo training conversations.
+        demo_eval_size: held-out demo conversations (exact-match accuracy is measured on them).
+        eval_path: a JSONL of held-out chats (last message = reference answer); None skips
+            the accuracy measurement unless the demo provides one.
+        model_family: energon-sft model-family adapter ("text", "qwen2_5_vl", ...).
+        max_length: maximum tokens per sample after the chat template.
+        micro_batch_size: samples per data-parallel rank per micro-batch.
+        num_workers: Energon loader worker processes per rank.
+        num_logical_shards: fixed loader shards (energon-sft); None = the dp size. A fixed
+            number lets a run resume on another dp size that divides it, and makes the global
+            batch independent of how it is split over dp ranks and accumulation steps.
+        shuffle: shuffle the stream (False gives a repeatable order).
+        packing: pack several samples into one sequence.
+        train_on: "all_assistant" turns or only the "final_assistant" one.
+    """
+
+    path: str | None = None
+    demo: Literal["addition", "reverse", "shapes"] = "addition"
+    demo_train_size: int = 20000
+    demo_eval_size: int = 200
+    eval_path: str | None = None
+    model_family: str = "text"
+    max_length: int = 32
+    micro_batch_size: int = 32
+    num_workers: int = 0
+    num_logical_shards: int | None = None
+    shuffle: bool = True
+    packing: bool = False
+    train_on: Literal["all_assistant", "final_assistant"] = "all_assistant"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TrainConfig:
+    """The training loop.
+
+    Attributes:
+        steps: optimizer steps.
+        gradient_accumulation_steps: micro-batches per optimizer step.
+        seed: model init, data order and everything else random.
+        output_dir: run directory (metrics, checkpoints, export, plots).
+        log_every: optimizer steps between metric records.
+        loss_window: steps averaged in ``loss_avg_window``.
+        checkpoint_every: optimizer steps between checkpoints; 0 disables them.
+        keep_checkpoints: how many recent checkpoints to keep; 0 keeps them all.
+        device: "auto" (CUDA when available), "cpu" or "cuda".
+        eval_samples: held-out samples for the exact-match accuracy (0 disables it).
+        eval_max_new_tokens: greedy decoding budget per answer.
+        export: write the Hugging Face model at the end of the run.
+        tensorboard: write TensorBoard event files.
+        epochs: train for this many passes over the training samples instead of ``steps``
+            (``steps`` must then keep its default); the step count is derived before launch.
+        eval_every: optimizer steps between held-out loss evaluations (``eval/loss``), also
+            run at the last step; 0 disables them. Needs held-out chats (``data.eval_path``
+            or the demo's).
+        eval_loss_samples: held-out chats the held-out loss is computed on.
+        loggers: experiment trackers besides the metrics file: "wandb" (extra
+            ``train-recipes[wandb]``) and/or "mlflow" (extra ``train-recipes[mlflow]``).
+        max_consecutive_skips: abort the run after this many optimizer steps in a row were
+            skipped for non-finite gradients; 0 never aborts.
+        collective_timeout_s: a rank waiting this long for the others fails the run, naming
+            the ranks that did not arrive; after the first steps the limit tightens to what
+            the measured step time allows (see ``train_recipes.health``).
+    """
+
+    steps: int = 1000
+    gradient_accumulation_steps: int = 1
+    seed: int = 0
+    output_dir: str = "runs/sft"
+    log_every: int = 25
+    loss_window: int = 50
+    checkpoint_every: int = 250
+    keep_checkpoints: int = 2
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    eval_samples: int = 200
+    eval_max_new_tokens: int = 6
+    export: bool = True
+    tensorboard: bool = True
+    epochs: int | None = None
+    eval_every: int = 0
+    eval_loss_samples: int = 200
+    loggers: tuple[Literal["wandb", "mlflow"], ...] = ()
+    max_consecutive_skips: int = 10
+    collective_timeout_s: float = 600.0
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LoRAConfig:
+    """Optional LoRA through peft (extra ``train-recipes[lora]``).
+
+    Attributes:
+        enabled: train LoRA adapters instead of all weights.
+        r: adapter rank.
+        alpha: adapter scaling numerator.
+        target_modules: module names to adapt.
+        export: "merged" (full model) or "adapter" (adapter weights only).
+    """
+
+    enabled: bool = False
+    r: int = 8
+    alpha: int = 16
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    export: Literal["merged", "adapter"] = "merged"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class MoELossConfig:
+    """Router losses of converted MoE models (see train_recipes.moe).
+
+    Attributes:
+        aux_loss_coef: weight of the Switch load-balancing loss, averaged over MoE layers,
+            micro-batches and ranks (0 disables it).
+        z_loss_coef: weight of the router z-loss, averaged the same way (0 disables it).
+        bias_update_rate: DeepSeek-V3's aux-loss-free balancing: after each optimizer step the
+            routers' score-correction biases move by this rate towards equal expert loads
+            (DeepSeek-V3 uses 1e-3; 0 disables it; sigmoid-routed families only).
+    """
+
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SFTConfig:
+    """The SFT recipe (causal LM; VLM when ``data.model_family`` is a vision family)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    moe: MoELossConfig = field(default_factory=MoELossConfig)

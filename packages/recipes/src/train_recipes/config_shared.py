@@ -1,0 +1,95 @@
+"""Config sections both recipes share: the optimizer and how the job is spread over ranks.
+
+Pure Python (no torch import): the typed-YAML loader reads them before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["DDPKnobs", "FSDPKnobs", "OptimConfig", "ParallelConfig"]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class OptimConfig:
+    """AdamW with a warm-up and a decay schedule (see ``train_recipes.schedule``).
+
+    Attributes:
+        lr: peak learning rate.
+        weight_decay: applied to matrices only (biases and norms are excluded).
+        betas: AdamW betas.
+        warmup_steps: linear warm-up optimizer steps.
+        min_lr_ratio: the learning rate at the last step, as a fraction of ``lr``.
+        max_grad_norm: global gradient clipping threshold (> 0); None disables clipping (as in
+            train_engine.Engine, which rejects 0).
+        fused: use the fused AdamW kernel; None means on CUDA only. Fused, the Engine also
+            clips and skips non-finite windows inside the kernel, without a host sync.
+        schedule: "linear" (warm-up, then linear decay to ``min_lr_ratio``), "cosine"
+            (transformers' cosine with warm-up, down to ``min_lr_ratio``) or "constant"
+            (transformers' constant with warm-up).
+        nonfinite: the Engine's policy for a window with a non-finite gradient norm: "skip"
+            the update, "raise" (the run fails), or "step" (update anyway).
+    """
+
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.05
+    max_grad_norm: float | None = 1.0
+    fused: bool | None = None
+    schedule: Literal["linear", "cosine", "constant"] = "linear"
+    nonfinite: Literal["skip", "raise", "step"] = "skip"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DDPKnobs:
+    """DistributedDataParallel knobs: train_engine.DDPConfig's fields, by the same names and
+    defaults (a test keeps them in step), declared here so that loading a config needs no torch.
+    """
+
+    broadcast_buffers: bool = False
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    bucket_cap_mb: float | None = None
+    gradient_as_bucket_view: bool = False
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class FSDPKnobs:
+    """FSDP2 knobs: fields of train_engine.FSDP2Config by the same names, with dtypes by name.
+
+    Attributes:
+        reshard_after_forward: None keeps FSDP2's default.
+        param_dtype: mixed-precision parameter dtype ("bfloat16") or None for full precision.
+        reduce_dtype: gradient reduction dtype or None.
+        cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU.
+    """
+
+    reshard_after_forward: bool | None = None
+    param_dtype: Literal["float32", "bfloat16"] | None = None
+    reduce_dtype: Literal["float32", "bfloat16"] | None = None
+    cpu_offload: bool = False
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ParallelConfig:
+    """How the job is spread over ranks: world = dp * cp * tp.
+
+    Attributes:
+        data_parallel: "ddp" or "fsdp2".
+        cp: context-parallel degree (cp-sharder); must divide the world size.
+        tp: tensor-parallel degree of the whole model (attention heads, MLP, embedding and
+            output projection over the vocabulary; vocab-parallel loss). Needs fsdp2.
+        ep: expert-parallel degree of converted MoE models (divides dp and the experts).
+        ddp: DDP knobs.
+        fsdp: FSDP2 knobs.
+    """
+
+    data_parallel: Literal["ddp", "fsdp2"] = "ddp"
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    ddp: DDPKnobs = field(default_factory=DDPKnobs)
+    fsdp: FSDPKnobs = field(default_factory=FSDPKnobs)
