@@ -83,6 +83,10 @@ class ParallelConfig:
         tp: tensor-parallel degree of the whole model (attention heads, MLP, embedding and
             output projection over the vocabulary; vocab-parallel loss). Needs fsdp2.
         ep: expert-parallel degree of converted MoE models (divides dp and the experts).
+        sequence_parallel: with tp > 1, shard the residual stream and the RMSNorms over the
+            sequence between the attention and MLP blocks (Megatron-SP: norms, residuals and
+            checkpointed layer inputs take 1/tp of the activation memory, same traffic); rows
+            are padded to a multiple of 2 * cp * tp. False keeps them replicated.
         ddp: DDP knobs.
         fsdp: FSDP2 knobs.
     """
@@ -91,5 +95,6 @@ class ParallelConfig:
     cp: int = 1
     tp: int = 1
     ep: int = 1
+    sequence_parallel: bool = True
     ddp: DDPKnobs = field(default_factory=DDPKnobs)
     fsdp: FSDPKnobs = field(default_factory=FSDPKnobs)
