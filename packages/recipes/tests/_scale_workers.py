@@ -126,19 +126,27 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def tp_loss_and_grads(
-    rank: int, world_size: int, kind: str, model_dir: str, sequence_parallel: bool = False
+    rank: int,
+    world_size: int,
+    kind: str,
+    model_dir: str,
+    sequence_parallel: bool = False,
+    compiled: bool = False,
 ) -> dict[str, Any]:
     """Load the saved model (float64), shard it over tp=world (with sequence-parallel norms
-    or not), one forward and backward."""
+    or not; decoder layers compiled with aot_eager or not), one forward and backward."""
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from train_recipes.modeling import compile_decoder_layers
     from train_recipes.tensor_parallel import apply_tensor_parallel
 
     auto = AutoModelForImageTextToText if kind == "qwen2_5_vl" else AutoModelForCausalLM
     model = auto.from_pretrained(model_dir, dtype=torch.float64)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
+    if compiled:
+        compile_decoder_layers(model, backend="aot_eager")
     layer = model.get_submodule("model.language_model" if kind == "qwen2_5_vl" else "model").layers[
         0
     ]
