@@ -207,8 +207,8 @@ def _status_kib(field: str) -> int:
 def sharded_load_on_rank(
     rank: int, world_size: int, kind: str, model_dir: str, layout: str, probe: list[list[int]]
 ) -> dict[str, Any]:
-    """Meta-init ``kind`` from ``model_dir``, shard it ("fsdp2" over the world, or "tp" over
-    the world then a 1-rank FSDP2), load it sharded; return the gathered state, the buffers,
+    """Meta-init ``kind`` from ``model_dir``, shard it ("fsdp2" over the world, or "tp" /
+    "tp+sp" (sequence-parallel norms) over the world then a 1-rank FSDP2), load it sharded; return the gathered state, the buffers,
     the probe logits, the read statistics and the peak-RSS growth during the load."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -224,8 +224,8 @@ def sharded_load_on_rank(
         attn_implementation="sdpa",
         image_text=kind == "qwen2_5_vl",
     )
-    if layout == "tp":
-        apply_tensor_parallel(model, mesh["tp"])
+    if layout.startswith("tp"):
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=layout == "tp+sp")
     model = apply_data_parallel(model, mesh=mesh["dp"], config=FSDP2Config())
     before = _peak_rss_reset()
     stats = load_sharded_safetensors(model, model_dir, device=torch.device("cpu"))
