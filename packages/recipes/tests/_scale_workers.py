@@ -13,12 +13,14 @@ IMAGE_PAD, VISION_START, VISION_END = 98, 99, 100
 
 
 def tiny_hf_model(kind: str, *, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
-    """A random-init transformers model of ``kind`` ("llama", "qwen3", "qwen2_5_vl")."""
+    """A random-init transformers model of ``kind`` ("llama", "qwen2", "qwen3", "qwen2_5_vl")."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
+        Qwen2Config,
+        Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
     )
@@ -36,6 +38,10 @@ def tiny_hf_model(kind: str, *, dtype: torch.dtype = torch.float64) -> torch.nn.
     if kind == "llama":
         model = LlamaForCausalLM(
             LlamaConfig(**common, tie_word_embeddings=False, attn_implementation="sdpa")
+        )
+    elif kind == "qwen2":  # q/k/v projections with biases (sharded with their outputs)
+        model = Qwen2ForCausalLM(
+            Qwen2Config(**common, tie_word_embeddings=False, attn_implementation="sdpa")
         )
     elif kind == "qwen3":
         model = Qwen3ForCausalLM(
@@ -119,28 +125,40 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def tp_loss_and_grads(rank: int, world_size: int, kind: str, model_dir: str) -> dict[str, Any]:
-    """Load the saved model (float64), shard it over tp=world, one forward and backward."""
+def tp_loss_and_grads(
+    rank: int,
+    world_size: int,
+    kind: str,
+    model_dir: str,
+    sequence_parallel: bool = False,
+    compiled: bool = False,
+) -> dict[str, Any]:
+    """Load the saved model (float64), shard it over tp=world (with sequence-parallel norms
+    or not; decoder layers compiled with aot_eager or not), one forward and backward."""
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from train_recipes.modeling import compile_decoder_layers
     from train_recipes.tensor_parallel import apply_tensor_parallel
 
     auto = AutoModelForImageTextToText if kind == "qwen2_5_vl" else AutoModelForCausalLM
     model = auto.from_pretrained(model_dir, dtype=torch.float64)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    apply_tensor_parallel(model, mesh)
+    apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
+    if compiled:
+        compile_decoder_layers(model, backend="aot_eager")
+    layer = model.get_submodule("model.language_model" if kind == "qwen2_5_vl" else "model").layers[
+        0
+    ]
+    residual_lengths: list[int] = []  # the residual stream's local length after layer 0
+    layer.register_forward_hook(lambda _m, _a, out: residual_lengths.append(out.shape[1]))
     loss = token_sum_loss_of(model, batch_for(kind))
     loss.backward()
-    local_q = (
-        model.get_submodule("model.language_model" if kind == "qwen2_5_vl" else "model")
-        .layers[0]
-        .self_attn.q_proj.weight.to_local()
-    )
     return {
         "loss": float(loss.detach()),
         "grads": full_grads(model),
-        "local_q_rows": local_q.shape[0],
+        "local_q_rows": layer.self_attn.q_proj.weight.to_local().shape[0],
+        "residual_length": residual_lengths[0],
     }
 
 
@@ -189,8 +207,8 @@ def _status_kib(field: str) -> int:
 def sharded_load_on_rank(
     rank: int, world_size: int, kind: str, model_dir: str, layout: str, probe: list[list[int]]
 ) -> dict[str, Any]:
-    """Meta-init ``kind`` from ``model_dir``, shard it ("fsdp2" over the world, or "tp" over
-    the world then a 1-rank FSDP2), load it sharded; return the gathered state, the buffers,
+    """Meta-init ``kind`` from ``model_dir``, shard it ("fsdp2" over the world, or "tp" /
+    "tp+sp" (sequence-parallel norms) over the world then a 1-rank FSDP2), load it sharded; return the gathered state, the buffers,
     the probe logits, the read statistics and the peak-RSS growth during the load."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -206,8 +224,8 @@ def sharded_load_on_rank(
         attn_implementation="sdpa",
         image_text=kind == "qwen2_5_vl",
     )
-    if layout == "tp":
-        apply_tensor_parallel(model, mesh["tp"])
+    if layout.startswith("tp"):
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=layout == "tp+sp")
     model = apply_data_parallel(model, mesh=mesh["dp"], config=FSDP2Config())
     before = _peak_rss_reset()
     stats = load_sharded_safetensors(model, model_dir, device=torch.device("cpu"))
@@ -349,14 +367,20 @@ def lora_model(seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def lora_tp_loss_and_grads(rank: int, world_size: int) -> dict[str, Any]:
+def lora_tp_loss_and_grads(
+    rank: int, world_size: int, sequence_parallel: bool = False
+) -> dict[str, Any]:
     """The LoRA model sharded over tp=world: loss and the adapters' full gradients."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from train_recipes.tensor_parallel import apply_tensor_parallel
 
     model = lora_model()
-    apply_tensor_parallel(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)))
+    apply_tensor_parallel(
+        model,
+        init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)),
+        sequence_parallel=sequence_parallel,
+    )
     loss = token_sum_loss_of(model, batch_for("llama"))
     loss.backward()
     grads = {}
@@ -366,3 +390,45 @@ def lora_tp_loss_and_grads(rank: int, world_size: int) -> dict[str, Any]:
             grad = param.grad
             grads[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
     return {"loss": float(loss.detach()), "grads": grads}
+
+
+def packed_loss_and_grads_with_checkpointing(rank: int, world_size: int, cp: int) -> dict[str, Any]:
+    """The packing tests' rows (several documents per row, padding) through cp-sharder at
+    ``cp`` and the recipe's token-sum loss, with every decoder layer checkpointed and without;
+    the cp ranks' losses and gradients summed (as FSDP2 over the replica would)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from _packing_workers import packed_batch, reference_loss, tiny_model
+    from cp_sharder import ContextParallelSharder
+    from train_recipes.checkpointing import apply_activation_checkpointing
+    from train_recipes.sft import token_sum_loss
+
+    batch, rows = packed_batch("llama")
+    mesh = init_device_mesh("cpu", (world_size // cp, cp), mesh_dim_names=("dp", "cp"))
+    out: dict[str, Any] = {}
+    for checkpointed in (False, True):
+        model = tiny_model("llama")
+        if checkpointed:
+            apply_activation_checkpointing(model)
+        sharder = ContextParallelSharder(model, mesh["cp"], padding_token_id=0)
+        loss = token_sum_loss(model, batch, sharder=sharder)
+        loss.backward()  # outside train_ctx, as the Engine's backward is
+        total = loss.detach().clone()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        if cp > 1:
+            group = mesh["cp"].get_group()
+            dist.all_reduce(total, group=group)
+            for grad in grads.values():
+                dist.all_reduce(grad, group=group)
+        out["ac" if checkpointed else "plain"] = {"loss": total, "grads": grads}
+    if rank != 0:
+        return {}
+    reference = tiny_model("llama")
+    ref_loss = reference_loss(reference, rows, vlm=False)
+    ref_loss.backward()
+    out["reference"] = {
+        "loss": ref_loss.detach(),
+        "grads": {n: p.grad for n, p in reference.named_parameters() if p.grad is not None},
+    }
+    return out

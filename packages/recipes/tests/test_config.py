@@ -114,16 +114,6 @@ def test_overrides_are_typed() -> None:
         (["data.demo=shapes"], 2, "data.model_family"),
         (["data.model_family=no_such_family"], 2, "data.model_family"),
         (["data.num_logical_shards=3"], 2, "data.num_logical_shards"),
-        (
-            ["model.activation_checkpointing=true", "data.packing=true"],
-            2,
-            "model.activation_checkpointing",
-        ),
-        (
-            ["model.activation_checkpointing=true", "parallel.cp=2"],
-            2,
-            "model.activation_checkpointing",
-        ),
     ],
 )
 def test_bad_sft_config_names_the_key(overrides: list[str], world: int, key: str) -> None:

@@ -71,12 +71,16 @@ def test_lora_under_fsdp2_trains_adapters_and_exports(
 
 
 @pytest.mark.timeout(300)
-def test_lora_at_tp2_matches_single_process_gradients(rank_pool: Any) -> None:
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_lora_at_tp2_matches_single_process_gradients(
+    rank_pool: Any, sequence_parallel: bool
+) -> None:
     """Adapters on column- and row-parallel projections: the loss and every adapter gradient
-    at tp=2 equal the single-process float64 model's."""
+    at tp=2 equal the single-process float64 model's, with sequence-parallel norms too (the
+    row-parallel adapters' B then sees only each rank's tokens)."""
     from _scale_workers import batch_for, lora_model, lora_tp_loss_and_grads
 
-    results = rank_pool.run(2, lora_tp_loss_and_grads, timeout_s=240)
+    results = rank_pool.run(2, lora_tp_loss_and_grads, sequence_parallel, timeout_s=240)
     reference = lora_model()
     batch = dict(batch_for("llama"))
     labels = batch.pop("labels")

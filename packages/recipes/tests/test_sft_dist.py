@@ -136,9 +136,10 @@ def test_tensor_parallel_with_activation_checkpointing_matches_dp(
     rank_pool: object, demo_data: DemoSplit, tmp_path: Path
 ) -> None:
     """tp=2 shards the whole model (heads, MLP, the tied embedding and output projection over
-    an odd vocabulary: uneven shards) on the (dp=1, tp=2) mesh under FSDP2, with activation
-    checkpointing on, and the loss runs on the vocab-sharded logits; it must follow the dp=2
-    losses (FSDP2, no checkpointing), and the export must give the trained logits."""
+    an odd vocabulary: uneven shards; sequence-parallel norms) on the (dp=1, tp=2) mesh under
+    FSDP2, with activation checkpointing on, and the loss runs on the vocab-sharded logits; it
+    must follow the dp=2 losses (FSDP2, no checkpointing), and the export must give the
+    trained logits."""
     common = ["parallel.data_parallel=fsdp2", "train.export=true"]
     dp_run = rank_pool.run(  # type: ignore[attr-defined]
         2,
@@ -154,6 +155,7 @@ def test_tensor_parallel_with_activation_checkpointing_matches_dp(
             *_common(demo_data, tmp_path / "tp2"),
             *common,
             "parallel.tp=2",
+            "parallel.sequence_parallel=true",
             "model.activation_checkpointing=true",
             "train.gradient_accumulation_steps=2",
         ],

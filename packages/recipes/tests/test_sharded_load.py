@@ -24,13 +24,14 @@ def _eager(kind: str, folder: Path) -> torch.nn.Module:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("kind", "layout"), [("qwen3", "fsdp2"), ("llama", "tp"), ("qwen2_5_vl", "tp")]
+    ("kind", "layout"), [("qwen3", "fsdp2"), ("llama", "tp"), ("qwen2_5_vl", "tp+sp")]
 )
 def test_sharded_load_equals_from_pretrained_bitwise(
     rank_pool: Any, kind: str, layout: str, tmp_path: Path
 ) -> None:
     """qwen3 is tied (lm_head absent from the file), the VLM has text and vision rotary
-    tables; llama is untied with an odd vocabulary (uneven shards)."""
+    tables (and sequence-parallel norms: replicated DTensors); llama is untied with an odd
+    vocabulary (uneven shards)."""
     folder = save_tiny(kind, tmp_path / kind)
     results = rank_pool.run(
         2, sharded_load_on_rank, kind, str(folder), layout, PROBE, timeout_s=240

@@ -23,13 +23,34 @@ def _auto(kind: str) -> Any:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2_5_vl"])
+@pytest.mark.parametrize(
+    ("kind", "sequence_parallel", "compiled"),
+    [
+        *[
+            pytest.param(kind, sp, False, id=f"{kind}-{'tp+sp' if sp else 'tp'}")
+            for kind in ("llama", "qwen2", "qwen3", "qwen2_5_vl")
+            for sp in (False, True)
+        ],
+        # Compiled decoder layers holding the DTensor hooks (works with sequence parallel).
+        pytest.param("llama", True, True, id="llama-tp+sp-compiled"),
+    ],
+)
 def test_tp2_loss_and_gradients_equal_single_process(
-    rank_pool: Any, kind: str, tmp_path: Path
+    rank_pool: Any, kind: str, sequence_parallel: bool, compiled: bool, tmp_path: Path
 ) -> None:
-    """Llama untied; Qwen3 tied with per-head q/k norms; Qwen2.5-VL tied, with an image."""
+    """Llama untied; Qwen2 with q/k/v biases; Qwen3 tied with per-head q/k norms; Qwen2.5-VL
+    tied, with an image merged into the embeddings before the sequence is split; and Llama
+    with sequence parallel and torch.compile'd decoder layers (aot_eager)."""
     model_dir = save_tiny(kind, tmp_path / kind)
-    results = rank_pool.run(2, tp_loss_and_grads, kind, str(model_dir), timeout_s=240)
+    results = rank_pool.run(
+        2,
+        tp_loss_and_grads,
+        kind,
+        str(model_dir),
+        sequence_parallel,
+        compiled,
+        timeout_s=240,
+    )
 
     # Reference: the same folder in one process, float64, plain cross-entropy.
     reference = _auto(kind).from_pretrained(model_dir, dtype=torch.float64)
@@ -44,6 +65,8 @@ def test_tp2_loss_and_gradients_equal_single_process(
     heads_rows = 4 * 16  # 4 query heads of 16
     for rank, result in enumerate(results):
         assert result["local_q_rows"] == heads_rows // 2, "q_proj is not sharded over heads"
+        # Sequence parallel: each rank keeps half of the 12 positions between the blocks.
+        assert result["residual_length"] == (6 if sequence_parallel else 12), result
         assert result["loss"] == pytest.approx(float(loss.detach()), rel=1e-6), rank
         ref_grads = {n: p.grad for n, p in reference.named_parameters()}
         assert result["grads"].keys() == ref_grads.keys()
@@ -77,8 +100,12 @@ def test_tp_config_checks(tmp_path: Path) -> None:
         )
     assert info.value.key == "model.tiny.num_kv_heads"
     validate_sft(_tp_config("lora.enabled=true"), world_size=2)  # LoRA adapters shard too
-    with pytest.raises(ConfigError) as info:
-        validate_sft(_tp_config("model.compile=true"), world_size=2)
+    # Compiled layers work with the sequence-parallel plan (the default), not without it.
+    validate_sft(_tp_config("model.compile=true"), world_size=2)
+    with pytest.raises(ConfigError, match="sequence_parallel=false fail in backward") as info:
+        validate_sft(
+            _tp_config("model.compile=true", "parallel.sequence_parallel=false"), world_size=2
+        )
     assert info.value.key == "model.compile"
     # A model folder: the architecture and the head counts come from its config.json.
     folder = tmp_path / "gpt2"

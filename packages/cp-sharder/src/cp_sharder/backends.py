@@ -15,12 +15,20 @@ only after the last real token, no          when each head/tail chunk is a multi
 sliding window)                             tokens; else PORTABLE
 anything else                               PORTABLE (mask by global index)
 ==========================================  ==============================================
+
+Activation checkpointing: a checkpointed layer recomputes its forward during backward, after
+``train_ctx`` has been left, so its attention would run unrouted (the model's own SDPA on the
+local shard: wrong gradients). Entering a ``train_ctx`` records it (a context variable, set
+only inside the block); :func:`checkpoint_context_fn`, given to torch's non-reentrant
+``checkpoint(..., context_fn=...)``, captures it at forward time and re-enters the same step's
+context around the recomputation.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -30,7 +38,7 @@ from cp_sharder._dist import CPGroup
 from cp_sharder.attention import Backend
 from cp_sharder.planning import BatchPlan, TrainContext
 
-__all__ = ["build_context", "pick_backend"]
+__all__ = ["build_context", "checkpoint_context_fn", "pick_backend"]
 
 # Tokens per head/tail chunk that torch's ring attention needs a multiple of: its ring merges
 # per-chunk log-sum-exps that its memory-efficient kernel pads to a multiple of 32 rows (on an
@@ -74,7 +82,75 @@ def _hf_or_sdpa(
     return lambda: sdpa_replaced(sdpa_fn)
 
 
+# The train_ctx factory whose block is running now (innermost), None outside every one.
+_ACTIVE_TRAIN_CTX: ContextVar[TrainContext | None] = ContextVar(
+    "cp_sharder_active_train_ctx", default=None
+)
+
+
+def _recorded(factory: TrainContext) -> TrainContext:
+    """``factory`` that also marks itself active while its block runs."""
+
+    @contextlib.contextmanager
+    def enter() -> Iterator[None]:
+        token = _ACTIVE_TRAIN_CTX.set(factory)
+        try:
+            with factory():
+                yield
+        finally:
+            _ACTIVE_TRAIN_CTX.reset(token)
+
+    return enter
+
+
+def checkpoint_context_fn() -> tuple[
+    contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]
+]:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+
+    Called by torch at forward time: the forward runs as it is (already inside ``train_ctx``)
+    and the recomputation in backward re-enters the ``train_ctx`` active at that forward (the
+    same step's attention routing and plans), or nothing when the forward ran outside one.
+    Recomputation is collective exactly when the forward was (every CP rank recomputes the
+    same layers in the same order).
+
+    Returns:
+        (forward context, recomputation context).
+    """
+    active = _ACTIVE_TRAIN_CTX.get()
+    return contextlib.nullcontext(), (active() if active is not None else contextlib.nullcontext())
+
+
 def build_context(
+    plan: BatchPlan,
+    backend: Backend,
+    *,
+    model: torch.nn.Module,
+    cp: CPGroup,
+    hf: bool,
+    local_index: Tensor,
+    all_index: Tensor,
+    inverse_index: Tensor,
+    attach_te: Callable[[], None],
+) -> TrainContext:
+    """The ``train_ctx`` factory of this step (see :func:`_build_context`); entering it marks
+    it active for :func:`checkpoint_context_fn`."""
+    return _recorded(
+        _build_context(
+            plan,
+            backend,
+            model=model,
+            cp=cp,
+            hf=hf,
+            local_index=local_index,
+            all_index=all_index,
+            inverse_index=inverse_index,
+            attach_te=attach_te,
+        )
+    )
+
+
+def _build_context(
     plan: BatchPlan,
     backend: Backend,
     *,

@@ -9,6 +9,10 @@ Because the wrapper lives inside ``forward``, FSDP2's per-layer hooks (all-gathe
 forward, before the recomputation in backward, and reduce-scatter after) stay outside it, and
 torch.compile traces the checkpointed forward as one region (torchtitan's order: checkpoint,
 then compile, then FSDP2).
+
+The recomputation runs in backward, after cp-sharder's ``train_ctx`` (packed rows, cp > 1)
+has been left: cp-sharder's ``checkpoint_context_fn`` re-enters the step's context around it,
+so the recomputed attention is routed exactly as the forward's was.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import functools
 import logging
 from typing import Any
 
+import torch
 from torch import nn
 
 from train_recipes.modeling import decoder_layers
@@ -29,11 +34,19 @@ logger = logging.getLogger(__name__)
 def _checkpointed(forward: Any) -> Any:
     from torch.utils.checkpoint import checkpoint
 
+    from cp_sharder import checkpoint_context_fn
+
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         # Non-reentrant: works with keyword arguments, inputs that need no gradient and
         # torch.compile; the RNG state is replayed so dropout masks are the same.
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        if torch.compiler.is_compiling():
+            # Compiled, the recomputation replays the traced graph (attention routed as it was
+            # when traced) and context_fn may only return dispatch modes.
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(
+            forward, *args, use_reentrant=False, context_fn=checkpoint_context_fn, **kwargs
+        )
 
     return run
 

@@ -57,6 +57,10 @@ class ParallelConfig:
         tp: tensor-parallel degree of the whole model (attention heads, MLP, embedding and
             output projection over the vocabulary; vocab-parallel loss). Needs fsdp2.
         ep: expert-parallel degree of converted MoE models (divides dp and the experts).
+        sequence_parallel: with tp > 1, shard the residual stream and the RMSNorms over the
+            sequence between the attention and MLP blocks (Megatron-SP: norms, residuals and
+            checkpointed layer inputs take 1/tp of the activation memory, same traffic); rows
+            are padded to a multiple of 2 * cp * tp. False keeps them replicated.
         ddp: train-engine's DDP arguments (with ``data_parallel: ddp``).
         fsdp: train-engine's FSDP2 arguments (with ``data_parallel: fsdp2``); dtypes by name
             ("bfloat16").
@@ -66,6 +70,7 @@ class ParallelConfig:
     cp: int = 1
     tp: int = 1
     ep: int = 1
+    sequence_parallel: bool = True
     ddp: DDPConfig = field(default_factory=DDPConfig)
     fsdp: FSDP2Config = field(default_factory=FSDP2Config)
 

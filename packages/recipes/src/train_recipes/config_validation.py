@@ -117,15 +117,6 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
             f"{'a vision model_family (qwen2_5_vl)' if data.demo == 'shapes' else 'model_family text'}"
             f", got {data.model_family!r}",
         )
-    if model.activation_checkpointing and (data.packing or config.parallel.cp > 1):
-        # The sharder's attention context covers the forward only; a checkpointed layer's
-        # recomputation in backward would run the model's own attention (wrong gradients).
-        raise ConfigError(
-            "model.activation_checkpointing",
-            "activation checkpointing does not combine with cp-sharder's attention yet "
-            "(data.packing=true or parallel.cp>1): the recomputation in backward runs outside "
-            "the sharder's context; set model.activation_checkpointing=false",
-        )
     if model.activation_checkpointing_every < 1:
         raise ConfigError(
             "model.activation_checkpointing_every",
@@ -215,11 +206,17 @@ def _check_tensor_parallel(config: SFTConfig) -> None:
             "tp > 1 (DTensor parameters) needs parallel.data_parallel=fsdp2; DDP does not take "
             "DTensor parameters",
         )
-    if model.compile:
+    if model.compile and not config.parallel.sequence_parallel:
+        # Measured with torch 2.15 on CPU (aot_eager and inductor): with replicated norms the
+        # backward through the compiled layers hands DTensor's Redistribute a plain tensor
+        # ("'Tensor' object has no attribute '_local_tensor'"); with sequence-parallel norms
+        # the compiled layers give the eager loss and gradients.
         raise ConfigError(
             "model.compile",
-            "compiled decoder layers with tp > 1 (DTensor hooks inside the compiled region) "
-            "fail in backward with torch 2.15; set model.compile=false or parallel.tp=1",
+            "compiled decoder layers with tp > 1 and parallel.sequence_parallel=false fail in "
+            "backward with torch 2.15 (DTensor's Redistribute backward gets a plain tensor); "
+            "set parallel.sequence_parallel=true (the default), model.compile=false or "
+            "parallel.tp=1",
         )
     if model.path is None:
         key = "model.tiny"

@@ -33,6 +33,7 @@ def greedy_answers(
     num_batches: int | None = None,
     images: Sequence[list[Any]] | None = None,
     image_processor: Any = None,
+    length_multiple: int = 1,
 ) -> list[str]:
     """Greedy-decode an answer for each chat prompt (messages without the final answer).
 
@@ -45,6 +46,10 @@ def greedy_answers(
     With ``images`` (one list of PIL images per prompt) and a Qwen2-VL ``image_processor``, each
     ``<|image_pad|>`` placeholder is expanded to its image's token count and the pixels are
     passed with every forward, with the same [4, B, S] M-RoPE position ids as in training.
+
+    ``length_multiple``: every forward's sequence length is rounded up to a multiple of it
+    (more right padding, which causal attention never reads); tensor parallelism with
+    sequence-parallel norms needs a multiple of tp.
 
     Returns:
         The decoded answer text of each prompt (up to the end-of-turn token).
@@ -88,7 +93,7 @@ def greedy_answers(
         parts = [p for p in pixels[lo : lo + batch_size] if p is not None]
         extra = {k: torch.cat([p[k] for p in parts]).to(device) for k in parts[0]} if parts else {}
         lengths = torch.tensor([len(x) for x in chunk])
-        width = int(lengths.max()) + max_new_tokens
+        width = -(-(int(lengths.max()) + max_new_tokens) // length_multiple) * length_multiple
         ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
         for i, x in enumerate(chunk):
             ids[i, : len(x)] = torch.tensor(x)
@@ -107,7 +112,7 @@ def greedy_answers(
         done = torch.zeros(len(chunk), dtype=torch.bool, device=device)
         rows = torch.arange(len(chunk), device=device)
         for _ in range(max_new_tokens):
-            width_now = int(cur.max())
+            width_now = -(-int(cur.max()) // length_multiple) * length_multiple
             if positions is not None:
                 extra["position_ids"] = positions[..., :width_now]
             logits = _full(model(input_ids=ids[:, :width_now], use_cache=False, **extra).logits)
@@ -178,6 +183,7 @@ def exact_match_accuracy(
         num_batches=num_batches,
         images=images,
         image_processor=image_processor,
+        length_multiple=tp,  # sequence-parallel norms split each forward's rows into tp parts
     )
     correct = sum(
         a.strip() == r["messages"][-1]["content"].strip()

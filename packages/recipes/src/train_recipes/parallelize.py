@@ -21,7 +21,7 @@ from train_recipes.loading import build_on_meta, load_sharded_safetensors
 from train_recipes.modeling import apply_lora, build_model, compile_decoder_layers, is_vlm
 from train_recipes.tensor_parallel import apply_tensor_parallel
 
-__all__ = ["build_parallel_model", "uses_sharded_load"]
+__all__ = ["build_parallel_model", "row_length_multiple", "uses_sharded_load"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,14 @@ def uses_sharded_load(config: SFTConfig) -> bool:
         and config.parallel.data_parallel == "fsdp2"
         and not config.lora.enabled
     )
+
+
+def row_length_multiple(config: SFTConfig) -> int:
+    """What the loader pads every row (packed: every document) to a multiple of: 2*cp (cp's
+    head/tail chunks), times tp under sequence parallelism (each cp shard splits into tp)."""
+    parallel = config.parallel
+    sequence_split = parallel.tp if parallel.tp > 1 and parallel.sequence_parallel else 1
+    return 2 * parallel.cp * sequence_split
 
 
 def build_parallel_model(
@@ -84,7 +92,9 @@ def build_parallel_model(
     if on_phase is not None:
         on_phase("wrapping")
     if ctx.tp_size > 1:
-        model = apply_tensor_parallel(model, ctx.mesh["tp"])
+        model = apply_tensor_parallel(
+            model, ctx.mesh["tp"], sequence_parallel=config.parallel.sequence_parallel
+        )
     if sharded and moe.is_convertible(model):
         raise ValueError(
             "model.sharded_load does not support MoE models yet (their experts are converted "

@@ -43,7 +43,7 @@ from train_recipes.hf_export import export_hf
 from train_recipes.loop import LoopOutcome, LoopPlan, RunEnd, RunStart, StepRecord
 from train_recipes.metrics import StartupClock
 from train_recipes.modeling import is_vlm, unwrap
-from train_recipes.parallelize import build_parallel_model
+from train_recipes.parallelize import build_parallel_model, row_length_multiple
 from train_recipes.processors import load_processor, tokenizer_of
 from train_recipes.run_folder import (
     EXPORT_DIR,
@@ -194,7 +194,7 @@ class SFTRecipe:
             model_family=config.data.model_family,
             max_length=config.data.max_length,
             train_on=config.data.train_on,
-            pad_to_multiple_of=2 * ctx.cp_size,
+            pad_to_multiple_of=row_length_multiple(config),
             packing=config.data.packing,
         )
         # cp ranks of one replica build identical loaders (same dp rank, same seed).

@@ -1,0 +1,121 @@
+"""Tensor parallelism composed with the other parallelisms through the SFT recipe (losses from
+metrics.jsonl): cp x tp on the (dp, cp, tp) mesh and dp x tp on 4 gloo ranks (slow: 4 ranks on
+a 2-core machine), and packed rows (cp-sharder's variable-length attention) under tp=2 with
+sequence-parallel norms and activation checkpointing on 2 ranks.
+
+Every run sees the same global batches (two logical loader shards, the accumulation making up
+for a smaller dp), so under the token-sum loss all must follow the same losses, in fp32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from _recipes_workers import run_sft_on_rank
+from conftest import data_overrides
+from train_recipes.demo import DemoSplit
+
+
+def _common(split: DemoSplit, out: Path, steps: int) -> list[str]:
+    return [
+        *data_overrides(split),
+        f"train.output_dir={out}",
+        f"train.steps={steps}",
+        "train.log_every=1",
+        "train.checkpoint_every=0",
+        "train.eval_samples=0",
+        "train.tensorboard=false",
+        "train.export=false",
+        "train.device=cpu",
+        "data.micro_batch_size=8",
+        "data.num_logical_shards=2",
+        "data.shuffle=false",
+        "parallel.data_parallel=fsdp2",
+    ]
+
+
+def _losses(
+    rank_pool: Any, world: int, overrides: list[str], steps: int, timeout_s: float
+) -> torch.Tensor:
+    run = rank_pool.run(world, run_sft_on_rank, overrides, [[3, 5, 4, 4]], timeout_s=timeout_s)[0]
+    assert sorted(run["losses"]) == list(range(1, steps + 1)), run["losses"]
+    return torch.tensor([run["losses"][s] for s in range(1, steps + 1)], dtype=torch.float64)
+
+
+def _assert_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-5, msg=lambda m: f"{what}\n{a}\n{b}\n{m}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_cp2_x_tp2_and_dp2_x_tp2_on_four_ranks_follow_the_dp_losses(
+    rank_pool: Any, demo_data: DemoSplit, tmp_path: Path
+) -> None:
+    """dp=2 (cp=1, tp=1) on 2 ranks against cp=2 x tp=2 (dp=1, accumulation 2: the portable
+    cp attention on tp-local heads, the sequence split over cp and then over tp) and dp=2 x
+    tp=2 (FSDP2 over dp on a 2-D mesh) on 4 ranks."""
+    steps = 3
+    base = _losses(
+        rank_pool, 2, [*_common(demo_data, tmp_path / "dp2", steps)], steps, timeout_s=400
+    )
+    cp_tp = _losses(
+        rank_pool,
+        4,
+        [
+            *_common(demo_data, tmp_path / "cp2tp2", steps),
+            "parallel.cp=2",
+            "parallel.tp=2",
+            "train.gradient_accumulation_steps=2",
+        ],
+        steps,
+        timeout_s=600,
+    )
+    _assert_same(base, cp_tp, "dp=2 vs cp=2 x tp=2")
+    dp_tp = _losses(
+        rank_pool,
+        4,
+        [*_common(demo_data, tmp_path / "dp2tp2", steps), "parallel.tp=2"],
+        steps,
+        timeout_s=600,
+    )
+    _assert_same(base, dp_tp, "dp=2 vs dp=2 x tp=2")
+    assert base[-1] < base[0], base.tolist()
+
+
+@pytest.mark.timeout(600)
+def test_packed_rows_under_tp2_with_sequence_parallel_follow_the_dp_losses(
+    rank_pool: Any, demo_data: DemoSplit, tmp_path: Path
+) -> None:
+    """Packed rows (variable-length attention at cp=1) on dp=2 against tp=2 with
+    sequence-parallel norms and activation checkpointing (the recomputation re-enters the
+    sharder's context), rows padded to 2*tp; and cp=2 x tp=1 with checkpointing."""
+    steps = 3
+    packed = ["data.packing=true", "data.max_length=96", "data.micro_batch_size=2"]
+    base = _losses(
+        rank_pool,
+        2,
+        [*_common(demo_data, tmp_path / "dp2", steps), *packed],
+        steps,
+        timeout_s=400,
+    )
+    for name, extra in (
+        ("tp=2+sp+ac", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+        ("cp=2+ac", ["parallel.cp=2"]),
+    ):
+        other = _losses(
+            rank_pool,
+            2,
+            [
+                *_common(demo_data, tmp_path / name, steps),
+                *packed,
+                *extra,
+                "model.activation_checkpointing=true",
+                "train.gradient_accumulation_steps=2",
+            ],
+            steps,
+            timeout_s=400,
+        )
+        _assert_same(base, other, f"packed dp=2 vs {name}")
