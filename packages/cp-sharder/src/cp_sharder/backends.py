@@ -133,8 +133,10 @@ def build_context(
     inverse_index: Tensor,
     attach_te: Callable[[], None],
 ) -> TrainContext:
-    """The ``train_ctx`` factory of this step (see :func:`_build_context`); entering it marks
-    it active for :func:`checkpoint_context_fn`."""
+    """Build the ``train_ctx`` factory of this step (see :func:`_build_context`).
+
+    Entering the context marks it active for :func:`checkpoint_context_fn`.
+    """
     return _recorded(
         _build_context(
             plan,
