@@ -16,50 +16,25 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from cp_sharder import ContextParallelSharder
+from train_testing.tiny_hf import TEXT_SIZES
+from train_testing.tiny_hf import tiny_model as tiny_model_of
 
-VOCAB = 128
-
-
-def _config(arch: str) -> Any:
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        attn_implementation="sdpa",
-    )
-    if arch == "llama":
-        from transformers import LlamaConfig
-
-        return LlamaConfig(**common)
-    if arch == "qwen2":
-        from transformers import Qwen2Config
-
-        return Qwen2Config(**common)
-    if arch == "qwen3_sliding":
-        from transformers import Qwen3Config
-
-        # Layer 0 uses a 4-token sliding window, layer 1 full causal attention.
-        return Qwen3Config(
-            **common,
-            head_dim=8,
-            layer_types=["sliding_attention", "full_attention"],
-            sliding_window=4,
-            use_sliding_window=True,
-        )
-    raise ValueError(arch)
+VOCAB = TEXT_SIZES["vocab_size"]
 
 
 def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
-    """A 2-layer random-init causal LM (hidden 32, vocab 128) in fp32."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(arch))
-    return model.float().eval()
+    """A 2-layer random-init causal LM (train_testing's tiny sizes, vocab 128) in fp32."""
+    if arch == "qwen3_sliding":
+        # Layer 0 uses a 4-token sliding window, layer 1 full causal attention.
+        sliding = {
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 4,
+            "use_sliding_window": True,
+        }
+        return tiny_model_of("qwen3", seed=seed, **sliding).eval()
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(arch)
+    return tiny_model_of(arch, seed=seed).eval()
 
 
 def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
