@@ -41,9 +41,13 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
 
 
 def packed_batch(
-    real: list[list[int]], padded: list[list[int]] | None, seq: int, seed: int
+    real: list[list[int]], padded: list[list[int]] | None, seq: int, seed: int, *, absent: int = -1
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """Packed rows (labels pre-shifted, -100 on padding) and each document's tokens."""
+    """Packed rows (labels pre-shifted, -100 on padding) and each document's tokens.
+
+    ``seq_lens`` [B, N] (and ``seq_lens_padded``) hold ``absent`` (any negative) past a row's
+    last document.
+    """
     g = torch.Generator().manual_seed(seed)
     rows = len(real)
     ids = torch.zeros(rows, seq, dtype=torch.long)
@@ -59,8 +63,8 @@ def packed_batch(
             docs.append(tok)
             start += p_len
     width = max(len(r) for r in real)
-    seq_lens = torch.full((rows, width), -1)
-    seq_lens_padded = torch.full((rows, width), -1)
+    seq_lens = torch.full((rows, width), absent)
+    seq_lens_padded = torch.full((rows, width), absent)
     for b in range(rows):
         seq_lens[b, : len(real[b])] = torch.tensor(real[b])
         seq_lens_padded[b, : len(pads[b])] = torch.tensor(pads[b])
