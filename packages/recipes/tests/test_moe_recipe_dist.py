@@ -10,7 +10,7 @@ import torch
 
 from _moe_recipe_models import save_tiny_moe
 from _recipes_workers import run_sft_on_rank
-from conftest import data_overrides
+from conftest import QUIET_CPU_RUN, data_overrides
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
 from train_recipes.demo import DemoSplit
 
@@ -24,11 +24,7 @@ def _overrides(split: DemoSplit, model_dir: Path, out: Path, ep: int) -> list[st
         f"model.path={model_dir}",
         f"train.output_dir={out}",
         f"train.steps={STEPS}",
-        "train.log_every=1",
-        "train.checkpoint_every=0",
-        "train.eval_samples=0",
-        "train.tensorboard=false",
-        "train.device=cpu",
+        *QUIET_CPU_RUN,
         "train.gradient_accumulation_steps=2",
         "data.micro_batch_size=4",
         "data.shuffle=false",
