@@ -17,10 +17,10 @@ log="$OUT/gpu.log"
 } 2>&1 | tee -a "$log"
 step() { local limit=$1; shift; echo "=== $*" | tee -a "$log"; timeout "$limit" "$@" 2>&1 | tee -a "$log" | tail -25; }
 if [[ $what == tests || $what == all ]]; then
-  # One pytest per package: test module basenames repeat across packages.
-  for t in vocab-parallel/tests/test_vp_triton.py vocab-parallel/tests/test_vp_distributed.py \
-           engine/tests/test_cuda.py cp-sharder/tests/test_cuda.py \
-           moe-dispatch/tests/test_cuda_paths.py testing/tests/test_markers.py recipes/tests/test_gpu.py; do
+  # One pytest per file, each under its own time limit.
+  for t in vocab-parallel/tests/test_vp_triton.py vocab-parallel/tests/test_vp_dist.py \
+           engine/tests/test_engine_cuda.py cp-sharder/tests/test_sharder_cuda.py \
+           moe-dispatch/tests/test_dispatch_cuda.py testing/tests/test_markers.py recipes/tests/test_recipes_cuda.py; do
     step 240 python3 -m pytest -q -rs -p no:cacheprovider "packages/$t"
   done
 fi

@@ -15,51 +15,27 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+from _packed_workers import packed_batch
 from cp_sharder import ContextParallelSharder
+from train_testing.tiny_hf import TEXT_SIZES
+from train_testing.tiny_hf import tiny_model as tiny_model_of
 
-VOCAB = 128
-
-
-def _config(arch: str) -> Any:
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        attn_implementation="sdpa",
-    )
-    if arch == "llama":
-        from transformers import LlamaConfig
-
-        return LlamaConfig(**common)
-    if arch == "qwen2":
-        from transformers import Qwen2Config
-
-        return Qwen2Config(**common)
-    if arch == "qwen3_sliding":
-        from transformers import Qwen3Config
-
-        # Layer 0 uses a 4-token sliding window, layer 1 full causal attention.
-        return Qwen3Config(
-            **common,
-            head_dim=8,
-            layer_types=["sliding_attention", "full_attention"],
-            sliding_window=4,
-            use_sliding_window=True,
-        )
-    raise ValueError(arch)
+VOCAB = TEXT_SIZES["vocab_size"]
 
 
 def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
-    """A 2-layer random-init causal LM (hidden 32, vocab 128) in fp32."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(arch))
-    return model.float().eval()
+    """A 2-layer random-init causal LM (train_testing's tiny sizes, vocab 128) in fp32."""
+    if arch == "qwen3_sliding":
+        # Layer 0 uses a 4-token sliding window, layer 1 full causal attention.
+        sliding = {
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 4,
+            "use_sliding_window": True,
+        }
+        return tiny_model_of("qwen3", seed=seed, **sliding).eval()
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(arch)
+    return tiny_model_of(arch, seed=seed).eval()
 
 
 def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -78,6 +54,19 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
         for n, p in model.named_parameters()
     }
+
+
+def _backward_and_sum(
+    model: torch.nn.Module, loss: torch.Tensor, *, group: Any = None
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """Backward this rank's loss share, then sum loss and gradients over the CP ranks."""
+    loss.backward()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    return float(total), _grads(model)
 
 
 def _compare(
@@ -148,50 +137,15 @@ def _cp_step(
         logits = model(**local).logits
     count = sharder.num_label_tokens(device=device)
     loss = _token_loss_sum(logits, labels) / count
-    loss.backward()
-    group = mesh.get_group()
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=group)
-    grads = {n: g.cpu() for n, g in _grads(model).items()}
-    return float(total), grads, sharder
+    total, grads = _backward_and_sum(model, loss, group=mesh.get_group())
+    return total, {n: g.cpu() for n, g in grads.items()}, sharder
 
 
 def _packed_batch(
     real: list[list[int]], padded: list[list[int]] | None, seq: int, seed: int
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """Rows of packed documents; returns the THD batch and each document's real tokens."""
-    g = torch.Generator().manual_seed(seed)
-    bsz = len(real)
-    ids = torch.zeros(bsz, seq, dtype=torch.long)
-    labels = torch.full((bsz, seq), -100, dtype=torch.long)
-    docs: list[torch.Tensor] = []
-    pads = padded if padded is not None else real
-    for b in range(bsz):
-        start = 0
-        for r_len, p_len in zip(real[b], pads[b], strict=True):
-            tok = torch.randint(1, VOCAB, (r_len,), generator=g)
-            ids[b, start : start + r_len] = tok
-            labels[b, start : start + r_len - 1] = tok[1:]
-            docs.append(tok)
-            start += p_len
-    width = max(len(r) for r in real)
-    seq_lens = torch.full((bsz, width), -1000)
-    seq_lens_padded = torch.full((bsz, width), -1000)
-    for b in range(bsz):
-        seq_lens[b, : len(real[b])] = torch.tensor(real[b])
-        seq_lens_padded[b, : len(pads[b])] = torch.tensor(pads[b])
-    batch: dict[str, Any] = {
-        "input_ids": ids,
-        "labels": labels,
-        "seq_lens": seq_lens,
-        "qkv_format": "thd",
-    }
-    if padded is not None:
-        batch["seq_lens_padded"] = seq_lens_padded
-    return batch, docs
+    """The packed tests' THD rows, with -1000 marking absent documents (any negative does)."""
+    return packed_batch(real, padded, seq, seed, absent=-1000)
 
 
 def _reference_docs(
@@ -348,12 +302,8 @@ def plain_sdpa_parity(rank: int, world_size: int) -> dict[str, float]:
         logits = model(**local)
     restored = F.scaled_dot_product_attention.__module__
     loss = _token_loss_sum(logits, local_labels) / sharder.num_label_tokens()
-    loss.backward()
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    result = _compare(float(total), _grads(model), float(ref_loss.detach()), _grads(ref))
+    total, grads = _backward_and_sum(model, loss)
+    result = _compare(total, grads, float(ref_loss.detach()), _grads(ref))
     result["sdpa_restored"] = float(restored == "torch._C._nn" or "portable" not in restored)
     return result
 
@@ -370,12 +320,7 @@ def no_context_control(rank: int, world_size: int) -> dict[str, Any]:
     labels = local.pop("labels")
     logits = model(**local).logits  # local attention only: tokens miss other ranks' keys
     loss = _token_loss_sum(logits, labels) / sharder.num_label_tokens()
-    loss.backward()
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    return _compare(float(total), _grads(model), ref_loss, ref)
+    return _compare(*_backward_and_sum(model, loss), ref_loss, ref)
 
 
 def batch_prep(rank: int, world_size: int) -> dict[str, Any]:

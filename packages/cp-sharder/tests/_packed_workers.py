@@ -17,8 +17,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cp_sharder import ContextParallelSharder
+from train_testing.tiny_hf import TEXT_SIZES
+from train_testing.tiny_hf import tiny_model as tiny_model_of
 
-VOCAB = 128
+VOCAB = TEXT_SIZES["vocab_size"]
 
 # (name, per-row real lengths, per-row padded lengths or None, row length)
 CASES: list[tuple[str, list[list[int]], list[list[int]] | None, int]] = [
@@ -33,33 +35,19 @@ CASES: list[tuple[str, list[list[int]], list[list[int]] | None, int]] = [
 
 def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
     """A 2-layer random-init causal LM (hidden 32, vocab 128, GQA 4/2) in float64."""
-    common: dict[str, Any] = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        attn_implementation="sdpa",
-    )
-    if arch == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(LlamaConfig(**common)).double()
-    if arch == "qwen3":
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-
-        torch.manual_seed(seed)
-        return Qwen3ForCausalLM(Qwen3Config(**common, head_dim=8)).double()
-    raise ValueError(arch)
+    if arch not in ("llama", "qwen3"):
+        raise ValueError(arch)
+    return tiny_model_of(arch, seed=seed, dtype=torch.float64)
 
 
 def packed_batch(
-    real: list[list[int]], padded: list[list[int]] | None, seq: int, seed: int
+    real: list[list[int]], padded: list[list[int]] | None, seq: int, seed: int, *, absent: int = -1
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """Packed rows (labels pre-shifted, -100 on padding) and each document's tokens."""
+    """Packed rows (labels pre-shifted, -100 on padding) and each document's tokens.
+
+    ``seq_lens`` [B, N] (and ``seq_lens_padded``) hold ``absent`` (any negative) past a row's
+    last document.
+    """
     g = torch.Generator().manual_seed(seed)
     rows = len(real)
     ids = torch.zeros(rows, seq, dtype=torch.long)
@@ -75,8 +63,8 @@ def packed_batch(
             docs.append(tok)
             start += p_len
     width = max(len(r) for r in real)
-    seq_lens = torch.full((rows, width), -1)
-    seq_lens_padded = torch.full((rows, width), -1)
+    seq_lens = torch.full((rows, width), absent)
+    seq_lens_padded = torch.full((rows, width), absent)
     for b in range(rows):
         seq_lens[b, : len(real[b])] = torch.tensor(real[b])
         seq_lens_padded[b, : len(pads[b])] = torch.tensor(pads[b])
@@ -205,42 +193,21 @@ IMAGE, VIDEO, VISION_START, VISION_END = 120, 121, 122, 123
 
 def tiny_vlm(seed: int = 0) -> torch.nn.Module:
     """A tiny random-init Qwen2.5-VL (1 vision block, 2 text layers, hidden 32) in float64."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    cfg = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2]},
-            bos_token_id=None,
-            eos_token_id=None,
-        ),
-        vision_config=dict(
-            depth=1,
-            hidden_size=16,
-            intermediate_size=32,
-            num_heads=2,
-            in_channels=3,
-            patch_size=2,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=8,
-            out_hidden_size=32,
-            fullatt_block_indexes=[0],
-        ),
-        image_token_id=IMAGE,
-        video_token_id=VIDEO,
-        vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END,
-        attn_implementation="sdpa",
+    tokens = {
+        "image_token_id": IMAGE,
+        "video_token_id": VIDEO,
+        "vision_start_token_id": VISION_START,
+        "vision_end_token_id": VISION_END,
+    }
+    vision = {"patch_size": 2, "window_size": 8}
+    return tiny_model_of(
+        "qwen2_5_vl",
+        seed=seed,
+        dtype=torch.float64,
+        vision=vision,
+        tie_word_embeddings=False,
+        **tokens,
     )
-    torch.manual_seed(seed)
-    return Qwen2_5_VLForConditionalGeneration(cfg).double()
 
 
 def _vlm_doc(

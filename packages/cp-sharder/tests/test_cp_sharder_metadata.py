@@ -1,14 +1,10 @@
-from importlib.metadata import metadata
-
 import cp_sharder
+from train_testing.package_checks import assert_all_is_exported, assert_version_matches_metadata
 
 
 def test_version_matches_installed_metadata() -> None:
-    assert cp_sharder.__version__ == metadata("cp-sharder")["Version"]
+    assert_version_matches_metadata(cp_sharder, "cp-sharder")
 
 
 def test_public_api_is_exported() -> None:
-    for name in cp_sharder.__all__:
-        assert hasattr(cp_sharder, name), (
-            f"cp_sharder.__all__ names {name!r} but the package lacks it"
-        )
+    assert_all_is_exported(cp_sharder)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from cp_sharder import ContextParallelSharder, ShardLayout
 from cp_sharder.attention import Backend, portable, torch_ring
 from cp_sharder.layouts import LayoutKind
+from train_testing.tiny_hf import tiny_model
 
 
 class _IdsOnly(torch.nn.Module):
@@ -171,17 +172,8 @@ def test_te_modules_select_te_and_te_errors() -> None:
 
 
 def test_backend_family_for_plain_and_hf_models() -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    assert ContextParallelSharder(LlamaForCausalLM(cfg)).backend_family is Backend.PORTABLE
+    llama = tiny_model("llama", attn_implementation=None)
+    assert ContextParallelSharder(llama).backend_family is Backend.PORTABLE
     assert ContextParallelSharder(torch.nn.Linear(2, 2)).backend_family is Backend.PORTABLE
 
 
@@ -233,19 +225,7 @@ def test_portable_mask_matches_dense_reference() -> None:
 
 def test_packed_cp1_matches_per_document_forward() -> None:
     """cp=1 packed batch: the varlen backend's per-document attention against separate documents."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="sdpa",
-    )
-    model = LlamaForCausalLM(cfg).double()
+    model = tiny_model("llama", vocab_size=64, dtype=torch.float64)
     ids = torch.randint(1, 64, (1, 12))
     sharder = ContextParallelSharder(model)
     ctx, local = sharder.shard({"input_ids": ids, "qkv_format": "thd", "seq_lens": [[5, 4]]})

@@ -1,6 +1,6 @@
 """The autograd wrapper that re-enters torch's ring dispatch for backward (CPU mechanics).
 
-The ring kernels themselves need CUDA (tests/test_cuda.py); here a recording context stands in
+The ring kernels themselves need CUDA (tests/test_sharder_cuda.py); here a recording context stands in
 for torch's, to prove that backward runs inside it and that gradients are those of plain SDPA.
 """
 

@@ -8,8 +8,16 @@ from __future__ import annotations
 
 import io
 import random
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
+
+# build_sft_loader's options for a single-process test that reads the dataset in its order: one
+# data-parallel rank, no worker processes, no shuffling.
+ONE_RANK_IN_ORDER: Mapping[str, Any] = MappingProxyType(
+    {"dp_rank": 0, "dp_world_size": 1, "num_workers": 0, "seed": 0, "shuffle": False}
+)
 
 SPECIAL = [
     "<|endoftext|>",

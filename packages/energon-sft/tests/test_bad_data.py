@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from _esft_data import build_processor, png_bytes
+from _esft_data import ONE_RANK_IN_ORDER, build_processor, png_bytes
 from energon_sft import SFTTaskEncoder, TooManyBadSamplesError, build_sft_loader, write_chat_shards
 from energon_sft.dataset import prepare_dataset
 
@@ -84,15 +84,7 @@ def _loader(ds: Path, tolerance: int, n_batches: int) -> Any:
         failure_tolerance=tolerance,
     )
     return build_sft_loader(
-        ds,
-        encoder=enc,
-        batch_size=1,
-        dp_rank=0,
-        dp_world_size=1,
-        num_workers=0,
-        seed=0,
-        shuffle=False,
-        virtual_epoch_length=n_batches,
+        ds, encoder=enc, batch_size=1, virtual_epoch_length=n_batches, **ONE_RANK_IN_ORDER
     )
 
 

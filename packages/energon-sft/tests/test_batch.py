@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from _esft_data import build_dataset, build_processor, build_tokenizer, chat_rows, png_bytes
+from _esft_data import (
+    ONE_RANK_IN_ORDER,
+    build_dataset,
+    build_processor,
+    build_tokenizer,
+    chat_rows,
+    png_bytes,
+)
 from energon_sft import (
     IGNORE_INDEX,
     ChatSample,
@@ -164,15 +171,9 @@ def test_worker_mrope_ids_equal_the_host_computation(tmp_path: Path, packing: bo
         pad_to_multiple_of=8,
         packing_buffer_size=6 if packing else None,
     )
+    # One loader worker process: the ids are built there, not on the host.
     loader = build_sft_loader(
-        ds,
-        encoder=enc,
-        batch_size=2,
-        dp_rank=0,
-        dp_world_size=1,
-        num_workers=1,
-        seed=0,
-        shuffle=False,
+        ds, encoder=enc, batch_size=2, **{**ONE_RANK_IN_ORDER, "num_workers": 1}
     )
     with loader, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from _esft_data import build_processor, build_tokenizer, png_bytes
+from _esft_data import ONE_RANK_IN_ORDER, build_processor, build_tokenizer, png_bytes
 from energon_sft import SFTTaskEncoder, build_sft_loader
 from energon_sft.cli import main
 from energon_sft.schema import ChatSample, MediaItem
@@ -59,9 +59,8 @@ def _tar_rows(ds: Path) -> list[dict[str, Any]]:
 def _loaded(ds: Path, enc: SFTTaskEncoder) -> list[Any]:
     """Every sample of the dataset through the loader, in order (batch size 1)."""
     n = len(_tar_rows(ds))
-    opts: dict[str, Any] = dict(dp_rank=0, dp_world_size=1, num_workers=0, seed=0, shuffle=False)
     batches = []
-    with build_sft_loader(ds, encoder=enc, batch_size=1, **opts) as loader:
+    with build_sft_loader(ds, encoder=enc, batch_size=1, **ONE_RANK_IN_ORDER) as loader:
         for batch in loader:
             batches.append(batch)
             if len(batches) == n:

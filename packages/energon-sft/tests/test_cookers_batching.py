@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from megatron.energon import Cooker, stateless
 from megatron.energon.task_encoder.base import get_stateless
 
-from _esft_data import build_dataset, build_tokenizer, chat_rows, png_bytes
+from _esft_data import ONE_RANK_IN_ORDER, build_dataset, build_tokenizer, chat_rows, png_bytes
 from energon_sft import (
     IGNORE_INDEX,
     SFTTaskEncoder,
@@ -117,9 +117,7 @@ def test_subflavor_routes_sharegpt_rows_and_jsonl_rows_load(tok: Any, tmp_path: 
     write_chat_shards(rows, tmp_path / "share", samples_per_shard=4)
     ds = prepare_dataset(tmp_path / "share")
     enc = SFTTaskEncoder(tok, model_family="text", max_length=128)
-    common: dict[str, Any] = dict(
-        encoder=enc, batch_size=4, dp_rank=0, dp_world_size=1, num_workers=0, seed=0, shuffle=False
-    )
+    common: dict[str, Any] = dict(encoder=enc, batch_size=4, **ONE_RANK_IN_ORDER)
     batch = next(iter(build_sft_loader(ds, subflavors={"sft_format": "sharegpt"}, **common)))
     assert batch.source_ids == ["s0", "s1", "s2", "s3"]
     targets = [t for t in batch.labels[0].tolist() if t != IGNORE_INDEX]
@@ -159,9 +157,8 @@ def test_subflavor_routes_sharegpt_rows_and_jsonl_rows_load(tok: Any, tmp_path: 
 
 def test_padding_to_multiple_and_packing_through_the_loader(tok: Any, tmp_path: Path) -> None:
     ds = build_dataset(tmp_path, chat_rows(16, image_every=0))
-    common: dict[str, Any] = dict(dp_rank=0, dp_world_size=1, num_workers=0, seed=0, shuffle=False)
     plain = SFTTaskEncoder(tok, model_family="text", max_length=128, pad_to_multiple_of=8)
-    b = next(iter(build_sft_loader(ds, encoder=plain, batch_size=4, **common)))
+    b = next(iter(build_sft_loader(ds, encoder=plain, batch_size=4, **ONE_RANK_IN_ORDER)))
     assert b.input_ids.shape[1] % 8 == 0
     lens = b.attention_mask.sum(1)
     assert b.input_ids.shape[1] - int(lens.max()) < 8
@@ -179,7 +176,7 @@ def test_padding_to_multiple_and_packing_through_the_loader(tok: Any, tmp_path: 
     packer = SFTTaskEncoder(
         tok, model_family="text", max_length=256, pad_to_multiple_of=8, packing_buffer_size=8
     )
-    pb = next(iter(build_sft_loader(ds, encoder=packer, batch_size=1, **common)))
+    pb = next(iter(build_sft_loader(ds, encoder=packer, batch_size=1, **ONE_RANK_IN_ORDER)))
     assert pb.input_ids.shape[0] == 1 and pb.input_ids.shape[1] <= 256
     parts = pb.segment_lengths.tolist()
     real = parts if int(pb.attention_mask.sum()) == sum(parts) else parts[:-1]

@@ -1,14 +1,10 @@
-from importlib.metadata import metadata
-
 import energon_sft
+from train_testing.package_checks import assert_all_is_exported, assert_version_matches_metadata
 
 
 def test_version_matches_installed_metadata() -> None:
-    assert energon_sft.__version__ == metadata("energon-sft")["Version"]
+    assert_version_matches_metadata(energon_sft, "energon-sft")
 
 
 def test_public_api_is_exported() -> None:
-    for name in energon_sft.__all__:
-        assert hasattr(energon_sft, name), (
-            f"energon_sft.__all__ names {name!r} but the package lacks it"
-        )
+    assert_all_is_exported(energon_sft)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from _esft_data import build_dataset, chat_rows
-from _esft_dist import (
+from _esft_workers import (
     check_owner_broadcast,
     check_owner_failure_reaches_peers,
     check_restore_refusal_is_agreed,

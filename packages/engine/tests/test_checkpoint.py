@@ -55,6 +55,18 @@ def _params(engine: Engine) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
 
 
+def _kill_when_renaming(monkeypatch: pytest.MonkeyPatch, name: str, why: str) -> None:
+    """``Path.rename`` of a path named ``name`` raises KeyboardInterrupt, as a kill would."""
+    real_rename = Path.rename
+
+    def crash(self: Path, target: Path) -> Path:
+        if self.name == name:
+            raise KeyboardInterrupt(why)
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", crash)
+
+
 def test_interrupted_save_leaves_previous_checkpoint_loadable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -67,14 +79,7 @@ def test_interrupted_save_leaves_previous_checkpoint_loadable(
     _train(engine, 1, seed=2)
 
     # Interrupt the next save into the same directory just before its rename.
-    real_rename = Path.rename
-
-    def crash(self: Path, target: Path) -> Path:
-        if self.name == "latest.tmp":
-            raise KeyboardInterrupt("simulated kill before rename")
-        return real_rename(self, target)
-
-    monkeypatch.setattr(Path, "rename", crash)
+    _kill_when_renaming(monkeypatch, "latest.tmp", "simulated kill before rename")
     with pytest.raises(KeyboardInterrupt):
         engine.save_checkpoint(ckpt, extra_state={"position": 3})
     monkeypatch.undo()
@@ -103,14 +108,8 @@ def test_crash_between_renames_falls_back_to_old(
     ckpt = tmp_path / "ckpt"
     engine.save_checkpoint(ckpt, extra_state="first")
     _train(engine, 1, seed=4)
-    real_rename = Path.rename
-
-    def crash_second(self: Path, target: Path) -> Path:
-        if self.name == "ckpt.tmp":  # the old one was already moved aside
-            raise KeyboardInterrupt("simulated kill between renames")
-        return real_rename(self, target)
-
-    monkeypatch.setattr(Path, "rename", crash_second)
+    # The old checkpoint was already moved aside when the new one's rename is killed.
+    _kill_when_renaming(monkeypatch, "ckpt.tmp", "simulated kill between renames")
     with pytest.raises(KeyboardInterrupt):
         engine.save_checkpoint(ckpt, extra_state="second")
     monkeypatch.undo()

@@ -27,6 +27,13 @@ def _sgd_engine(**kwargs) -> Engine:
     return Engine(model, opt, **kwargs)
 
 
+def _micro_steps(engine: Engine, ids: torch.Tensor, labels: torch.Tensor, n: int) -> None:
+    """``n`` backward + step calls on the same micro-batch (mean token loss)."""
+    for _ in range(n):
+        engine.backward(token_loss_mean(engine(ids), labels))
+        engine.step()
+
+
 def _params(engine: Engine) -> dict[str, torch.Tensor]:
     return {k: v.detach().double().clone() for k, v in engine.module.named_parameters()}
 
@@ -104,9 +111,7 @@ def test_step_off_boundary_only_counts_and_scheduler_steps_once_per_window() -> 
 def test_shorter_last_window() -> None:
     engine = _sgd_engine(gradient_accumulation_steps=3)
     ids, labels = global_batch(2, 2)
-    for _ in range(3):
-        engine.backward(token_loss_mean(engine(ids), labels))
-        engine.step()
+    _micro_steps(engine, ids, labels, 3)
     engine.set_gradient_accumulation_steps(2)
     assert not engine.is_gradient_accumulation_boundary()
     engine.backward(token_loss_mean(engine(ids), labels))
@@ -192,9 +197,7 @@ def test_engine_unusable_after_failed_backward() -> None:
 def test_state_dict_roundtrip_and_validation() -> None:
     engine = _sgd_engine(gradient_accumulation_steps=2)
     ids, labels = global_batch(8, 2)
-    for _ in range(4):
-        engine.backward(token_loss_mean(engine(ids), labels))
-        engine.step()
+    _micro_steps(engine, ids, labels, 4)
     state = engine.state_dict()
     other = _sgd_engine()
     other.load_state_dict(state)

@@ -1,14 +1,10 @@
-from importlib.metadata import metadata
-
 import train_engine
+from train_testing.package_checks import assert_all_is_exported, assert_version_matches_metadata
 
 
 def test_version_matches_installed_metadata() -> None:
-    assert train_engine.__version__ == metadata("train-engine")["Version"]
+    assert_version_matches_metadata(train_engine, "train-engine")
 
 
 def test_public_api_is_exported() -> None:
-    for name in train_engine.__all__:
-        assert hasattr(train_engine, name), (
-            f"train_engine.__all__ names {name!r} but the package lacks it"
-        )
+    assert_all_is_exported(train_engine)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
+
+from train_testing.tiny_hf import tiny_config, tiny_model
 
 
 def build_block(kind: str, *, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -42,7 +42,7 @@ def build_block(kind: str, *, seed: int, dtype: torch.dtype = torch.float32) -> 
     elif kind == "deepseek_v3":
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-        block = DeepseekV3MoE(deepseek_v3_config(hidden_size=16, moe_intermediate_size=24))
+        block = DeepseekV3MoE(tiny_config(kind, hidden_size=16, moe_intermediate_size=24))
     else:
         raise ValueError(kind)
     g = torch.Generator().manual_seed(seed)
@@ -54,77 +54,14 @@ def build_block(kind: str, *, seed: int, dtype: torch.dtype = torch.float32) -> 
     return block.to(dtype).eval()
 
 
-def deepseek_v3_config(**overrides: Any) -> Any:
-    """A tiny DeepSeek-V3 config: 8 experts in 4 groups, 2 kept groups, top-2, 1 shared."""
-    from transformers import DeepseekV3Config
-
-    fields: dict[str, Any] = {
-        "vocab_size": 64,
-        "hidden_size": 16,
-        "intermediate_size": 32,
-        "moe_intermediate_size": 12,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "n_routed_experts": 8,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "n_group": 4,
-        "topk_group": 2,
-        "routed_scaling_factor": 2.5,
-        "first_k_dense_replace": 1,
-        "q_lora_rank": None,
-        "kv_lora_rank": 8,
-        "qk_rope_head_dim": 4,
-        "qk_nope_head_dim": 4,
-        "v_head_dim": 4,
-        "max_position_embeddings": 32,
-        "hidden_act": "silu",
-    }
-    fields.update(overrides)
-    return DeepseekV3Config(**fields)
-
-
 def tiny_causal_lm(kind: str, *, seed: int) -> nn.Module:
-    """A tiny random transformers causal LM of ``kind`` with 2 layers (MoE in at least one)."""
-    import transformers
+    """A tiny random transformers causal LM of ``kind`` with 2 layers (MoE in at least one).
 
-    common: dict[str, Any] = {
-        "vocab_size": 64,
-        "hidden_size": 16,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "max_position_embeddings": 32,
-    }
-    config: Any
-    if kind == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(
-            intermediate_size=24,
-            moe_intermediate_size=12,
-            head_dim=8,
-            num_experts=4,
-            num_experts_per_tok=2,
-            **common,
-        )
-        cls: Any = transformers.Qwen3MoeForCausalLM
-    elif kind == "mixtral":
-        config = transformers.MixtralConfig(
-            intermediate_size=12,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            head_dim=8,
-            **common,
-        )
-        cls = transformers.MixtralForCausalLM
-    elif kind == "deepseek_v3":
-        config = deepseek_v3_config()
-        cls = transformers.DeepseekV3ForCausalLM
-    else:
-        raise ValueError(kind)
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = cls(config)
+    train_testing's tiny sizes with a 64-token vocabulary, eager attention, and every weight
+    redrawn from N(0, 0.2) (DeepSeek's score-correction bias from N(0, 0.1)) so that routing
+    differences show in the logits.
+    """
+    model = tiny_model(kind, seed=seed, attn_implementation="eager", vocab_size=64)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():

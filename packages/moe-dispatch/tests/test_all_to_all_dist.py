@@ -107,7 +107,7 @@ def test_hybrid_ep_wrapper_over_emulated_buffer(rank_pool, world_size: int) -> N
     """Equalization, dense routing map, probability gradients and slicing in HybridEPDispatcher.
 
     The buffer is a pure-torch emulation that enforces HybridEP's uniform, 4-aligned counts;
-    the real DeepEP kernels are tested in test_cuda_paths.py on GPUs.
+    the real DeepEP kernels are tested in test_dispatch_cuda.py on GPUs.
     """
     cases = CASES[world_size][:1]
     per_rank = rank_pool.run(world_size, check_emulated_hybrid_ep, cases, timeout_s=100)

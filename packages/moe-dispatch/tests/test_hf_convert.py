@@ -10,6 +10,7 @@ pytest.importorskip("transformers")
 
 from _moe_dispatch_hf import build_block
 from moe_dispatch import RouterReplay, convert_hf_moe, from_hf_moe_block
+from train_testing.tiny_hf import tiny_model
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
@@ -83,24 +84,9 @@ def test_legacy_per_expert_modules_convert_too() -> None:
 
 
 def test_convert_whole_model_and_bind_replay() -> None:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(
-        vocab_size=40,
-        hidden_size=16,
-        intermediate_size=24,
-        moe_intermediate_size=12,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        mlp_only_layers=[1],
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).eval()
+    # Three layers, the middle one a dense MLP; vocabulary 40.
+    model = tiny_model("qwen3_moe", vocab_size=40, num_hidden_layers=3, mlp_only_layers=[1])
+    model.eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)

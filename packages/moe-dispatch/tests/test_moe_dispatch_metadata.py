@@ -1,14 +1,10 @@
-from importlib.metadata import metadata
-
 import moe_dispatch
+from train_testing.package_checks import assert_all_is_exported, assert_version_matches_metadata
 
 
 def test_version_matches_installed_metadata() -> None:
-    assert moe_dispatch.__version__ == metadata("moe-dispatch")["Version"]
+    assert_version_matches_metadata(moe_dispatch, "moe-dispatch")
 
 
 def test_public_api_is_exported() -> None:
-    for name in moe_dispatch.__all__:
-        assert hasattr(moe_dispatch, name), (
-            f"moe_dispatch.__all__ names {name!r} but the package lacks it"
-        )
+    assert_all_is_exported(moe_dispatch)

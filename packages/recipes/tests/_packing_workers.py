@@ -17,11 +17,14 @@ from unittest import mock
 import torch
 from torch import Tensor
 
+from _recipes_workers import logged_losses, metric_rows
+from train_testing import tiny_hf
+
 # B rows, S padded length, V vocabulary, D values per image patch.
-VOCAB = 128
+VOCAB = tiny_hf.TEXT_SIZES["vocab_size"]
 IMAGE, VIDEO, VISION_START, VISION_END = 120, 121, 122, 123
 PATCH_VALUES = 3 * 2 * 14 * 14  # channels * temporal patch * patch^2 (Qwen2.5-VL's vision input)
-MERGE = 2
+MERGE = tiny_hf.VISION_SIZES["spatial_merge_size"]
 
 # Row 0: three documents (lengths 5, 11 and 3: none divisible by 2*cp=4, 11 longer than one
 # cp=2 chunk of the flattened stream), then one padding token; row 1: one document of 13,
@@ -36,63 +39,16 @@ VLM_ROWS = [
 
 def tiny_model(family: str) -> torch.nn.Module:
     """A random-init float64 model of the family (seeded), attention "sdpa"."""
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
-
-    torch.manual_seed(0)
-    text = {
-        "vocab_size": VOCAB,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 128,
-    }
-    model: torch.nn.Module
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**text, attn_implementation="sdpa"))
-    elif family == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**text, head_dim=8, attn_implementation="sdpa"))
-    elif family == "qwen2_5_vl":
-        config = Qwen2_5_VLConfig(
-            text_config={
-                **text,
-                "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
-                "tie_word_embeddings": True,
-                "bos_token_id": None,
-                "eos_token_id": None,
-            },
-            vision_config={
-                "depth": 1,
-                "hidden_size": 16,
-                "intermediate_size": 32,
-                "num_heads": 2,
-                "patch_size": 14,
-                "spatial_merge_size": MERGE,
-                "temporal_patch_size": 2,
-                "out_hidden_size": 32,
-                "fullatt_block_indexes": [0],
-                "window_size": 56,
-                "in_channels": 3,
-            },
-            image_token_id=IMAGE,
-            video_token_id=VIDEO,
-            vision_start_token_id=VISION_START,
-            vision_end_token_id=VISION_END,
-            tie_word_embeddings=True,
-        )
-        config._attn_implementation = "sdpa"
-        model = Qwen2_5_VLForConditionalGeneration(config)
-    else:
+    if family not in ("llama", "qwen3", "qwen2_5_vl"):
         raise ValueError(f"unknown test family {family!r}")
-    return model.double()
+    tokens = {
+        "image_token_id": IMAGE,
+        "video_token_id": VIDEO,
+        "vision_start_token_id": VISION_START,
+        "vision_end_token_id": VISION_END,
+    }
+    fields = tokens if family == "qwen2_5_vl" else {}
+    return tiny_hf.tiny_model(family, dtype=torch.float64, max_position_embeddings=128, **fields)
 
 
 def _text_doc(n: int, g: torch.Generator) -> dict[str, Tensor]:
@@ -323,8 +279,6 @@ def run_packed_sft_without_dense_masks(
 ) -> dict[int, float]:
     """Run the SFT recipe with every dense-mask builder made to raise; rank 0 returns the
     logged losses by step."""
-    import json
-    from pathlib import Path
 
     from train_recipes.config import SFTConfig, load_config, validate_sft
     from train_recipes.sft import run_sft
@@ -335,6 +289,4 @@ def run_packed_sft_without_dense_masks(
         run_sft(config)
     if rank != 0:
         return {}
-    metrics = Path(config.train.output_dir) / "metrics.jsonl"
-    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return logged_losses(metric_rows(config.train.output_dir))

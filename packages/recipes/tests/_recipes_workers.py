@@ -9,6 +9,17 @@ from typing import Any
 import torch
 
 
+def metric_rows(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of a run folder's ``metrics.jsonl``, in order (blank lines skipped)."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def logged_losses(rows: list[dict[str, Any]]) -> dict[int, float]:
+    """{step: loss} of the metric rows that log a training loss."""
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
 def run_sft_on_rank(
     rank: int,
     world_size: int,
@@ -32,13 +43,9 @@ def run_sft_on_rank(
             logits = logits.full_tensor()
     if rank != 0:
         return {}
-    rows = [
-        json.loads(x)
-        for x in (Path(config.train.output_dir) / "metrics.jsonl").read_text().splitlines()
-    ]
-    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    rows = metric_rows(config.train.output_dir)
     return {
-        "losses": losses,
+        "losses": logged_losses(rows),
         "metrics": rows[-1],
         "logits": logits,
         "accuracy_before": result.accuracy_before,
@@ -91,12 +98,9 @@ def run_lora_on_rank(
         torch.equal(fresh[k], v) for k, v in base.items() if "lora_" not in k and k in fresh
     )
     lora_names = [n for n, p in model.named_parameters() if p.requires_grad]
-    rows = [
-        json.loads(x)
-        for x in (Path(config.train.output_dir) / "metrics.jsonl").read_text().splitlines()
-    ]
+    rows = metric_rows(config.train.output_dir)
     return {
-        "losses": {r["step"]: r["loss"] for r in rows if "loss" in r},
+        "losses": logged_losses(rows),
         "logits": logits,
         "frozen_equal": frozen_equal,
         "trainable": lora_names,
@@ -108,34 +112,23 @@ def compiled_layers_under_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
     """Loss and gradients of a tiny Llama with compiled decoder layers under FSDP2, and of the
     same model eager and unwrapped (float64 reference)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from train_engine import FSDP2Config, apply_data_parallel
     from train_recipes.modeling import compile_decoder_layers
     from train_recipes.sft import token_sum_loss
+    from train_testing.tiny_hf import tiny_model
 
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=97,
-        attn_implementation="sdpa",
-        use_cache=False,
-    )
+    config = {"vocab_size": 97, "num_hidden_layers": 3, "use_cache": False}
     torch.manual_seed(rank)
     ids = torch.randint(0, 97, (2, 12))
     labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
     batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(12).expand(2, 12)}
 
-    torch.manual_seed(0)
-    reference = LlamaForCausalLM(config).double()
+    reference = tiny_model("llama", dtype=torch.float64, **config)
     ref_loss = token_sum_loss(reference, batch)
     ref_loss.backward()
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = tiny_model("llama", **config)
     names_before = [n for n, _ in model.named_parameters()]
     compiled = compile_decoder_layers(model, backend="aot_eager")
     mesh = init_device_mesh("cpu", (world_size,))

@@ -8,82 +8,41 @@ from typing import Any
 
 import torch
 
+from _recipes_workers import logged_losses, metric_rows
+from train_testing.tiny_hf import tiny_model
+
 VOCAB = 101  # odd: the vocabulary shards over tp=2 are uneven (51 + 50 rows)
 IMAGE_PAD, VISION_START, VISION_END = 98, 99, 100
 
 
-def tiny_hf_model(kind: str, *, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
-    """A random-init transformers model of ``kind`` ("llama", "qwen2", "qwen3", "qwen2_5_vl")."""
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
+# What differs from train_testing's tiny sizes: wider layers and the odd vocabulary.
+_SIZES = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96}
+_FAMILY_FIELDS: dict[str, dict[str, Any]] = {
+    "llama": {"tie_word_embeddings": False},
+    "qwen2": {"tie_word_embeddings": False},  # q/k/v projections with biases
+    "qwen3": {"head_dim": 16, "tie_word_embeddings": True},
+    "qwen2_5_vl": {
+        "vision": {"hidden_size": 32, "intermediate_size": 64},
+        "image_token_id": IMAGE_PAD,
+        "vision_start_token_id": VISION_START,
+        "vision_end_token_id": VISION_END,
+    },
+}
 
-    common: dict[str, Any] = {
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 128,
-    }
-    model: torch.nn.Module
-    if kind == "llama":
-        model = LlamaForCausalLM(
-            LlamaConfig(**common, tie_word_embeddings=False, attn_implementation="sdpa")
-        )
-    elif kind == "qwen2":  # q/k/v projections with biases (sharded with their outputs)
-        model = Qwen2ForCausalLM(
-            Qwen2Config(**common, tie_word_embeddings=False, attn_implementation="sdpa")
-        )
-    elif kind == "qwen3":
-        model = Qwen3ForCausalLM(
-            Qwen3Config(**common, head_dim=16, tie_word_embeddings=True, attn_implementation="sdpa")
-        )
-    elif kind == "qwen2_5_vl":
-        config = Qwen2_5_VLConfig(
-            text_config={
-                **common,
-                "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]},
-                "tie_word_embeddings": True,
-            },
-            vision_config={
-                "depth": 1,
-                "hidden_size": 32,
-                "intermediate_size": 64,
-                "num_heads": 2,
-                "patch_size": 14,
-                "spatial_merge_size": 2,
-                "temporal_patch_size": 2,
-                "out_hidden_size": 64,
-                "fullatt_block_indexes": [0],
-                "window_size": 56,
-                "in_channels": 3,
-            },
-            image_token_id=IMAGE_PAD,
-            vision_start_token_id=VISION_START,
-            vision_end_token_id=VISION_END,
-            tie_word_embeddings=True,
-            attn_implementation="sdpa",
-        )
-        model = Qwen2_5_VLForConditionalGeneration(config)
-    else:
+
+def tiny_hf_model(
+    kind: str, *, seed: int = 0, dtype: torch.dtype = torch.float64
+) -> torch.nn.Module:
+    """A seeded random-init transformers model of ``kind`` ("llama", "qwen2", "qwen3", "qwen2_5_vl")."""
+    if kind not in _FAMILY_FIELDS:
         raise ValueError(kind)
-    return model.to(dtype)
+    fields = {**_SIZES, "max_position_embeddings": 128, **_FAMILY_FIELDS[kind]}
+    return tiny_model(kind, seed=seed, dtype=dtype, **fields)
 
 
 def save_tiny(kind: str, directory: Path, *, seed: int = 0) -> Path:
     """save_pretrained a seeded tiny model (float32 on disk) into ``directory``."""
-    torch.manual_seed(seed)
-    model = tiny_hf_model(kind, dtype=torch.float32)
-    model.save_pretrained(directory)
+    tiny_hf_model(kind, seed=seed, dtype=torch.float32).save_pretrained(directory)
     return directory
 
 
@@ -250,20 +209,14 @@ def sharded_load_on_rank(
 def save_medium_llama(directory: Path) -> Path:
     """A ~35M-parameter float32 Llama (~140 MB on disk): large enough for the load's memory
     to dominate the process's own."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=8192,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
+    # 8 layers of width 512 (8 heads, no grouping), a vocabulary of 8192, an untied head.
+    width = {"hidden_size": 512, "intermediate_size": 1536, "vocab_size": 8192}
+    depth = {"num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8}
+    model = tiny_model(
+        "llama", attn_implementation=None, tie_word_embeddings=False, **width, **depth
     )
     with torch.no_grad():
-        LlamaForCausalLM(config).save_pretrained(directory)
+        model.save_pretrained(directory)
     return directory
 
 
@@ -300,7 +253,6 @@ def lora_fsdp2_on_rank(
 ) -> dict[str, Any]:
     """A LoRA SFT run under FSDP2 (dp or tp; merged export at the end of the run), then an adapter-only
     export; every rank joins the forwards and exports (both are collective under FSDP2)."""
-    import json as json_module
 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -328,12 +280,8 @@ def lora_fsdp2_on_rank(
     base = {
         k[len(prefix) :].replace(".base_layer", ""): v for k, v in state.items() if "lora_" not in k
     }
-    rows = [
-        json_module.loads(x)
-        for x in (Path(config.train.output_dir) / "metrics.jsonl").read_text().splitlines()
-    ]
     return {
-        "losses": {r["step"]: r["loss"] for r in rows if "loss" in r},
+        "losses": logged_losses(metric_rows(config.train.output_dir)),
         "logits": logits,
         "frozen_equal": all(torch.equal(fresh[k], v) for k, v in base.items() if k in fresh),
         "compared": sum(k in fresh for k in base),

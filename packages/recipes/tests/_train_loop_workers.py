@@ -11,6 +11,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from _recipes_workers import metric_rows
+
 
 def _run(overrides: list[str], world_size: int) -> Any:
     from train_recipes.config import SFTConfig, load_config, validate_sft
@@ -35,7 +37,7 @@ def eval_loss_run(rank: int, world_size: int, overrides: list[str]) -> dict[str,
     if rank != 0:
         return {}
     out = Path(config.train.output_dir)
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out)
     summary = json.loads((out / "summary.json").read_text())
     return {"rows": rows, "summary": summary, "model": result.model.cpu()}
 

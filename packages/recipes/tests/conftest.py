@@ -1,33 +1,85 @@
-"""Shared fixtures: one small demo dataset for the session (generation + energon prepare once)."""
+"""Shared fixtures: small demo datasets for the session (generation + energon prepare once)."""
 
 from __future__ import annotations
 
+import json
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
 import pytest
+import torch
 
 from train_recipes.demo import DemoSplit, write_demo_dataset
+
+# A short CPU run that logs every step and spends nothing on checkpoints, held-out evaluation or
+# TensorBoard: the tests of training behaviour add their own steps, parallelism and export.
+QUIET_CPU_RUN = (
+    "train.log_every=1",
+    "train.checkpoint_every=0",
+    "train.eval_samples=0",
+    "train.tensorboard=false",
+    "train.device=cpu",
+)
+
+
+# The configs as installed (package data): the same files in a clone and in the wheel.
+SHIPPED_CONFIGS = Path(str(files("train_recipes") / "configs"))
+
+
+def shipped_world_size(name: str) -> int:
+    """The world size a shipped config is written for (its header command says so), else 2."""
+    return {"qwen-8gpu-cp2.yaml": 8, "demo-cpu-cp2.yaml": 4, "llama-1b5-1gpu.yaml": 1}.get(name, 2)
+
+
+def model_and_data_stand_ins(tmp_path: Path) -> tuple[Path, Path]:
+    """A model folder holding only a Llama config.json and an empty prepared Energon folder:
+    enough for the config checks that look at the paths, nothing that loads."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    data = tmp_path / "data"
+    (data / ".nv-meta").mkdir(parents=True)
+    return model, data
+
+
+def _demo(factory: pytest.TempPathFactory, task: str, train_size: int, eval_size: int) -> DemoSplit:
+    folder = factory.mktemp(task) / "data"
+    return write_demo_dataset(folder, task=task, train_size=train_size, eval_size=eval_size, seed=0)
 
 
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory: pytest.TempPathFactory) -> DemoSplit:
-    return write_demo_dataset(
-        tmp_path_factory.mktemp("demo") / "data",
-        task="addition",
-        train_size=4000,
-        eval_size=64,
-        seed=0,
-    )
+    return _demo(tmp_path_factory, "addition", train_size=4000, eval_size=64)
 
 
 @pytest.fixture(scope="session")
 def shapes_data(tmp_path_factory: pytest.TempPathFactory) -> DemoSplit:
-    return write_demo_dataset(
-        tmp_path_factory.mktemp("shapes") / "data",
-        task="shapes",
-        train_size=400,
-        eval_size=16,
-        seed=0,
-    )
+    return _demo(tmp_path_factory, "shapes", train_size=400, eval_size=16)
 
 
 def data_overrides(split: DemoSplit) -> list[str]:
     return [f"data.path={split.energon_dir}", f"data.eval_path={split.eval_jsonl}"]
+
+
+def check_lora_exports(run: dict[str, Any], adapter_dir: Path, probe: list[list[int]]) -> None:
+    """Both exports of a LoRA run on the default tiny model reproduce its trained logits on
+    ``probe``: the merged model (no ``lora_`` weights left), and the adapter alone loaded with
+    peft onto the seeded base model rebuilt from the default config."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from train_recipes.config import SFTConfig, load_config
+    from train_recipes.demo import build_char_tokenizer
+    from train_recipes.modeling import build_model
+
+    merged = AutoModelForCausalLM.from_pretrained(run["export_dir"]).eval()
+    assert not any("lora_" in k for k in merged.state_dict())
+    torch.manual_seed(0)
+    base = build_model(load_config(SFTConfig, None, []), build_char_tokenizer())
+    adapted = PeftModel.from_pretrained(base, adapter_dir).eval()
+    with torch.no_grad():
+        for model in (merged, adapted):
+            torch.testing.assert_close(
+                model(input_ids=torch.tensor(probe)).logits, run["logits"], rtol=1e-4, atol=1e-4
+            )

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from train_testing.bench.quick import run_quick
 
 BENCH = Path(__file__).parents[1] / "bench" / "packed_step.py"
 
@@ -15,13 +14,7 @@ BENCH = Path(__file__).parents[1] / "bench" / "packed_step.py"
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("long", [False, True])
 def test_packed_step_quick(tmp_path: Path, long: bool) -> None:
-    out = tmp_path / "packed_step.json"
-    command = [sys.executable, str(BENCH), "--quick", "--out", str(out)]
-    proc = subprocess.run(
-        command + (["--long"] if long else []), capture_output=True, text=True, timeout=280
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads(out.read_text())
+    result = run_quick(BENCH, tmp_path, *(["--long"] if long else []), timeout_s=280).report
     names = [r["variant"] for r in result["rows"]]
     expected = (
         ["packed", "varlen-direct"]

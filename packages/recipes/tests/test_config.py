@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from importlib.resources import files
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from conftest import SHIPPED_CONFIGS, model_and_data_stand_ins, shipped_world_size
 from train_recipes.cli import main
 from train_recipes.config import (
     ConfigError,
@@ -23,29 +22,11 @@ from train_recipes.config import (
     validate_sft,
 )
 
-# The configs as installed (package data): the same files in a clone and in the wheel.
-CONFIGS = Path(str(files("train_recipes") / "configs"))
-
-
-def _fake_model_and_data(tmp_path: Path) -> tuple[Path, Path]:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    data = tmp_path / "data"
-    (data / ".nv-meta").mkdir(parents=True)
-    return model, data
-
-
-def _world_for(path: Path) -> int:
-    return {"qwen-8gpu-cp2.yaml": 8, "demo-cpu-cp2.yaml": 4, "llama-1b5-1gpu.yaml": 1}.get(
-        path.name, 2
-    )
-
 
 def test_every_shipped_config_loads_and_validates(tmp_path: Path) -> None:
-    files = sorted(CONFIGS.glob("*.yaml"))
+    files = sorted(SHIPPED_CONFIGS.glob("*.yaml"))
     assert len(files) >= 5, files
-    model, data = _fake_model_and_data(tmp_path)
+    model, data = model_and_data_stand_ins(tmp_path)
     for path in files:
         cls = RetrievalConfig if path.name.startswith("retrieval") else SFTConfig
         config = load_config(cls, path)
@@ -57,9 +38,9 @@ def test_every_shipped_config_loads_and_validates(tmp_path: Path) -> None:
             overrides.append(f"data.path={data}")
         config = load_config(cls, path, overrides)
         if isinstance(config, SFTConfig):
-            validate_sft(config, world_size=_world_for(path))
+            validate_sft(config, world_size=shipped_world_size(path.name))
         else:
-            validate_retrieval(config, world_size=_world_for(path))
+            validate_retrieval(config, world_size=shipped_world_size(path.name))
         # Round trip through plain data (what the run directory stores).
         assert config_from_dict(cls, to_dict(config)) == config
 
@@ -205,7 +186,7 @@ def test_cli_rejects_before_any_process_group(capsys: pytest.CaptureFixture[str]
 
 def test_demo_cpu_yaml_is_the_embedded_default_written_out() -> None:
     # Its header says so: only the device is pinned (to the CPU).
-    written = load_config(SFTConfig, CONFIGS / "demo-cpu.yaml")
+    written = load_config(SFTConfig, SHIPPED_CONFIGS / "demo-cpu.yaml")
     default = SFTConfig()
     assert written == dataclasses.replace(
         default, train=dataclasses.replace(default.train, device="cpu")
@@ -310,7 +291,7 @@ def test_boundary_values_are_accepted() -> None:
 def test_model_family_comes_from_energon_sfts_registry(tmp_path: Path) -> None:
     from energon_sft import known_model_families
 
-    _, data = _fake_model_and_data(tmp_path)
+    _, data = model_and_data_stand_ins(tmp_path)
     for family in known_model_families():
         overrides = [f"data.model_family={family}", f"data.path={data}"]
         validate_sft(load_config(SFTConfig, None, overrides), world_size=2)

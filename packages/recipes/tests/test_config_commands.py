@@ -2,34 +2,20 @@
 
 from __future__ import annotations
 
-import json
-from importlib.resources import files
 from pathlib import Path
 
 import pytest
 import yaml
 
+from conftest import SHIPPED_CONFIGS, model_and_data_stand_ins, shipped_world_size
 from train_recipes.cli import main
 from train_recipes.config import RetrievalConfig, SFTConfig, load_config, to_dict
 from train_recipes.config_commands import header, shipped_configs
 from train_recipes.config_help import config_keys
 
-SHIPPED = Path(str(files("train_recipes") / "configs"))
-# World sizes the shipped configs are written for (their header commands say so).
-WORLD = {"qwen-8gpu-cp2.yaml": 8, "demo-cpu-cp2.yaml": 4, "llama-1b5-1gpu.yaml": 1}
-
-
-def _stand_ins(tmp_path: Path) -> tuple[Path, Path]:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    data = tmp_path / "data"
-    (data / ".nv-meta").mkdir(parents=True)
-    return model, data
-
 
 def test_config_ls_lists_every_shipped_config(capsys: pytest.CaptureFixture[str]) -> None:
-    names = sorted(p.name for p in SHIPPED.glob("*.yaml"))
+    names = sorted(p.name for p in SHIPPED_CONFIGS.glob("*.yaml"))
     assert len(names) >= 6 and sorted(shipped_configs()) == names
     assert main(["config", "ls"]) == 0
     lines = capsys.readouterr().out.splitlines()[1:]
@@ -37,7 +23,7 @@ def test_config_ls_lists_every_shipped_config(capsys: pytest.CaptureFixture[str]
     for line in lines:
         name, recipe = line.split()[:2]
         assert recipe == ("retrieval" if name.startswith("retrieval") else "sft"), line
-        assert header((SHIPPED / name).read_text()) in line
+        assert header((SHIPPED_CONFIGS / name).read_text()) in line
 
 
 def test_config_cp_copies_and_refuses_to_overwrite(
@@ -46,29 +32,29 @@ def test_config_cp_copies_and_refuses_to_overwrite(
     assert main(["config", "cp", "demo-cpu", str(tmp_path)]) == 0
     copied = tmp_path / "demo-cpu.yaml"
     assert capsys.readouterr().out.strip() == str(copied)
-    assert copied.read_bytes() == (SHIPPED / "demo-cpu.yaml").read_bytes()
+    assert copied.read_bytes() == (SHIPPED_CONFIGS / "demo-cpu.yaml").read_bytes()
     assert main(["config", "cp", "demo-cpu.yaml", str(copied)]) == 2
     assert "exists" in capsys.readouterr().err
     target = tmp_path / "sub" / "mine.yaml"
     assert main(["config", "cp", "retrieval-minilm.yaml", str(target)]) == 0
     assert main(["config", "cp", "retrieval-minilm.yaml", str(target), "--force"]) == 0
-    assert target.read_bytes() == (SHIPPED / "retrieval-minilm.yaml").read_bytes()
+    assert target.read_bytes() == (SHIPPED_CONFIGS / "retrieval-minilm.yaml").read_bytes()
     capsys.readouterr()
     assert main(["config", "cp", "nope", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "demo-cpu.yaml" in err
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in SHIPPED.glob("*.yaml")))
+@pytest.mark.parametrize("name", sorted(p.name for p in SHIPPED_CONFIGS.glob("*.yaml")))
 def test_config_show_validates_each_shipped_config(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     recipe = "retrieval" if name.startswith("retrieval") else "sft"
     cls = RetrievalConfig if recipe == "retrieval" else SFTConfig
-    argv = ["config", "show", "--config", name, "--nproc-per-node", str(WORLD.get(name, 2))]
+    argv = ["config", "show", "--config", name, "--nproc-per-node", str(shipped_world_size(name))]
     # Cluster paths do not exist here: point them at stand-ins, as a user sets their own.
-    model, data = _stand_ins(tmp_path)
-    as_shipped = load_config(cls, SHIPPED / name)
+    model, data = model_and_data_stand_ins(tmp_path)
+    as_shipped = load_config(cls, SHIPPED_CONFIGS / name)
     if getattr(as_shipped.model, "path", None) is not None:
         argv += ["--set", f"model.path={model}"]
     if getattr(as_shipped.data, "path", None) is not None:
@@ -79,11 +65,11 @@ def test_config_show_validates_each_shipped_config(
     out = capsys.readouterr().out
     # The output is a config file: the resolved values, then the plan as comments.
     shown = yaml.safe_load(out)
-    expected = load_config(cls, SHIPPED / name, [a for a in argv if "=" in a])
+    expected = load_config(cls, SHIPPED_CONFIGS / name, [a for a in argv if "=" in a])
     assert shown == to_dict(expected)
     plan = {line.split()[1]: line for line in out.splitlines() if line.startswith("#   ")}
     assert f"recipe       {recipe}" in plan["recipe"]
-    world = WORLD.get(name, 2)
+    world = shipped_world_size(name)
     cp, tp = expected.parallel.cp, expected.parallel.tp
     assert f"dp={world // (cp * tp)} x cp={cp} x tp={tp}" in plan["mesh"]
     assert {"device", "attention", "wrapping", "ranks"} <= set(plan)
@@ -141,4 +127,4 @@ def to_flat_keys(tree: dict[str, object], prefix: str = "") -> list[str]:
 def test_config_accepts_a_shipped_name(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["config", "show", "--config", "demo-cpu"]) == 0
     shown = yaml.safe_load(capsys.readouterr().out)
-    assert shown == to_dict(load_config(SFTConfig, SHIPPED / "demo-cpu.yaml"))
+    assert shown == to_dict(load_config(SFTConfig, SHIPPED_CONFIGS / "demo-cpu.yaml"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _scale_workers import lora_fsdp2_on_rank
-from conftest import data_overrides
+from conftest import QUIET_CPU_RUN, check_lora_exports, data_overrides
 
 pytest.importorskip("peft", reason="needs the lora extra (peft)")
 
@@ -35,11 +35,7 @@ def test_lora_under_fsdp2_trains_adapters_and_exports(
             "lora.export=merged",
             "optim.lr=1e-2",
             "train.steps=12",
-            "train.log_every=1",
-            "train.checkpoint_every=0",
-            "train.eval_samples=0",
-            "train.tensorboard=false",
-            "train.device=cpu",
+            *QUIET_CPU_RUN,
             "data.micro_batch_size=8",
         ],
         PROBE,
@@ -51,23 +47,7 @@ def test_lora_under_fsdp2_trains_adapters_and_exports(
     assert run["compared"] > 10 and run["frozen_equal"], "a base weight changed under LoRA"
     assert run["trainable"] and all("lora_" in n for n in run["trainable"]), run["trainable"]
 
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from train_recipes.config import SFTConfig, load_config
-    from train_recipes.demo import build_char_tokenizer
-    from train_recipes.modeling import build_model
-
-    merged = AutoModelForCausalLM.from_pretrained(run["export_dir"]).eval()
-    assert not any("lora_" in k for k in merged.state_dict())
-    torch.manual_seed(0)
-    base = build_model(load_config(SFTConfig, None, []), build_char_tokenizer())
-    adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
-    with torch.no_grad():
-        for model in (merged, adapted):
-            torch.testing.assert_close(
-                model(input_ids=torch.tensor(PROBE)).logits, run["logits"], rtol=1e-4, atol=1e-4
-            )
+    check_lora_exports(run, tmp_path / "adapter", PROBE)
 
 
 @pytest.mark.timeout(300)

@@ -11,30 +11,12 @@ import torch
 pytest.importorskip("transformers")
 
 from train_recipes.moe import MoEGroups, RouterLosses, convert_model
+from train_testing.tiny_hf import tiny_model
 
 
 def _tiny_qwen3_moe() -> torch.nn.Module:
-    import transformers
-
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=50,
-        hidden_size=16,
-        intermediate_size=24,
-        moe_intermediate_size=8,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    return model
+    """train_testing's tiny Qwen3-MoE (2 layers, 4 experts, top-2), weights from N(0, 0.3)."""
+    return tiny_model("qwen3_moe", vocab_size=50, init_std=0.3)
 
 
 def _hand_losses(hf_model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, float, torch.Tensor]:
@@ -107,43 +89,11 @@ def test_no_losses_without_coefficients_or_moe() -> None:
 
 
 def test_deepseek_bias_update_after_step_follows_the_window_load() -> None:
-    import transformers
-
-    config = transformers.DeepseekV3Config(
-        vocab_size=50,
-        hidden_size=16,
-        intermediate_size=24,
-        moe_intermediate_size=8,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=4,
-        topk_group=2,
-        first_k_dense_replace=1,
-        q_lora_rank=None,
-        kv_lora_rank=8,
-        qk_rope_head_dim=4,
-        qk_nope_head_dim=4,
-        v_head_dim=4,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
+    # 8 routed experts in 4 groups (2 kept), a shared expert, MoE from layer 1 on.
+    model = tiny_model("deepseek_v3", vocab_size=50, init_std=0.3)
     convert_model(model, MoEGroups(ep=1, ep_group=None, replica_group=None))
-    losses = RouterLosses(
-        model,
-        aux_loss_coef=0.0,
-        z_loss_coef=0.0,
-        grad_ranks=1,
-        window=2,
-        bias_update_rate=0.01,
-    )
+    no_losses = {"aux_loss_coef": 0.0, "z_loss_coef": 0.0}
+    losses = RouterLosses(model, **no_losses, grad_ranks=1, window=2, bias_update_rate=0.01)
     router = losses.layers[0].router
     before = router.score_correction_bias.clone()
     load = torch.zeros(8)

@@ -12,7 +12,7 @@ import torch
 
 from _moe_recipe_models import save_tiny_moe
 from _moe_recipe_workers import export_on_rank, run_moe_sft_on_rank
-from conftest import data_overrides
+from conftest import QUIET_CPU_RUN, data_overrides
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
 from train_recipes.demo import DemoSplit
 
@@ -28,11 +28,7 @@ def _overrides(
         f"model.path={model_dir}",
         f"train.output_dir={out}",
         f"train.steps={STEPS}",
-        "train.log_every=1",
-        "train.checkpoint_every=0",
-        "train.eval_samples=0",
-        "train.tensorboard=false",
-        "train.device=cpu",
+        *QUIET_CPU_RUN,
         "train.gradient_accumulation_steps=2",
         "data.micro_batch_size=2",  # rows of unequal length: unequal tokens per ep rank
         "data.shuffle=false",

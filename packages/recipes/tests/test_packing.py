@@ -34,16 +34,10 @@ def _first_batch(
         pad_to_multiple_of=1,
         packing=packing,
     )
+    one_rank = {"dp_rank": 0, "dp_world_size": 1, "num_workers": 0}
+    in_order = {"seed": 0, "shuffle": False, "num_logical_shards": None}
     loader = data_api.build_loader(
-        split.energon_dir,
-        encoder=encoder,
-        batch_size=2,
-        dp_rank=0,
-        dp_world_size=1,
-        num_workers=0,
-        seed=0,
-        shuffle=False,
-        num_logical_shards=None,
+        split.energon_dir, encoder=encoder, batch_size=2, **one_rank, **in_order
     )
     return next(iter(loader))
 

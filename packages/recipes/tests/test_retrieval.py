@@ -55,29 +55,17 @@ def test_recall_at_k_counts_ranks() -> None:
 
         return B(input_ids=ids, attention_mask=mask)
 
+    def recall(pairs: list[tuple[str, str]]) -> dict[int, float]:
+        cpu = torch.device("cpu")
+        return recall_at_k(
+            _BagOfWords(), tok, pairs, ks=(1, 2), max_length=8, pooling="mean", device=cpu
+        )
+
     pairs = [("b", "a b b"), ("c", "c"), ("d", "d"), ("e", "e")]
     pairs[0] = ("c b", "b")  # query 0 ties passage 0 ("b") and passage 1 ("c") exactly -> not > own
-    got = recall_at_k(
-        _BagOfWords(),
-        tok,
-        pairs,
-        ks=(1, 2),
-        max_length=8,
-        pooling="mean",
-        device=torch.device("cpu"),
-    )
-    assert got == {1: 1.0, 2: 1.0}
+    assert recall(pairs) == {1: 1.0, 2: 1.0}
     pairs[0] = ("c c b", "b")  # now passage 1 beats passage 0 for query 0
-    got = recall_at_k(
-        _BagOfWords(),
-        tok,
-        pairs,
-        ks=(1, 2),
-        max_length=8,
-        pooling="mean",
-        device=torch.device("cpu"),
-    )
-    assert got == {1: 0.75, 2: 1.0}
+    assert recall(pairs) == {1: 0.75, 2: 1.0}
 
 
 @pytest.mark.timeout(400)
@@ -105,17 +93,12 @@ def test_short_ddp_run_improves_recall_at_10(rank_pool: object, tmp_path: Path) 
 
 
 def _tiny_encoder_dir(tmp_path: Path) -> Path:
-    from transformers import BertConfig, BertModel
+    from transformers import BertModel
 
+    from train_testing.tiny_hf import tiny_config
+
+    config = tiny_config("bert", num_attention_heads=2, max_position_embeddings=32)
     torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=128,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-    )
     BertModel(config, add_pooling_layer=False).save_pretrained(tmp_path / "encoder")
     return tmp_path / "encoder"
 

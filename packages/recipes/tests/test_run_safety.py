@@ -19,6 +19,7 @@ import pytest
 import torch
 import yaml
 
+from _recipes_workers import metric_rows
 from conftest import data_overrides
 from train_recipes.demo import DemoSplit
 
@@ -94,7 +95,7 @@ def _one_line_error(done: subprocess.CompletedProcess[str], *needles: str) -> st
 
 
 def _rows(run: Path) -> dict[int, dict[str, float]]:
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = metric_rows(run)
     return {r["step"]: r for r in rows if "loss" in r}
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _recipes_workers import metric_rows
 from conftest import data_overrides
 from train_recipes.demo import DemoSplit
 
@@ -27,7 +27,7 @@ def _env() -> dict[str, str]:
 
 
 def _losses(run: Path) -> dict[int, float]:
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = metric_rows(run)
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 

@@ -9,7 +9,7 @@ import torch
 
 from _packing_workers import run_packed_sft_without_dense_masks
 from _recipes_workers import run_sft_on_rank
-from conftest import data_overrides
+from conftest import QUIET_CPU_RUN, data_overrides
 from train_recipes.demo import DemoSplit
 
 PROBE = [[3, 23, 24, 17, 25, 35, 5, 4], [3, 30, 31, 17, 22, 22, 35, 5]]
@@ -20,11 +20,7 @@ def _common(split: DemoSplit, out: Path) -> list[str]:
         *data_overrides(split),
         f"train.output_dir={out}",
         "train.steps=12",
-        "train.log_every=1",
-        "train.checkpoint_every=0",
-        "train.eval_samples=0",
-        "train.tensorboard=false",
-        "train.device=cpu",
+        *QUIET_CPU_RUN,
         "data.micro_batch_size=8",
         "data.num_logical_shards=2",
         "data.shuffle=false",
@@ -38,37 +34,16 @@ def test_ddp_fsdp2_and_cp_reach_the_same_losses_and_export_matches(
     """dp=2,cp=1 (accumulation 1) and dp=1,cp=2 (accumulation 2) see the same global batches
     (two logical loader shards), so with the token-sum loss they must follow the same losses;
     so must FSDP2 at dp=2. The HF exports reproduce the trained models' logits."""
-    dp_run = rank_pool.run(  # type: ignore[attr-defined]
-        2,
-        run_sft_on_rank,
-        [*_common(demo_data, tmp_path / "dp2"), "parallel.cp=1", "train.export=true"],
-        PROBE,
-        timeout_s=240,
-    )[0]
-    cp_run = rank_pool.run(  # type: ignore[attr-defined]
-        2,
-        run_sft_on_rank,
-        [
-            *_common(demo_data, tmp_path / "cp2"),
-            "parallel.cp=2",
-            "train.gradient_accumulation_steps=2",
-            "train.export=false",
-        ],
-        PROBE,
-        timeout_s=240,
-    )[0]
-    fsdp_run = rank_pool.run(  # type: ignore[attr-defined]
-        2,
-        run_sft_on_rank,
-        [
-            *_common(demo_data, tmp_path / "fsdp2"),
-            "parallel.cp=1",
-            "parallel.data_parallel=fsdp2",
-            "train.export=true",
-        ],
-        PROBE,
-        timeout_s=240,
-    )[0]
+
+    def run(name: str, *overrides: str) -> dict:
+        argv = [*_common(demo_data, tmp_path / name), *overrides]
+        return rank_pool.run(2, run_sft_on_rank, argv, PROBE, timeout_s=240)[0]  # type: ignore[attr-defined]
+
+    dp_run = run("dp2", "parallel.cp=1", "train.export=true")
+    cp_run = run(
+        "cp2", "parallel.cp=2", "train.gradient_accumulation_steps=2", "train.export=false"
+    )
+    fsdp_run = run("fsdp2", "parallel.cp=1", "parallel.data_parallel=fsdp2", "train.export=true")
     dp_losses, cp_losses = dp_run["losses"], cp_run["losses"]
     assert sorted(dp_losses) == sorted(cp_losses) == list(range(1, 13))
     steps = sorted(dp_losses)

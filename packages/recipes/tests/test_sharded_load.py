@@ -114,40 +114,25 @@ def test_recipe_with_sharded_load_matches_from_pretrained(
 ) -> None:
     """The recipe on a model folder under FSDP2 (dp=2): the default sharded load and
     from_pretrained on every rank train to the same losses."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from _recipes_workers import run_sft_on_rank
-    from conftest import data_overrides
+    from conftest import QUIET_CPU_RUN, data_overrides
     from train_recipes.demo import build_char_tokenizer
+    from train_testing import tiny_hf
 
     tokenizer = build_char_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
+    special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    sizes = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128}
+    model = tiny_hf.tiny_model(
+        "llama", tie_word_embeddings=True, bos_token_id=None, **sizes, **special
     )
-    folder = tmp_path / "model"
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = tiny_hf.save_tiny(model, tmp_path / "model", tokenizer=tokenizer)
     common = [
         *data_overrides(demo_data),
         f"model.path={folder}",
         "parallel.data_parallel=fsdp2",
         "train.steps=6",
-        "train.log_every=1",
-        "train.checkpoint_every=0",
-        "train.eval_samples=0",
-        "train.tensorboard=false",
+        *QUIET_CPU_RUN,
         "train.export=false",
-        "train.device=cpu",
         "data.micro_batch_size=8",
         "data.shuffle=false",
     ]

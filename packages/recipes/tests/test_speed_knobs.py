@@ -10,6 +10,7 @@ from _recipes_workers import compiled_layers_under_fsdp2
 from train_recipes.attention import sdpa_backends
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
 from train_recipes.modeling import decoder_layers
+from train_testing.tiny_hf import tiny_model
 
 
 @pytest.mark.timeout(300)
@@ -26,19 +27,7 @@ def test_compiled_layers_under_fsdp2_match_float64_eager(rank_pool: object) -> N
 
 
 def _tiny_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=50,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config).double()
+    return tiny_model("llama", vocab_size=50, dtype=torch.float64)
 
 
 def test_decoder_layers_requires_a_transformers_model() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from _recipes_workers import metric_rows
 from _train_loop_workers import (
     eval_loss_run,
     run_sft_expecting_error,
@@ -23,7 +24,7 @@ from _train_loop_workers import (
     watchdog_names_a_sleeping_rank,
     watchdog_names_a_stopped_rank,
 )
-from conftest import data_overrides
+from conftest import QUIET_CPU_RUN, data_overrides
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
 from train_recipes.demo import DemoSplit, read_jsonl
 from train_recipes.schedule import (
@@ -40,12 +41,8 @@ def _common(split: DemoSplit, out: Path, *extra: str) -> list[str]:
     return [
         *data_overrides(split),
         f"train.output_dir={out}",
-        "train.log_every=1",
-        "train.checkpoint_every=0",
-        "train.eval_samples=0",
-        "train.tensorboard=false",
+        *QUIET_CPU_RUN,
         "train.export=false",
-        "train.device=cpu",
         "data.micro_batch_size=8",
         "data.shuffle=false",
         *extra,
@@ -244,7 +241,7 @@ def test_an_epoch_run_trains_the_derived_steps(
     )
     summary = rank_pool.run(2, run_sft_summary, overrides, timeout_s=200)[0]
     assert summary["steps"] == 20
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out)
     assert [r["step"] for r in rows if "loss" in r] == [5, 10, 15, 20]
     saved = load_config(SFTConfig, out / "config.yaml")
     assert (saved.train.steps, saved.train.epochs) == (20, 1)
@@ -402,7 +399,7 @@ def test_lr_1e30_skips_19_of_20_steps_and_reports_them(
         "building loader",
         "first step",
     ]
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out)
     train_rows = [r for r in rows if "loss" in r]
     assert [r["skipped"] for r in train_rows] == [[]] + [[s] for s in range(2, 21)]
     assert [r["skipped_total"] for r in train_rows] == [0, *range(1, 20)]

@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from train_testing.workspace import cross_imports, load_members, recipe_pin_problems
+from train_testing.workspace import (
+    cross_imports,
+    load_members,
+    recipe_pin_problems,
+    repeated_test_module_names,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -98,3 +103,14 @@ def test_cross_import_is_reported(tmp_path: Path) -> None:
     problems = cross_imports(root)
     assert len(problems) == 1
     assert "imports vocab_parallel" in problems[0]
+
+
+def test_test_module_names_are_unique_across_packages(tmp_path: Path) -> None:
+    assert repeated_test_module_names(ROOT) == []
+    for member in ("alpha", "beta"):
+        (tmp_path / "packages" / member / "tests").mkdir(parents=True)
+        (tmp_path / "packages" / member / "tests" / "_workers.py").write_text("")
+        (tmp_path / "packages" / member / "tests" / "conftest.py").write_text("")
+    assert repeated_test_module_names(tmp_path) == [
+        "tests module _workers.py exists in alpha, beta; prefix it with the package or topic"
+    ]

@@ -284,26 +284,11 @@ def main() -> None:
         fused = [(37, 101, 24, 8)]
     else:
         fused = [(300, 20011, 200, 64), (4096, 151936, 256, None)]
-    for tokens, vocab, hidden_dim, chunk in fused:
-        for dtype in (torch.bfloat16, torch.float16):
-            check_fused_float64(
-                args.device,
-                tokens=tokens,
-                vocab=vocab,
-                hidden_dim=hidden_dim,
-                dtype=dtype,
-                chunk=chunk,
-            )
-    for tokens, vocab, hidden_dim, chunk in linear:
-        for dtype in (torch.bfloat16, torch.float16):
-            check_linear_float64(
-                args.device,
-                tokens=tokens,
-                vocab=vocab,
-                hidden_dim=hidden_dim,
-                dtype=dtype,
-                chunk=chunk,
-            )
+    for check_float64, sizes in ((check_fused_float64, fused), (check_linear_float64, linear)):
+        for tokens, vocab, hidden_dim, chunk in sizes:
+            for dtype in (torch.bfloat16, torch.float16):
+                dims = {"tokens": tokens, "vocab": vocab, "hidden_dim": hidden_dim}
+                check_float64(args.device, **dims, dtype=dtype, chunk=chunk)
     print("ok")
 
 

@@ -1,14 +1,10 @@
-from importlib.metadata import metadata
-
 import vocab_parallel
+from train_testing.package_checks import assert_all_is_exported, assert_version_matches_metadata
 
 
 def test_version_matches_installed_metadata() -> None:
-    assert vocab_parallel.__version__ == metadata("vocab-parallel")["Version"]
+    assert_version_matches_metadata(vocab_parallel, "vocab-parallel")
 
 
 def test_public_api_is_exported() -> None:
-    for name in vocab_parallel.__all__:
-        assert hasattr(vocab_parallel, name), (
-            f"vocab_parallel.__all__ names {name!r} but the package lacks it"
-        )
+    assert_all_is_exported(vocab_parallel)

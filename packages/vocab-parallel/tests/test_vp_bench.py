@@ -2,30 +2,20 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from train_testing.bench.quick import run_quick
 
 BENCH = Path(__file__).parents[1] / "bench" / "log_probs.py"
 
 
 @pytest.mark.timeout(180)
 def test_bench_quick_runs_and_writes_json(tmp_path: Path) -> None:
-    if not BENCH.exists():
-        pytest.skip(f"benchmark script not shipped here ({BENCH} is absent)")
-    out = tmp_path / "bench.json"
-    result = subprocess.run(
-        [sys.executable, str(BENCH), "--device", "cpu", "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = run_quick(BENCH, tmp_path, "--device", "cpu", timeout_s=170)
     assert "x floor" in result.stdout
-    report = json.loads(out.read_text())
+    report = result.report
     rows = {row["variant"]: row for row in report["rows"]}
     ours = ["naive", "ours", "ours_in_place", "naive_linear", "fused_linear", "grads_in_forward"]
     peers = ["liger_ce", "liger_fused_linear", "cce", "cce_exact"]

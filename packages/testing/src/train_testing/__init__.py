@@ -4,6 +4,8 @@
 - ``rank_pool`` pytest fixture: session-wide pools, one per world size.
 - :func:`requires_cuda` / :func:`requires_module`: skip markers that state their reason.
 - :mod:`train_testing.bench`: what the benchmark scripts share (imported on its own, no pytest).
+- :mod:`train_testing.tiny_hf`: tiny random-init Hugging Face models from a config (lazy transformers).
+- :mod:`train_testing.package_checks`: a published package's version and ``__all__`` checks.
 """
 
 from train_testing.markers import requires_cuda, requires_module

@@ -117,3 +117,21 @@ def cross_imports(root: Path) -> list[str]:
                             f"{rel}:{node.lineno} imports {module} ({dist} must not import it)"
                         )
     return problems
+
+
+def repeated_test_module_names(root: Path) -> list[str]:
+    """Module basenames found in more than one member's ``tests/`` folder (empty = unique).
+
+    Each ``tests/`` folder is imported by bare module names (the folders are not packages: all
+    are called ``tests``), and spawned ranks re-import rank functions by module name, so a name
+    used twice breaks a session that collects both packages.
+    """
+    folders: dict[str, list[str]] = {}
+    for path in sorted((root / "packages").glob("*/tests/*.py")):
+        if path.name != "conftest.py":
+            folders.setdefault(path.stem, []).append(path.parent.parent.name)
+    return [
+        f"tests module {name}.py exists in {', '.join(owners)}; prefix it with the package or topic"
+        for name, owners in sorted(folders.items())
+        if len(owners) > 1
+    ]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from _recipes_workers import metric_rows
 from conftest import data_overrides
 from train_recipes.demo import DemoSplit
 from train_testing import requires_cuda
@@ -36,7 +36,7 @@ def _run(split: DemoSplit, out: Path, nproc: int, sets: list[str]) -> dict[int, 
         [*CLI, *args], env=dict(os.environ), capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = metric_rows(out)
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
