@@ -30,8 +30,10 @@ from train_recipes._dist import (
     process_group_timeout_s,
 )
 from train_recipes.attention import CausalFastPath, attention_path, rows_are_packed, sdpa_backends
+from train_recipes.colocated import ColocatedLoader
 from train_recipes.config_loader import to_dict
 from train_recipes.config_sft import SFTConfig
+from train_recipes.data_plane import DataPlane, sample_ids_of
 from train_recipes.evaluation import held_out_batches, held_out_loss
 from train_recipes.exact_match import exact_match_accuracy
 from train_recipes.health import (
@@ -76,6 +78,9 @@ class SFTResult:
         accuracy_after: held-out exact match after training.
         export_dir: the Hugging Face export, when written.
         model: the trained model (unwrapped from DDP; FSDP2 models stay sharded).
+        data_plane: the samples each step trained on (this rank's replica; with ``--resume``,
+            the earlier steps' too).
+        loaders_built: energon-sft loaders this rank built (1 on a replica's first rank, else 0).
     """
 
     output_dir: Path
@@ -86,6 +91,8 @@ class SFTResult:
     accuracy_after: float | None
     export_dir: Path | None
     model: torch.nn.Module
+    data_plane: DataPlane | None = None
+    loaders_built: int = 0
 
 
 def _prepare_data(config: SFTConfig, ctx: RankContext, out_dir: Path) -> tuple[Path, Path | None]:
@@ -266,24 +273,36 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
         pad_to_multiple_of=2 * ctx.cp_size,
         packing=config.data.packing,
     )
-    # cp ranks of one replica build identical loaders (same dp rank, same seed): same batches.
-    loader = data_api.build_loader(
-        dataset_path,
-        encoder=encoder,
-        batch_size=config.data.micro_batch_size,
-        dp_rank=ctx.dp_rank,
-        dp_world_size=ctx.dp_size,
-        num_workers=config.data.num_workers,
-        seed=train.seed,
-        shuffle=config.data.shuffle,
+    # One loader per replica, on its first rank; its cp/tp peers receive the batches.
+    loader = ColocatedLoader(
+        lambda: data_api.build_loader(
+            dataset_path,
+            encoder=encoder,
+            batch_size=config.data.micro_batch_size,
+            dp_rank=ctx.dp_rank,
+            dp_world_size=ctx.dp_size,
+            num_workers=config.data.num_workers,
+            seed=train.seed,
+            shuffle=config.data.shuffle,
+            num_logical_shards=config.data.num_logical_shards,
+        ),
+        ctx=ctx,
         num_logical_shards=config.data.num_logical_shards,
     )
+    data_plane = DataPlane(dp_size=ctx.dp_size)
 
     window = LossWindow(train.loss_window)
     say = rank0_printer(ctx.is_main)  # before the progress bar exists
     restored = (
         checkpoints.restore(
-            engine, loader, window, config, dp_size=ctx.dp_size, is_main=ctx.is_main, say=say
+            engine,
+            loader,
+            window,
+            config,
+            dp_size=ctx.dp_size,
+            is_main=ctx.is_main,
+            say=say,
+            data_plane=data_plane,
         )
         if resume
         else None
@@ -303,6 +322,8 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
             accuracy_after=None,
             export_dir=None,
             model=unwrap(model),
+            data_plane=data_plane,
+            loaders_built=loader.loaders_built,
         )
     if ctx.is_main:  # config.yaml says what trains from here on; the history, what changed when
         write_atomic(out_dir / CONFIG_FILE, yaml.safe_dump(to_dict(config), sort_keys=False))
@@ -397,9 +418,9 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
         if watchdog is not None:
             watchdog.enter_step(step)
         # Counted on the host copies: reading device tensors would stall the GPU's queue.
-        host = [
-            data_api.batch_tensors(next(batches), vlm=vlm, cp=ctx.cp_size) for _ in range(accum)
-        ]
+        raw = [next(batches) for _ in range(accum)]
+        data_plane.record(step, ctx.dp_rank, [i for b in raw for i in sample_ids_of(b)])
+        host = [data_api.batch_tensors(b, vlm=vlm, cp=ctx.cp_size) for b in raw]
         local_tokens = sum(int((m["labels"] != -100).sum()) for m in host)
         micro = [data_api.to_device(m, ctx.device) for m in host]
         # Contract (b): the window's loss tokens over all data-parallel replicas (counted before
@@ -493,6 +514,7 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
                 accuracy_before=accuracy_before,
                 first_loss=first_loss,
                 is_main=ctx.is_main,
+                data_plane=data_plane,
             )
 
     skips.flush()
@@ -532,6 +554,8 @@ def _run_sft(config: SFTConfig, *, resume: bool, guards: contextlib.ExitStack) -
         accuracy_after=accuracy_after,
         export_dir=out_dir / EXPORT_DIR if train.export else None,
         model=unwrap(model),
+        data_plane=data_plane,
+        loaders_built=loader.loaders_built,
     )
     if ctx.is_main:
         png = loss_plot_or_notice(out_dir)
