@@ -363,7 +363,14 @@ def dp_cp_tokens_and_window(rank: int, world: int) -> dict:
     first = window.average()
     for step in range(5):
         window.update(torch.tensor(float(rank + 10 * step)))
+    # Contract (b): each of the 4 ranks (dp x cp) holds a disjoint part of the step's token-loss
+    # sum, with the global token count; the window reads sum over ranks / tokens.
+    token_mean = LossWindow(steps=2)
+    for step in (1, 2):
+        token_mean.update(torch.tensor(0.5 * step * (rank + 1), dtype=torch.float64), tokens)
     return {
+        "token_mean_last": token_mean.last(),
+        "token_mean_average": token_mean.average(),
         "grad_average_size": engine.grad_average_size,
         "tokens": int(tokens),
         "first": first,

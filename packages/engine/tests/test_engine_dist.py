@@ -144,6 +144,10 @@ def test_tokens_summed_over_dp_only_and_loss_window(rank_pool) -> None:
         expected = sum(rk + 10 * s for rk in range(4) for s in (2, 3, 4)) / 12
         assert r["average"] == pytest.approx(expected)
         assert r["last"] == pytest.approx(sum(rk + 40 for rk in range(4)) / 4)
+        # contract (b): per-step sums over the 4 ranks' parts, divided by the 25 global tokens
+        sums = [sum(0.5 * s * (rk + 1) for rk in range(4)) for s in (1, 2)]
+        assert r["token_mean_last"] == pytest.approx(sums[1] / 25), (rank, r)
+        assert r["token_mean_average"] == pytest.approx((sums[0] + sums[1]) / 2 / 25), (rank, r)
 
 
 def test_tiny_reference_is_not_trivially_matched() -> None:

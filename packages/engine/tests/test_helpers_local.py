@@ -58,6 +58,16 @@ def test_loss_window_local() -> None:
         LossWindow().update(torch.ones(2))
 
 
+def test_loss_window_token_sum_contract_local() -> None:
+    # Contract (b) on one process: the window reads the step's token-loss sum / its tokens.
+    window = LossWindow(steps=2)
+    window.update(torch.tensor(6.0, dtype=torch.float64), torch.tensor(4))
+    assert window.last() == 1.5
+    window.update(torch.tensor(9.0), 3)
+    assert window.last() == 3.0
+    assert window.average() == pytest.approx((6 / 4 + 9 / 3) / 2)
+
+
 @pytest.mark.parametrize("saved_after", [0, 2, 5, 7, 11])
 def test_loss_window_state_dict_resumes_exactly(saved_after: int, tmp_path) -> None:
     # Values of very different magnitudes: a different summation order changes the last bits,

@@ -238,9 +238,7 @@ def setup(name: str, args: argparse.Namespace) -> tuple[Callable[[dict[str, Any]
         "dense-mask": "sdpa + [B,1,S,S] document mask",
         "varlen-direct": _direct_kernel(args.device),
     }[name]
-    fast_path = CausalFastPath(model) if name == "unpacked" else None
-    if fast_path is not None:
-        fast_path.select(packed=False)
+    fast_path = CausalFastPath(model)  # used by the "unpacked" variant only
     if args.checkpoint:
         apply_checkpointing(model)
     bf16 = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -264,7 +262,8 @@ def setup(name: str, args: argparse.Namespace) -> tuple[Callable[[dict[str, Any]
         inputs: dict[str, Any] = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
         if name == "unpacked":
             inputs["position_ids"] = batch["causal_position_ids"]
-            loss = token_sum_loss(engine, inputs)
+            with fast_path.selected(packed=False):
+                loss = token_sum_loss(engine, inputs)
         elif name == "dense-mask":
             inputs["position_ids"] = batch["position_ids"]
             loss = token_sum_loss(engine, inputs)

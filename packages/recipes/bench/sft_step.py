@@ -32,6 +32,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -147,8 +148,9 @@ def setup(variant: Variant, args: argparse.Namespace) -> tuple[Callable[[dict], 
     model = build_model(args)
     config = model.config
     n_params = sum(p.numel() for p in model.parameters())
-    if variant.fast_path:
-        CausalFastPath(model).select(packed=False)  # the benchmark's rows are not packed
+    # The benchmark's rows are not packed; without the variant's fast path, transformers' mask.
+    fast_path = CausalFastPath(model)
+    attention = partial(fast_path.selected, packed=not variant.fast_path)
     if variant.compile:
         compile_decoder_layers(model)
     bf16 = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -171,12 +173,15 @@ def setup(variant: Variant, args: argparse.Namespace) -> tuple[Callable[[dict], 
 
         def step(batch: dict[str, torch.Tensor]) -> None:
             if variant.loss == "hf":
-                engine.backward(engine(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
+                with attention():
+                    loss = engine(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+                engine.backward(loss)
             else:
                 inputs = {"input_ids": batch["input_ids"], "labels": batch["shifted_labels"]}
                 if variant.position_ids:
                     inputs["position_ids"] = batch["position_ids"]
-                loss = token_sum_loss(engine, inputs, sharder=sharder)
+                with attention():
+                    loss = token_sum_loss(engine, inputs, sharder=sharder)
                 engine.backward(loss, num_tokens=args.batch * (args.seq - 1))
             engine.step()
 

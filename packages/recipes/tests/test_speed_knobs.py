@@ -113,19 +113,24 @@ def test_causal_fast_path_matches_transformers_sdpa_and_switches_back() -> None:
     ref_plain, ref_packed = loss_and_grads(plain), loss_and_grads(packed)
     fast = CausalFastPath(model)
     assert fast.enabled
-    fast.select(packed=False)
-    assert model.config._attn_implementation == CAUSAL_ATTENTION
-    got = loss_and_grads(plain)
+    with fast.selected(packed=False):
+        assert model.config._attn_implementation == CAUSAL_ATTENTION
+        got = loss_and_grads(plain)
+        # Packed rows need a per-document mask: the fast path refuses a prepared (4-D) mask...
+        with pytest.raises(RuntimeError, match="got a mask"):
+            model(input_ids=ids, attention_mask=torch.ones(2, 1, 12, 12, dtype=torch.bool))
     assert got[0] == pytest.approx(ref_plain[0], rel=1e-12)
     for a, b in zip(got[1], ref_plain[1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    # Packed rows need a per-document mask: the fast path refuses a prepared (4-D) mask...
-    with pytest.raises(RuntimeError, match="got a mask"):
-        model(input_ids=ids, attention_mask=torch.ones(2, 1, 12, 12, dtype=torch.bool))
-    # ...and select(packed=True) restores transformers' SDPA with its document masking.
-    fast.select(packed=True)
+    # ...the block's end restores transformers' SDPA, also when the block raises...
     assert model.config._attn_implementation == "sdpa"
-    got = loss_and_grads(packed)
+    with pytest.raises(ZeroDivisionError), fast.selected(packed=False):
+        1 / 0  # noqa: B018
+    assert model.config._attn_implementation == "sdpa"
+    # ...and selected(packed=True) keeps transformers' SDPA with its document masking.
+    with fast.selected(packed=True):
+        assert model.config._attn_implementation == "sdpa"
+        got = loss_and_grads(packed)
     assert got[0] == pytest.approx(ref_packed[0], rel=1e-12)
     assert abs(ref_packed[0] - ref_plain[0]) > 1e-3  # packing changes the loss: the test can fail
 
@@ -136,5 +141,5 @@ def test_causal_fast_path_is_off_for_other_attention_implementations() -> None:
     model = _tiny_llama()
     model.config._attn_implementation = "eager"
     fast = CausalFastPath(model)
-    fast.select(packed=False)
-    assert not fast.enabled and model.config._attn_implementation == "eager"
+    with fast.selected(packed=False):
+        assert not fast.enabled and model.config._attn_implementation == "eager"

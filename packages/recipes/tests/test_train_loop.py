@@ -136,13 +136,16 @@ def test_cosine_and_constant_match_get_scheduler_step_for_step(floor: float) -> 
 
 
 def test_retrieval_and_sft_share_the_schedule() -> None:
-    """One implementation: neither recipe builds its own LambdaLR any more."""
+    """One implementation: neither recipe builds its own LambdaLR any more; both take the
+    optimizer and its schedule from the shared runtime module, which calls build_lr_scheduler."""
     import train_recipes.retrieval as retrieval
-    import train_recipes.sft as sft
+    import train_recipes.runtime as runtime
+    import train_recipes.sft_recipe as sft_recipe
 
-    for module in (retrieval, sft):
+    assert "build_lr_scheduler(" in Path(runtime.__file__ or "").read_text()
+    for module in (retrieval, sft_recipe):
         source = Path(module.__file__ or "").read_text()
-        assert "build_lr_scheduler(" in source and "LambdaLR" not in source, module.__name__
+        assert "build_optimizer(" in source and "LambdaLR" not in source, module.__name__
 
 
 # ----------------------------------------------------------------------------- held-out loss

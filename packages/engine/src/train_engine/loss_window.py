@@ -1,4 +1,10 @@
-"""A running average of the data-parallel mean loss, kept on device until read."""
+"""A running average of the global training loss, kept on device until read.
+
+The window follows the Engine's two loss contracts (see :meth:`Engine.backward`), so the caller
+passes what it passes to the Engine and never rescales by the parallel layout itself: (a) a
+rank's mean loss, averaged over the ranks; (b) a rank's part of the sum of token losses with
+the global token count, giving the exact global token mean however the tokens are split.
+"""
 
 from __future__ import annotations
 
@@ -14,17 +20,19 @@ _STATE_VERSION = 1
 
 
 class LossWindow:
-    """Average of the last ``steps`` losses, each averaged over the data-parallel ranks.
+    """Average of the last ``steps`` global losses (one per optimizer step).
 
     :meth:`update` only writes into a device ring buffer (no host synchronisation, no
     collective); :meth:`average` and :meth:`last` do one all-reduce over ``group`` and one host
-    read. The DP mean of window means equals the window mean of DP means, so ranks only need
-    to agree when the value is read. Every rank of ``group`` must read together.
+    read. The group mean of window means equals the window mean of group means, so ranks only
+    need to agree when the value is read. Every rank of ``group`` must read together.
 
     Args:
         steps: window length (> 0).
-        group: data-parallel process group; None for the default group (or no reduction when
-            torch.distributed is not initialised).
+        group: the ranks whose losses make up the global loss: the data-parallel ranks, and
+            the context-parallel ranks too when they hold parts of a replica's token sum (the
+            Engine's gradient mesh); not tensor-parallel ranks, which hold copies. None for
+            the default group (or no reduction when torch.distributed is not initialised).
     """
 
     def __init__(self, steps: int = 50, *, group: dist.ProcessGroup | None = None) -> None:
@@ -38,11 +46,30 @@ class LossWindow:
     def __len__(self) -> int:
         return min(self._count, self.steps)
 
-    def update(self, loss: Tensor | float) -> None:
-        """Record one step's local loss (a 0-dim tensor or number); detached, no sync."""
+    def update(self, loss: Tensor | float, num_tokens: Tensor | float | None = None) -> None:
+        """Record one step's loss on this rank; detached, no sync.
+
+        Args:
+            loss: a 0-dim tensor or number. Contract (a), ``num_tokens=None``: this rank's
+                mean loss of the step; the window reads the mean over ``group``. Contract (b):
+                this rank's part of the step's sum of token losses (all micro-batches); the
+                window reads the sum over ``group`` divided by ``num_tokens``, the global
+                token mean.
+            num_tokens: contract (b) only: the step's loss tokens over all ranks of the
+                global batch (``Engine.global_num_tokens``), the same on every rank; a 0-dim
+                tensor (kept on its device: no sync) or a number.
+
+        Raises:
+            ValueError: ``loss`` holds more than one value.
+        """
         value = loss.detach() if isinstance(loss, Tensor) else torch.tensor(float(loss))
         if value.numel() != 1:
             raise ValueError(f"loss must hold one value, got shape {tuple(value.shape)}")
+        if num_tokens is not None:
+            # Stored as this rank's share times the group size, so that the group mean taken
+            # at read time (the same reduction as contract (a)) is the sum over the group / N.
+            tokens = torch.as_tensor(num_tokens).to(value.device, torch.float64)
+            value = value.to(torch.float64) * self._group_size() / tokens
         if self._buffer is None:
             self._buffer = torch.zeros(self.steps, dtype=torch.float64, device=value.device)
         elif self._buffer.device != value.device:
@@ -52,7 +79,12 @@ class LossWindow:
         self._buffer[self._count % self.steps].copy_(value.reshape(()))
         self._count += 1
 
-    def _dp_mean(self, value: Tensor) -> float:
+    def _group_size(self) -> int:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(self.group)
+        return 1
+
+    def _group_mean(self, value: Tensor) -> float:
         if dist.is_available() and dist.is_initialized():
             size = dist.get_world_size(self.group)
             if size > 1:
@@ -63,22 +95,22 @@ class LossWindow:
         return float(value.item())
 
     def average(self) -> float | None:
-        """Mean over the window of the DP-mean loss; None before the first update (collective)."""
+        """Mean over the window of the global loss; None before the first update (collective)."""
         if self._buffer is None:
             return None
         n = len(self)
-        return self._dp_mean(self._buffer[:n].sum() / n)
+        return self._group_mean(self._buffer[:n].sum() / n)
 
     def last(self) -> float | None:
-        """The latest DP-mean loss; None before the first update (collective)."""
+        """The latest global loss; None before the first update (collective)."""
         if self._buffer is None:
             return None
-        return self._dp_mean(self._buffer[(self._count - 1) % self.steps].clone())
+        return self._group_mean(self._buffer[(self._count - 1) % self.steps].clone())
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's window as plain Python numbers (one host read; call at checkpoint time).
 
-        The values are the local, not yet DP-averaged, losses, so the state is per rank: save
+        The values are the local, not yet group-averaged, losses, so the state is per rank: save
         it in each rank's extra state. It holds only ints, floats and a list of floats, so it
         pickles and loads with ``torch.load(weights_only=True)``.
 

@@ -21,9 +21,10 @@ logger = logging.getLogger(__name__)
 # (THD) batches, and the M-RoPE ids and images of vision families.
 _TOKEN_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
 _IMAGE_KEYS = ("pixel_values", "image_grid_thw")
-# Host-side layout keys: cp-sharder plans the packed layout from them on the host, so they
-# stay there (a device copy would have to be read back, stalling the GPU's queue).
-HOST_KEYS = frozenset({"qkv_format", "seq_lens"})
+# Host-side keys: cp-sharder plans the packed layout from them on the host, and the recipe
+# takes the loader's count of trained tokens (it owns that count: nobody recounts the labels),
+# so they stay there (a device copy would have to be read back, stalling the GPU's queue).
+HOST_KEYS = frozenset({"qkv_format", "seq_lens", "num_trainable_tokens"})
 
 
 def family_takes_images(model_family: str) -> bool:
@@ -149,7 +150,8 @@ def batch_tensors(batch: Any, *, vlm: bool = False, cp: int = 1) -> dict[str, An
     """The keys of an energon-sft batch that the recipe's model path takes (host tensors).
 
     ``labels`` are already shifted (``labels[:, t]`` is the target of position t, -100 where
-    untrained), which is what cp-sharder expects and what the token-sum loss uses directly.
+    untrained), which is what cp-sharder expects and what the token-sum loss uses directly;
+    ``num_trainable_tokens`` (int) is the loader's count of them (``labels != -100``).
     Packed batches (``qkv_format == "thd"``) add ``qkv_format`` and ``seq_lens`` [B, N] (each
     row's document lengths, -1 past the last), the form cp-sharder's packed path reads. With
     ``vlm``, the dict also holds ``mrope_position_ids`` [3, B, S] (built by the loader
@@ -165,6 +167,7 @@ def batch_tensors(batch: Any, *, vlm: bool = False, cp: int = 1) -> dict[str, An
         return batch.get(name) if isinstance(batch, dict) else getattr(batch, name, None)
 
     out: dict[str, Any] = {name: get(name) for name in _TOKEN_KEYS}
+    out["num_trainable_tokens"] = int(get("num_trainable_tokens"))
     seq = int(out["input_ids"].shape[-1])
     if cp > 1 and seq % (2 * cp):
         # The recipe's loader pads for its own cp; a loader built (or resumed) for another

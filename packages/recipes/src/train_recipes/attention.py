@@ -106,16 +106,18 @@ class CausalFastPath:
     For a batch without a mask, transformers inspects the position ids on the device to detect
     packed rows; reading the answer back stalls the host until the GPU has finished all queued
     work (the previous optimizer step), so the GPU then waits for the host to queue the next
-    forward. The recipe knows from the host copy of the batch whether rows are packed: for
-    unpacked rows it switches the model to a registered attention that transformers gives no
-    mask (its SDPA attention, called causal and unmasked: the same computation), and back to
-    transformers' SDPA for packed rows, which need the per-document mask. While the fast path
-    is selected, transformers drops 2-D padding masks before attention: select(packed=True)
-    before any forward that needs one (generation, padded evaluation).
+    forward. The recipe knows from the host copy of the batch whether rows are packed: inside
+    :meth:`selected` with ``packed=False`` the model runs a registered attention that
+    transformers gives no mask (its SDPA attention, called causal and unmasked: the same
+    computation); with ``packed=True`` (rows needing the per-document mask) it keeps
+    transformers' SDPA. The choice lasts for the ``with`` block only: transformers looks the
+    attention function up in the model's config on every call, so the block sets the config's
+    implementation on entry and restores it on exit, and no later forward (generation, padded
+    evaluation, the HF export) inherits it.
 
     Args:
         model: a text transformers model whose attention implementation is "sdpa" (otherwise
-            :meth:`select` does nothing).
+            :meth:`selected` changes nothing).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -125,16 +127,24 @@ class CausalFastPath:
         self._base = getattr(self._model.config, "_attn_implementation", None)
         self.enabled = self._base == "sdpa"
         if self.enabled:
-            # Registering the same function under the same name again is harmless.
+            # transformers' registry is global; registering the same function under the same
+            # name again is harmless, and nothing uses the name unless a config selects it.
             AttentionInterface.register(CAUSAL_ATTENTION, _causal_sdpa)
 
-    def select(self, *, packed: bool) -> None:
-        """Use transformers' SDPA (packed rows) or the mask-free causal attention."""
-        if not self.enabled:
+    @contextlib.contextmanager
+    def selected(self, *, packed: bool) -> Iterator[None]:
+        """Within the block: the mask-free causal attention for unpacked rows (``packed=False``),
+        transformers' SDPA for packed ones. Wrap the forward; the backward needs no wrapping.
+        """
+        if not self.enabled or packed:
+            yield
             return
-        target = self._base if packed else CAUSAL_ATTENTION
         config: Any = self._model.config
-        if config._attn_implementation != target:
-            # The config setter (what from_config's attn_implementation sets): the model's
-            # layers share this config and look the attention function up on every call.
-            config._attn_implementation = target
+        previous = config._attn_implementation
+        # The config setter (what from_config's attn_implementation sets): the model's layers
+        # share this config.
+        config._attn_implementation = CAUSAL_ATTENTION
+        try:
+            yield
+        finally:
+            config._attn_implementation = previous

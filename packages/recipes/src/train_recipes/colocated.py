@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from train_recipes import _integrations as data_api
 from train_recipes._dist import RankContext
 
-__all__ = ["ColocatedLoader"]
+if TYPE_CHECKING:
+    from train_recipes.config_sft import SFTConfig
+
+__all__ = ["ColocatedLoader", "replica_loader"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,3 +99,25 @@ class ColocatedLoader:
                 "saved by a job without one (resume with the layout that saved it)"
             )
         self.loader.load_state_dict(state)
+
+
+def replica_loader(
+    config: SFTConfig, ctx: RankContext, dataset_path: str | Path, *, encoder: Any
+) -> ColocatedLoader:
+    """The SFT recipe's loader: energon-sft's, for this rank's replica, on its first rank."""
+    data = config.data
+    return ColocatedLoader(
+        lambda: data_api.build_loader(
+            dataset_path,
+            encoder=encoder,
+            batch_size=data.micro_batch_size,
+            dp_rank=ctx.dp_rank,
+            dp_world_size=ctx.dp_size,
+            num_workers=data.num_workers,
+            seed=config.train.seed,
+            shuffle=data.shuffle,
+            num_logical_shards=data.num_logical_shards,
+        ),
+        ctx=ctx,
+        num_logical_shards=data.num_logical_shards,
+    )

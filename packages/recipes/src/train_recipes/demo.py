@@ -12,7 +12,10 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from train_recipes.config_sft import SFTConfig
 
 logger = logging.getLogger(__name__)
 
@@ -253,3 +256,24 @@ def write_demo_dataset(
     convert_chat_jsonl(split.train_jsonl, split.energon_dir)
     stamp.write_text(json.dumps(settings))
     return split
+
+
+def sft_data_paths(config: SFTConfig, out_dir: Path, *, is_main: bool) -> tuple[Path, Path | None]:
+    """The Energon dataset path and the held-out JSONL: ``data.path`` and ``data.eval_path``,
+    or the demo's, which the main rank writes under ``out_dir/data`` (the others wait)."""
+    if config.data.path is not None:
+        eval_path = Path(config.data.eval_path) if config.data.eval_path else None
+        return Path(config.data.path), eval_path
+    import torch.distributed as dist
+
+    data_dir = out_dir / "data"
+    if is_main:
+        write_demo_dataset(
+            data_dir,
+            task=config.data.demo,
+            train_size=config.data.demo_train_size,
+            eval_size=config.data.demo_eval_size,
+            seed=config.train.seed,
+        )
+    dist.barrier()
+    return data_dir / "energon", data_dir / "eval.jsonl"

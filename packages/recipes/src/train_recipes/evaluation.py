@@ -75,6 +75,8 @@ def held_out_batches(
         raw = data_api.collate_chat_rows(encoder, chunk, media_root=media_root)
         batch = data_api.batch_tensors(raw, vlm=vlm, cp=cp)
         batch["labels"][~torch.tensor(keep)] = -100
+        # The filler rows' labels were just dropped: the loader's count no longer holds.
+        batch["num_trainable_tokens"] = int((batch["labels"] != -100).sum())
         batches.append(batch)
     return batches
 
@@ -109,7 +111,7 @@ def held_out_loss(
         for host in batches:
             batch = data_api.to_device(host, device)
             totals[0] += loss_sum(batch, host).to(torch.float64)
-            totals[1] += float((host["labels"] != -100).sum())
+            totals[1] += float(host["num_trainable_tokens"])
     finally:
         model.train(was_training)
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -22,14 +22,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import yaml
 from torch import Tensor, nn
 
 from train_recipes._dist import engine_dp_config, init_distributed
-from train_recipes.config_loader import to_dict
 from train_recipes.config_retrieval import RetrievalConfig, RetrievalModelConfig
-from train_recipes.metrics import RunLogger, loss_plot_or_notice
-from train_recipes.schedule import build_lr_scheduler
+from train_recipes.loop import LoopOutcome, LoopPlan, RunEnd, RunStart, StepRecord, drive
+from train_recipes.runtime import build_optimizer, open_run_folder, write_run_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -240,121 +238,144 @@ def recall_at_k(
     return {k: float((position < k).float().mean()) for k in ks}
 
 
-class _GatherRows(torch.autograd.Function):
-    """All-gather along dim 0; backward sums every rank's gradient and keeps this rank's rows."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        world, rank = dist.get_world_size(), dist.get_rank()
-        ctx.rank, ctx.rows = rank, x.shape[0]
-        out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous())
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad)
-        return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows]
-
-
 def _gather_with_grad(x: Tensor) -> Tensor:
-    """[W*B, H]: every rank's rows; gradients flow back to the rank that owns each row."""
+    """[W*B, H]: every rank's rows; gradients flow back to the rank that owns each row.
+
+    torch's autograd-aware all-gather: its backward sums every rank's gradient of this rank's
+    rows.
+    """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return x
-    out: Tensor = _GatherRows.apply(x)
-    return out
+    from torch.distributed.nn.functional import all_gather
+
+    return torch.cat(all_gather(x.contiguous()))
 
 
 def run_retrieval(config: RetrievalConfig) -> RetrievalResult:
     """Fine-tune the bi-encoder with InfoNCE over in-batch negatives from all ranks.
 
+    The SPMD loop: every rank drives its own :class:`RetrievalRecipe` through
+    :func:`train_recipes.loop.drive`; rank 0 logs.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    recipe = RetrievalRecipe(config)
+    start = recipe.setup()
+    outcome = drive(
+        recipe, start, is_main=recipe.ctx.is_main, format_summary=retrieval_summary_text
+    )
+    dist.barrier()
+    return recipe.result(outcome)
+
+
+def retrieval_summary_text(end: RunEnd, output_dir: Path, png: Path | None) -> str:
+    """The retrieval run's closing lines: recall@1 and @10 before and after, the loss plot."""
+    before, after = end.summary["recall_before"], end.summary["recall_after"]
+    return (
+        f"\nrun          {output_dir}\nranks        {end.summary['world_size']}\n"
+        f"recall@1     {before[1]:.1%} -> {after[1]:.1%} (held-out)\n"
+        f"recall@10    {before[10]:.1%} -> {after[10]:.1%} (held-out)\n"
+        f"loss curve   {png if png is not None else '-'}"
+    )
+
+
+class RetrievalRecipe:
+    """The retrieval recipe on one rank, as the stages :func:`train_recipes.loop.drive` calls.
+
     Every rank's queries are scored against the passages of the whole global batch (gathered
     with gradient), so the negatives grow with the number of ranks. The loss is the sum of the
     local queries' cross-entropies and the Engine normalises by the global number of queries
     (contract (b)), cancelling DDP's mean.
+
+    Args:
+        config: a validated config.
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
 
-    from train_engine import Engine, LossWindow, apply_data_parallel, param_groups
+    def __init__(self, config: RetrievalConfig) -> None:
+        self.config = config
+        self._first_loss: float | None = None
+        self._last_loss: float | None = None
 
-    train = config.train
-    ctx = init_distributed(device_preference=train.device, cp=1)
-    out_dir = Path(train.output_dir)
-    if ctx.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-    torch.manual_seed(train.seed)
+    def setup(self) -> RunStart:
+        """Process group, pairs, tokenizer, encoder (DDP), Engine."""
+        from transformers import AutoTokenizer
 
-    data = config.data
-    pairs = (
-        docstring_pairs(data.modules)
-        if data.source == "stdlib_docstrings"
-        else jsonl_pairs(str(data.path))
-    )
-    train_pairs, eval_pairs = split_pairs(pairs, eval_size=data.eval_size, seed=train.seed)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model.path))
-    model = load_encoder(config.model, ctx.device)
-    autocast = autocast_dtype(config.model.autocast_dtype)
+        from train_engine import Engine, LossWindow, apply_data_parallel
 
-    recall_before = recall_at_k(
-        model,
-        tokenizer,
-        eval_pairs,
-        max_length=data.max_length,
-        pooling=config.model.pooling,
-        device=ctx.device,
-        autocast=autocast,
-    )
-    wrapped = apply_data_parallel(
-        model,
-        mesh=ctx.mesh["dp"],
-        config=engine_dp_config(config.parallel),
-    )
-    optimizer = torch.optim.AdamW(
-        param_groups(wrapped, weight_decay=config.optim.weight_decay),
-        lr=config.optim.lr,
-        betas=config.optim.betas,
-    )
-    scheduler = build_lr_scheduler(optimizer, config.optim, total_steps=train.steps)
-    engine = Engine(
-        wrapped,
-        optimizer,
-        scheduler,
-        max_grad_norm=config.optim.max_grad_norm,
-        nonfinite=config.optim.nonfinite,
-    )
-    window = LossWindow(train.loss_window)
-    run_log = RunLogger(
-        out_dir,
-        enabled=ctx.is_main,
-        total_steps=train.steps,
-        tensorboard=train.tensorboard,
-        desc="retrieval",
-    )
-    run_log.write(
-        f"{len(train_pairs)} train / {len(eval_pairs)} held-out pairs; recall@1 {recall_before[1]:.1%}, "
-        f"recall@10 {recall_before[10]:.1%} before training"
-    )
-    run_log.log(0, {f"eval/recall@{k}": v for k, v in recall_before.items()})
+        config = self.config
+        train, data = config.train, config.data
+        ctx = self.ctx = init_distributed(device_preference=train.device, cp=1)
+        out_dir = self.out_dir = open_run_folder(train.output_dir, is_main=ctx.is_main)
+        write_run_config(out_dir, config, is_main=ctx.is_main)
+        torch.manual_seed(train.seed)
+        pairs = (
+            docstring_pairs(data.modules)
+            if data.source == "stdlib_docstrings"
+            else jsonl_pairs(str(data.path))
+        )
+        self.train_pairs, self.eval_pairs = split_pairs(
+            pairs, eval_size=data.eval_size, seed=train.seed
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model.path))
+        self.model = load_encoder(config.model, ctx.device)
+        self.autocast = autocast_dtype(config.model.autocast_dtype)
+        wrapped = apply_data_parallel(
+            self.model, mesh=ctx.mesh["dp"], config=engine_dp_config(config.parallel)
+        )
+        optimizer, self._scheduler = build_optimizer(
+            wrapped, config.optim, device=ctx.device, total_steps=train.steps
+        )
+        self.engine = Engine(
+            wrapped,
+            optimizer,
+            self._scheduler,
+            max_grad_norm=config.optim.max_grad_norm,
+            nonfinite=config.optim.nonfinite,
+        )
+        self.window = LossWindow(train.loss_window, group=ctx.mesh["dp"].get_group())
+        self._rng = random.Random(train.seed * 1000 + ctx.rank)
+        plan = self._plan = LoopPlan(total_steps=train.steps, log_every=train.log_every)
+        return RunStart(
+            output_dir=out_dir, plan=plan, desc="retrieval", tensorboard=train.tensorboard
+        )
 
-    rng = random.Random(train.seed * 1000 + ctx.rank)
-    b = data.micro_batch_size
-    first_loss: float | None = None
-    last_loss: float | None = None
-    for step in range(1, train.steps + 1):
+    def _recall(self) -> dict[int, float]:
+        return recall_at_k(
+            self.model,
+            self.tokenizer,
+            self.eval_pairs,
+            max_length=self.config.data.max_length,
+            pooling=self.config.model.pooling,
+            device=self.ctx.device,
+            autocast=self.autocast,
+        )
+
+    def evaluate(self, step: int) -> StepRecord:
+        """Step 0: recall@1/10 on the held-out pairs before training (no later evaluations)."""
+        if step != 0:
+            return StepRecord(step=step)
+        self.recall_before = before = self._recall()
+        line = (
+            f"{len(self.train_pairs)} train / {len(self.eval_pairs)} held-out pairs; recall@1 "
+            f"{before[1]:.1%}, recall@10 {before[10]:.1%} before training"
+        )
+        metrics = {f"eval/recall@{k}": v for k, v in before.items()}
+        return StepRecord(step=0, metrics=metrics, lines=(line,))
+
+    def train_step(self, step: int) -> StepRecord:
+        """One InfoNCE step over this rank's B pairs against all ranks' passages."""
+        config, ctx, engine = self.config, self.ctx, self.engine
+        b = config.data.micro_batch_size
         # Each rank draws its own B pairs; together they form the global batch of W*B.
-        chosen = [train_pairs[rng.randrange(len(train_pairs))] for _ in range(b)]
-        tok = tokenizer(
+        chosen = [self.train_pairs[self._rng.randrange(len(self.train_pairs))] for _ in range(b)]
+        tok = self.tokenizer(
             [q for q, _ in chosen] + [p for _, p in chosen],
             padding=True,
             truncation=True,
-            max_length=data.max_length,
+            max_length=config.data.max_length,
             return_tensors="pt",
         ).to(ctx.device)
         # One forward for queries and passages together: DDP sees one graph per step.
-        emb = embed(engine, dict(tok), config.model.pooling, autocast=autocast)  # [2B, H]
+        emb = embed(engine, dict(tok), config.model.pooling, autocast=self.autocast)  # [2B, H]
         queries, passages = emb[:b], emb[b:]
         all_passages = _gather_with_grad(passages)  # [W*B, H]
         logits = queries @ all_passages.T / config.model.temperature  # [B, W*B]
@@ -363,59 +384,46 @@ def run_retrieval(config: RetrievalConfig) -> RetrievalResult:
         num = engine.global_num_tokens(b)
         engine.backward(loss_sum, num_tokens=num)
         engine.step()
-        window.update(loss_sum.detach() * ctx.world_size / num.to(loss_sum.device))
-        if step % train.log_every == 0 or step == train.steps:
-            loss = window.last()
-            avg = window.average()
-            assert loss is not None and avg is not None
-            first_loss = loss if first_loss is None else first_loss
-            last_loss = loss
-            lr = scheduler.get_last_lr()[0]
-            run_log.log(
-                step,
-                {
-                    "loss": loss,
-                    "loss_avg_window": avg,
-                    "lr": lr,
-                    "grad_norm": engine.get_global_grad_norm(),
-                },
-            )
-            run_log.progress(step, {"loss": f"{loss:.4f}", "avg": f"{avg:.4f}", "lr": f"{lr:.2e}"})
-
-    recall_after = recall_at_k(
-        model,
-        tokenizer,
-        eval_pairs,
-        max_length=data.max_length,
-        pooling=config.model.pooling,
-        device=ctx.device,
-        autocast=autocast,
-    )
-    run_log.log(train.steps, {f"eval/recall@{k}": v for k, v in recall_after.items()})
-    run_log.close()
-    if ctx.is_main:
-        png = loss_plot_or_notice(out_dir)
-        if train.export:
-            model.save_pretrained(out_dir / "hf_model", safe_serialization=True)
-            tokenizer.save_pretrained(out_dir / "hf_model")
-        summary = {
-            "recall_before": recall_before,
-            "recall_after": recall_after,
-            "world_size": ctx.world_size,
+        self.window.update(loss_sum.detach(), num)
+        if not self._plan.logs(step):
+            return StepRecord(step=step)
+        loss, avg = self.window.last(), self.window.average()
+        self._first_loss = loss if self._first_loss is None else self._first_loss
+        self._last_loss = loss
+        metrics = {
+            "loss": loss,
+            "loss_avg_window": avg,
+            "lr": self._scheduler.get_last_lr()[0],
+            "grad_norm": engine.get_global_grad_norm(),
         }
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(
-            f"\nrun          {out_dir}\nranks        {ctx.world_size}\n"
-            f"recall@1     {recall_before[1]:.1%} -> {recall_after[1]:.1%} (held-out)\n"
-            f"recall@10    {recall_before[10]:.1%} -> {recall_after[10]:.1%} (held-out)\n"
-            f"loss curve   {png if png is not None else '-'}",
-            flush=True,
+        return StepRecord(step=step, metrics=metrics)
+
+    def checkpoint(self, step: int) -> None:
+        """The retrieval recipe keeps no checkpoints (its plan never asks for one)."""
+
+    def finish(self) -> RunEnd:
+        """Recall after training; the export (``train.export``) on rank 0; the summary."""
+        self.recall_after = after = self._recall()
+        export_dir = None
+        if self.ctx.is_main and self.config.train.export:
+            export_dir = self.out_dir / "hf_model"
+            self.model.save_pretrained(export_dir, safe_serialization=True)
+            self.tokenizer.save_pretrained(export_dir)
+        summary = {
+            "recall_before": self.recall_before,
+            "recall_after": after,
+            "world_size": self.ctx.world_size,
+        }
+        metrics = {f"eval/recall@{k}": v for k, v in after.items()}
+        record = StepRecord(step=self.config.train.steps, metrics=metrics)
+        return RunEnd(record=record, summary=summary, export_dir=export_dir)
+
+    def result(self, outcome: LoopOutcome) -> RetrievalResult:
+        """The run's :class:`RetrievalResult` after :func:`drive` returned ``outcome``."""
+        return RetrievalResult(
+            output_dir=self.out_dir,
+            recall_before=self.recall_before,
+            recall_after=self.recall_after,
+            first_loss=self._first_loss,
+            last_loss=self._last_loss,
         )
-    dist.barrier()
-    return RetrievalResult(
-        output_dir=out_dir,
-        recall_before=recall_before,
-        recall_after=recall_after,
-        first_loss=first_loss,
-        last_loss=last_loss,
-    )

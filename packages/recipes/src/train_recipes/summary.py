@@ -10,8 +10,16 @@ from train_recipes.config_sft import SFTConfig
 
 if TYPE_CHECKING:
     from train_recipes._dist import RankContext
+    from train_recipes.loop import RunEnd
 
-__all__ = ["attention_line", "format_value", "header_line", "skipped_text", "summary_table"]
+__all__ = [
+    "attention_line",
+    "format_value",
+    "header_line",
+    "sft_summary_text",
+    "skipped_text",
+    "summary_table",
+]
 
 
 def format_value(value: Any) -> str:
@@ -71,3 +79,8 @@ def summary_table(
     if export_dir is not None:
         lines.append(f"HF export      {export_dir}")
     return "\n".join(lines)
+
+
+def sft_summary_text(end: RunEnd, output_dir: Path, png: Path | None) -> str:
+    """The SFT summary table of a finished run (``format_summary`` of :func:`drive`)."""
+    return summary_table(end.summary, output_dir, png, end.export_dir)

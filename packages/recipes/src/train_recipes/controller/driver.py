@@ -1,10 +1,13 @@
-"""The driver of ``train-recipes sft --controller ray``: places one actor per rank, runs the job
-on them and reports a failed or dead rank in one line, within seconds, without hanging.
+"""The driver of ``train-recipes sft --controller ray``: places one actor per rank, runs the
+training loop and reports a failed or dead rank in one line, within seconds, without hanging.
 
-The driver holds no model and imports no model code. Each actor joins the job's process group
-(gloo on CPU, NCCL on GPU) and runs the SFT recipe as its rank; the data plane of every
-replica comes back to the driver, which merges them (checking that the cp/tp peers of each
-replica trained on the same samples).
+The driver holds no model. Each actor joins the job's process group (gloo on CPU, NCCL on GPU)
+and holds its rank's ``SFTRecipe``; the driver runs the recipes' one loop
+(``train_recipes.loop.drive``: step accounting, when to evaluate and checkpoint, metrics.jsonl,
+TensorBoard, the progress bar, the summary) and calls each stage on every actor. The records
+of a stage are agreed over the ranks inside it, so rank 0's is logged. Every step's sample ids
+come back from every rank into the driver's data plane, which checks that the cp/tp peers of
+each replica trained on the same samples.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from train_recipes.controller.ray_cluster import (
     plan_placement,
     start_or_join,
 )
-from train_recipes.data_plane import DataPlane
+from train_recipes.data_plane import DataPlane, PlaneMismatchError
+from train_recipes.loop import RunEnd, RunStart, StepRecord, drive
+from train_recipes.summary import sft_summary_text
 
 __all__ = ["ControllerError", "RayRun", "main_on_ray", "run_sft_on_ray"]
 
@@ -84,6 +89,8 @@ def run_sft_on_ray(
     """
     ray = import_ray()
     started = start_or_join(ray, address=address, world_size=world_size)
+    dp = world_size // (config.parallel.cp * config.parallel.tp)
+    plane = DataPlane(dp_size=dp)
     group: RankGroup | None = None
     try:
         from train_recipes.controller.rank_actor import RankActor
@@ -91,11 +98,23 @@ def run_sft_on_ray(
         placement = plan_placement(ray, world_size=world_size, device=config.train.device)
         group = RankGroup(ray, RankActor, placement=placement)
         (master,) = group.call("endpoint", ranks=[0])
-        reports = group.call("run_sft", config, resume, master)
+        setups = group.call("setup", config, resume, master)
+        restored = DataPlane(dp_size=dp)
+        restored.load_state_dict([s["plane"] for s in setups])  # the checkpoint's records
+        plane.merge(restored)
+        start: RunStart = setups[0]["start"]
+        outcome = drive(
+            _ActorStages(group, plane), start, is_main=True, format_summary=sft_summary_text
+        )
+        reports = group.call("close")
     except ActorFailure as err:
         raise ControllerError(
             f"{err}; the other ranks were stopped. Continue from the last checkpoint with "
             "the same command and --resume"
+        ) from None
+    except PlaneMismatchError as err:
+        raise ControllerError(
+            f"the ranks of a replica trained on different samples: {err}"
         ) from None
     except RuntimeError as err:  # placement: no room, no GPUs
         raise ControllerError(str(err)) from None
@@ -104,25 +123,50 @@ def run_sft_on_ray(
             group.shutdown()
         if started:
             ray.shutdown()
-    dp = world_size // (config.parallel.cp * config.parallel.tp)
-    plane = DataPlane(dp_size=dp)
-    for report in reports:
-        if report["data_plane"] is not None:
-            replica = DataPlane(dp_size=dp)
-            replica.load_state_dict(report["data_plane"])
-            plane.merge(replica)  # raises if the peers of a replica saw different samples
-    main = reports[0]
+    summary = {} if outcome.end is None else outcome.end.summary
     return RayRun(
-        steps=int(main["steps"]),
-        first_loss=main["first_loss"],
-        last_loss=main["last_loss"],
-        accuracy_before=main["accuracy_before"],
-        accuracy_after=main["accuracy_after"],
+        steps=int(summary.get("steps", start.start_step)),
+        first_loss=summary.get("first_loss"),
+        last_loss=summary.get("last_loss"),
+        accuracy_before=summary.get("accuracy_before"),
+        accuracy_after=summary.get("accuracy_after"),
         data_plane=plane,
         loaders_built=[int(r["loaders_built"]) for r in reports],
         placed_on_gpus=placement.use_gpus,
         ranks=reports,
     )
+
+
+class _ActorStages:
+    """The loop's stages (``loop.RecipeStages``) called on every actor; rank 0's record back.
+
+    Each step's sample ids, reported by every rank, go into the driver's data plane.
+    """
+
+    def __init__(self, group: RankGroup, plane: DataPlane) -> None:
+        self._group = group
+        self._plane = plane
+
+    def setup(self) -> RunStart:
+        raise RuntimeError("the driver runs setup on the actors itself (it needs the rendezvous)")
+
+    def train_step(self, step: int) -> StepRecord:
+        reports = self._group.call("train_step", step)
+        for report in reports:
+            self._plane.record(step, report["replica"], report["sample_ids"])
+        record: StepRecord = reports[0]["record"]
+        return record
+
+    def evaluate(self, step: int) -> StepRecord:
+        record: StepRecord = self._group.call("evaluate", step)[0]
+        return record
+
+    def checkpoint(self, step: int) -> None:
+        self._group.call("checkpoint", step)
+
+    def finish(self) -> RunEnd:
+        end: RunEnd = self._group.call("finish")[0]
+        return end
 
 
 def main_on_ray(config: object, *, world_size: int, resume: bool, address: str | None) -> int:

@@ -4,7 +4,8 @@ The actor is a plain class (``ray.remote`` wraps it in the driver), importable w
 Each actor learns its rank at construction; rank 0 names the rendezvous (its node's address
 and a free port), and every actor then joins the default process group through the same
 environment torchrun would set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
-``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), so the recipe runs unchanged.
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``). The actor holds the rank's ``SFTRecipe`` and runs its
+stages when the driver calls them; the driver runs the loop.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import socket
 from typing import Any
 
 from train_recipes.config_sft import SFTConfig
+from train_recipes.loop import RunEnd, StepRecord
 
 __all__ = ["RankActor"]
 
@@ -58,25 +60,52 @@ class RankActor:
             port = int(s.getsockname()[1])
         return host, port
 
-    def run_sft(self, config: SFTConfig, resume: bool, master: tuple[str, int]) -> dict[str, Any]:
-        """Join the process group at ``master`` and run the SFT recipe as this rank.
+    def setup(self, config: SFTConfig, resume: bool, master: tuple[str, int]) -> dict[str, Any]:
+        """Join the process group at ``master`` and run the recipe's ``setup()`` as this rank.
 
         Returns:
-            The run's summary (plain data): steps, first and last loss, accuracies, this
-            rank's data plane and the loaders it built.
+            ``start`` (the recipe's RunStart), this rank's restored data plane (``plane``)
+            and its replica (``replica``).
         """
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master[0], str(master[1])
-        from train_recipes.sft import run_sft
+        from train_recipes.sft_recipe import SFTRecipe
 
-        result = run_sft(config, resume=resume)
+        self.recipe = SFTRecipe(config, resume=resume).__enter__()
+        start = self.recipe.setup()
+        return {
+            "start": start,
+            "plane": self.recipe.data_plane.state_dict(),
+            "replica": self.recipe.ctx.dp_rank,
+        }
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        """One optimizer step: the recipe's record and the ids of the samples it trained on."""
+        record = self.recipe.train_step(step)
+        replica = self.recipe.ctx.dp_rank
+        ids = self.recipe.data_plane.list_sample_ids(step, replica=replica)
+        return {"record": record, "replica": replica, "sample_ids": ids}
+
+    def evaluate(self, step: int) -> StepRecord:
+        """The recipe's evaluations due at ``step``."""
+        return self.recipe.evaluate(step)
+
+    def checkpoint(self, step: int) -> None:
+        """Save a checkpoint of ``step`` (collective over the actors)."""
+        self.recipe.checkpoint(step)
+
+    def finish(self) -> RunEnd:
+        """Final evaluation and export; the summary."""
+        return self.recipe.finish()
+
+    def close(self) -> dict[str, Any]:
+        """End the run on this rank (after every rank finished): its plane and loader count."""
+        import torch.distributed as dist
+
+        recipe = self.recipe
+        dist.barrier()
+        recipe.__exit__(None, None, None)
         return {
             "rank": self.rank,
-            "steps": result.steps,
-            "first_loss": result.first_loss,
-            "last_loss": result.last_loss,
-            "accuracy_before": result.accuracy_before,
-            "accuracy_after": result.accuracy_after,
-            "export_dir": None if result.export_dir is None else str(result.export_dir),
-            "data_plane": None if result.data_plane is None else result.data_plane.state_dict(),
-            "loaders_built": result.loaders_built,
+            "data_plane": recipe.data_plane.state_dict(),
+            "loaders_built": recipe.loader.loaders_built,
         }

@@ -1,0 +1,496 @@
+"""The SFT recipe object: energon-sft data -> (cp-sharder) -> HF causal LM -> vocab-parallel
+token-sum loss -> train_engine.Engine (DDP or FSDP2), as stages that the loop calls.
+
+# B batch, S sequence
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from train_recipes import _integrations as data_api
+from train_recipes import moe
+from train_recipes import resume as checkpoints
+from train_recipes._dist import (
+    describe_device,
+    init_distributed,
+    process_group_timeout_s,
+)
+from train_recipes.attention import CausalFastPath, attention_path, rows_are_packed, sdpa_backends
+from train_recipes.colocated import replica_loader
+from train_recipes.config_loader import to_dict
+from train_recipes.config_sft import SFTConfig
+from train_recipes.data_plane import DataPlane, sample_ids_of
+from train_recipes.demo import sft_data_paths
+from train_recipes.health import (
+    HangWatchdog,
+    SkipTracker,
+    default_store,
+    engine_skip_warnings_replaced,
+)
+from train_recipes.hf_export import export_hf
+from train_recipes.loop import LoopOutcome, LoopPlan, RunEnd, RunStart, StepRecord
+from train_recipes.metrics import StartupClock
+from train_recipes.modeling import is_vlm, unwrap
+from train_recipes.parallelize import build_parallel_model
+from train_recipes.processors import load_processor, tokenizer_of
+from train_recipes.run_folder import (
+    EXPORT_DIR,
+    publish_dir,
+    rank0_printer,
+    record_config_changes,
+    staging_dir,
+)
+from train_recipes.runtime import build_optimizer, open_run_folder, write_run_config
+from train_recipes.schedule import resolve_length
+from train_recipes.sft_evaluation import SFTEvaluation
+from train_recipes.summary import attention_line, header_line
+from train_recipes.token_loss import token_sum_loss
+
+if TYPE_CHECKING:
+    from train_engine import Engine, LossWindow
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SFTRecipe", "SFTResult"]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SFTResult:
+    """What a finished run reports (identical on every rank).
+
+    Attributes:
+        output_dir: the run directory.
+        steps: optimizer steps done in total.
+        first_loss: the loss of the first logged step of the run (also across resumes).
+        last_loss: the loss of the last step.
+        accuracy_before: held-out exact match before training (None when not measured).
+        accuracy_after: held-out exact match after training.
+        export_dir: the Hugging Face export, when written.
+        model: the trained model (unwrapped from DDP; FSDP2 models stay sharded).
+        data_plane: the samples each step trained on (this rank's replica; with ``--resume``,
+            the earlier steps' too).
+        loaders_built: energon-sft loaders this rank built (1 on a replica's first rank, else 0).
+    """
+
+    output_dir: Path
+    steps: int
+    first_loss: float | None
+    last_loss: float | None
+    accuracy_before: float | None
+    accuracy_after: float | None
+    export_dir: Path | None
+    model: torch.nn.Module
+    data_plane: DataPlane | None = None
+    loaders_built: int = 0
+
+
+class SFTRecipe:
+    """The SFT recipe on one rank, as stages that :func:`train_recipes.loop.drive` calls.
+
+    ``setup()`` builds the process groups, data, model, Engine and loader (and restores a
+    checkpoint on resume); ``train_step(step)`` runs one optimizer step and returns a
+    :class:`~train_recipes.loop.StepRecord` of plain numbers (on the plan's log steps: loss,
+    window average, lr, grad norm, token rate and counts, skips, MoE metrics; agreed over the
+    ranks, so identical everywhere); ``evaluate(step)`` the held-out exact match (step 0) or
+    held-out loss; ``checkpoint(step)`` saves; ``finish()`` measures the final exact match,
+    exports and returns the summary. The object logs nothing itself. Use it as a context
+    manager: the run's guards (hang watchdog, the Engine's skip-warning filter) end with it.
+
+    Args:
+        config: a validated config.
+        resume: continue from the newest complete checkpoint (see :func:`run_sft`).
+    """
+
+    def __init__(self, config: SFTConfig, *, resume: bool = False) -> None:
+        self.config = config
+        self.resume = resume
+        self._guards = contextlib.ExitStack()
+        self._lines: list[str] = []  # console lines for the next record (skips)
+        self._first_loss: float | None = None
+        self._last_loss: float | None = None
+        self._accuracy_before: float | None = None
+        self._eval_losses: list[float] = []
+        self._watchdog: HangWatchdog | None = None
+
+    def __enter__(self) -> SFTRecipe:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._guards.close()
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 (valid after :meth:`setup`)."""
+        return self.ctx.is_main
+
+    # ------------------------------------------------------------------------------- setup
+
+    def setup(self) -> RunStart:
+        """Process groups, data, model, Engine, loader; the restored state on resume."""
+        from train_engine import Engine, LossWindow
+
+        config = self.config
+        ctx = self.ctx = init_distributed(
+            device_preference=config.train.device,
+            cp=config.parallel.cp,
+            tp=config.parallel.tp,
+            timeout_s=process_group_timeout_s(config.train.collective_timeout_s),
+        )
+        config = self.config = resolve_length(config, dp=ctx.dp_size)  # epochs -> steps
+        train = config.train
+        self.vlm = is_vlm(config)
+        clock = self._clock = StartupClock(enabled=ctx.is_main)
+        self._device_line = describe_device(ctx.device)
+        self._attention = (
+            f"{attention_line(config)}; "
+            f"{attention_path(packed=config.data.packing, cp=ctx.cp_size, vlm=self.vlm)}"
+        )
+        if ctx.is_main:
+            print(header_line(ctx, config, self._device_line, self._attention), flush=True)
+        clock.start("building data")
+        out_dir = self.out_dir = open_run_folder(train.output_dir, is_main=ctx.is_main)
+        torch.manual_seed(train.seed)
+        dataset_path, eval_path = sft_data_paths(config, out_dir, is_main=ctx.is_main)
+        processor = self.processor = load_processor(config)
+        tokenizer = tokenizer_of(processor)
+        if ctx.is_main:  # written whole: `train-recipes export` reads it
+            processor.save_pretrained(staging := staging_dir(out_dir / "tokenizer"))
+            publish_dir(staging, out_dir / "tokenizer")
+        clock.start("building model")
+        model = self.model = build_parallel_model(config, tokenizer, ctx, on_phase=clock.start)
+        optimizer, self._scheduler = build_optimizer(
+            model, config.optim, device=ctx.device, total_steps=train.steps
+        )
+        self.engine: Engine = Engine(
+            model,
+            optimizer,
+            self._scheduler,
+            max_grad_norm=config.optim.max_grad_norm,
+            nonfinite=config.optim.nonfinite,
+            gradient_accumulation_steps=train.gradient_accumulation_steps,
+            # Token counts are per data-parallel replica: a replica's cp ranks count the same.
+            dp_group=ctx.mesh["dp"].get_group(),
+        )
+        self.sharder = None
+        # Packed rows take cp-sharder's variable-length attention, at cp=1 as well.
+        if ctx.cp_size > 1 or config.data.packing:
+            from cp_sharder import ContextParallelSharder
+
+            self.sharder = ContextParallelSharder(
+                unwrap(model), ctx.mesh["cp"], padding_token_id=int(tokenizer.pad_token_id)
+            )
+        clock.start("building loader")
+        self._encoder = data_api.build_encoder(
+            processor,
+            model_family=config.data.model_family,
+            max_length=config.data.max_length,
+            train_on=config.data.train_on,
+            pad_to_multiple_of=2 * ctx.cp_size,
+            packing=config.data.packing,
+        )
+        # One loader per replica, on its first rank; its cp/tp peers receive the batches.
+        self.loader = replica_loader(config, ctx, dataset_path, encoder=self._encoder)
+        self.data_plane = DataPlane(dp_size=ctx.dp_size)
+        # The window's ranks hold disjoint parts of the loss sum (tp ranks hold copies).
+        self.window: LossWindow = LossWindow(train.loss_window, group=ctx.grad_mesh().get_group())
+        start = self._restore(out_dir)
+        if start.finished:
+            return start
+        self._evaluation = SFTEvaluation(
+            config,
+            ctx,
+            eval_path=eval_path,
+            encoder=self._encoder,
+            processor=processor,
+            vlm=self.vlm,
+            loss_sum=self._held_out_loss_sum,
+        )
+        clock.end()
+        # Unpacked text without cp: causal SDPA without transformers' mask construction.
+        self._fast_path = CausalFastPath(model) if not self.vlm and self.sharder is None else None
+        self._router_losses = moe.router_losses(model, self.engine, config, ctx)
+        self._batches = itertools.chain.from_iterable(itertools.repeat(self.loader))
+        self._input_tokens = torch.zeros((), dtype=torch.float64)  # since the last record
+        self._loss_tokens: Tensor | None = None  # global loss tokens since the last record
+        self._guards.enter_context(engine_skip_warnings_replaced())
+        self._skips = SkipTracker(train.max_consecutive_skips, on_skip=self._note_skip)
+        return start
+
+    def _restore(self, out_dir: Path) -> RunStart:
+        config, ctx = self.config, self.ctx
+        train = config.train
+        say = rank0_printer(ctx.is_main)
+        restored = None
+        if self.resume:
+            restored = checkpoints.restore(
+                self.engine,
+                self.loader,
+                self.window,
+                config,
+                dp_size=ctx.dp_size,
+                is_main=ctx.is_main,
+                say=say,
+                data_plane=self.data_plane,
+            )
+        self._start_step = 0 if restored is None else restored.step
+        if restored is not None:
+            self._accuracy_before = restored.accuracy_before
+            self._first_loss = restored.first_loss
+        plan = self._plan = LoopPlan(
+            total_steps=train.steps,
+            log_every=train.log_every,
+            eval_every=train.eval_every,
+            checkpoint_every=train.checkpoint_every,
+            checkpoint_last=True,
+        )
+        if self._start_step >= train.steps:
+            say(
+                f"{out_dir} finished at step {self._start_step} (train.steps={train.steps}); "
+                "nothing to do"
+            )
+            return RunStart(
+                output_dir=out_dir, plan=plan, start_step=self._start_step, finished=True
+            )
+        # config.yaml says what trains from here on; the history, what changed when.
+        write_run_config(out_dir, config, is_main=ctx.is_main)
+        if ctx.is_main:
+            changes = {} if restored is None else restored.changes
+            record_config_changes(out_dir, step=self._start_step, changes=changes)
+        return RunStart(
+            output_dir=out_dir,
+            plan=plan,
+            start_step=self._start_step,
+            desc=f"sft dp={ctx.dp_size} cp={ctx.cp_size} tp={ctx.tp_size}",
+            tensorboard=train.tensorboard,
+            loggers=train.loggers,
+            run_config=to_dict(config),
+            lines=()
+            if restored is None
+            else (f"resumed from {restored.path} at step {self._start_step}",),
+        )
+
+    # -------------------------------------------------------------------------- train_step
+
+    def train_step(self, step: int) -> StepRecord:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches."""
+        config, ctx, engine = self.config, self.ctx, self.engine
+        if step == self._start_step + 1:
+            self._clock.start("first step")
+            self._start_watchdog()
+            self._t_last = time.perf_counter()
+        if self._watchdog is not None:
+            self._watchdog.enter_step(step)
+        accum = config.train.gradient_accumulation_steps
+        # Host copies: counts and layouts are read there (a device read stalls the GPU queue).
+        raw = [next(self._batches) for _ in range(accum)]
+        self.data_plane.record(step, ctx.dp_rank, [i for b in raw for i in sample_ids_of(b)])
+        host = [data_api.batch_tensors(b, vlm=self.vlm, cp=ctx.cp_size) for b in raw]
+        micro = [data_api.to_device(m, ctx.device) for m in host]
+        # Contract (b): the window's loss tokens over all data-parallel replicas, from the
+        # loader's count (made before cp sharding: a replica's cp ranks hold the same count).
+        num_tokens = engine.global_num_tokens(sum(m["num_trainable_tokens"] for m in host))
+        step_loss = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        router_losses = self._router_losses
+        with sdpa_backends(config.model.sdpa_backends):
+            for batch, host_batch in zip(micro, host, strict=True):
+                # A replica's cp and tp ranks see the same rows: summed over all ranks at
+                # logging time, this is the global number of input tokens.
+                self._input_tokens += float(host_batch["attention_mask"].sum()) / (
+                    ctx.cp_size * ctx.tp_size
+                )
+                with self._forward_attention(host_batch), router_losses.collect():
+                    loss_sum = token_sum_loss(engine, batch, sharder=self.sharder, vlm=self.vlm)
+                extra = router_losses.term(num_tokens)  # MoE aux/z losses (0.0 otherwise)
+                engine.backward(loss_sum + extra, num_tokens=num_tokens)
+                step_loss += loss_sum.detach().to(torch.float64)
+                step_result = engine.step()
+        self._skips.observe(step, step_result)  # the previous step's skip flag, settled by now
+        if step == self._start_step + 1:
+            self._clock.end()
+        router_losses.after_step(ctx.device)  # DeepSeek bias balancing (no-op otherwise)
+        # The run's loss-token count is the Engine's: the global count of each step, summed.
+        tokens = self._loss_tokens
+        self._loss_tokens = num_tokens if tokens is None else tokens + num_tokens
+        self.window.update(step_loss, num_tokens)
+        if not self._plan.logs(step):
+            return StepRecord(step=step, lines=self._take_lines())
+        return StepRecord(step=step, metrics=self._step_metrics(), lines=self._take_lines())
+
+    def _step_metrics(self) -> dict[str, Any]:
+        """The metric record of a log step (collective: every rank reads the same numbers)."""
+        ctx = self.ctx
+        self._skips.flush()
+        loss, avg = self.window.last(), self.window.average()
+        inputs = self._input_tokens.clone().to(ctx.device)
+        dist.all_reduce(inputs)
+        now = time.perf_counter()
+        tokens_per_s = float(inputs) / max(now - self._t_last, 1e-9)
+        self._t_last = now
+        self._input_tokens.zero_()
+        loss_tokens = 0.0 if self._loss_tokens is None else float(self._loss_tokens)
+        self._loss_tokens = None
+        self._first_loss = loss if self._first_loss is None else self._first_loss
+        self._last_loss = loss
+        record: dict[str, Any] = {
+            "loss": loss,
+            "loss_avg_window": avg,
+            "lr": self._scheduler.get_last_lr()[0],
+            "grad_norm": self.engine.get_global_grad_norm(),
+            "tokens_per_s": tokens_per_s,
+            "loss_tokens": loss_tokens,
+            "skipped": self._skips.new_since_last_call(),
+            "skipped_total": len(self._skips.skipped),
+        }
+        record.update(self._router_losses.metrics(ctx.device))  # collective; {} without MoE
+        return record
+
+    def _forward_attention(
+        self, host_batch: dict[str, Any]
+    ) -> contextlib.AbstractContextManager[None]:
+        if self._fast_path is None:
+            return contextlib.nullcontext()
+        return self._fast_path.selected(packed=rows_are_packed(host_batch["position_ids"]))
+
+    def _start_watchdog(self) -> None:
+        store = default_store()
+        if self.ctx.world_size > 1 and store is not None:
+            self._watchdog = HangWatchdog(
+                store,
+                rank=self.ctx.rank,
+                world_size=self.ctx.world_size,
+                timeout_s=self.config.train.collective_timeout_s,
+            ).start()
+            self._guards.callback(self._watchdog.stop)
+
+    def _note_skip(self, step: int) -> None:
+        self._lines.append(
+            f"step {step}: optimizer update skipped (non-finite gradient norm, "
+            f"optim.nonfinite={self.config.optim.nonfinite!r})"
+        )
+
+    def _take_lines(self) -> tuple[str, ...]:
+        lines, self._lines = tuple(self._lines), []
+        return lines
+
+    # ---------------------------------------------------------------- evaluate, checkpoint
+
+    def evaluate(self, step: int) -> StepRecord:
+        """Step 0: held-out exact match before training; later: the held-out loss."""
+        if step == 0:
+            accuracy = self._evaluation.exact_match(unwrap(self.model))
+            if accuracy is None:
+                return StepRecord(step=0)
+            self._accuracy_before = accuracy
+            rows = len(self._evaluation.rows)
+            line = f"held-out exact match before training: {accuracy:.1%} ({rows} questions)"
+            return StepRecord(step=0, metrics={"eval/exact_match": accuracy}, lines=(line,))
+        loss = self._evaluation.loss(unwrap(self.model))
+        if loss is None:
+            return StepRecord(step=step)
+        self._eval_losses.append(loss)
+        line = f"step {step}: eval/loss {loss:.4f} (held-out)"
+        return StepRecord(step=step, metrics={"eval/loss": loss}, lines=(line,))
+
+    def _held_out_loss_sum(self, batch: dict[str, Tensor], host_batch: dict[str, Tensor]) -> Tensor:
+        with self._forward_attention(host_batch), sdpa_backends(self.config.model.sdpa_backends):
+            return token_sum_loss(unwrap(self.model), batch, sharder=self.sharder, vlm=self.vlm)
+
+    def checkpoint(self, step: int) -> None:
+        """Save the Engine, loader and loss window of ``step`` (collective)."""
+        checkpoints.save(
+            self.engine,
+            self.out_dir,
+            step=step,
+            loader=self.loader,
+            window=self.window,
+            config=self.config,
+            dp_size=self.ctx.dp_size,
+            accuracy_before=self._accuracy_before,
+            first_loss=self._first_loss,
+            is_main=self.ctx.is_main,
+            data_plane=self.data_plane,
+        )
+
+    # ------------------------------------------------------------------------------ finish
+
+    def finish(self) -> RunEnd:
+        """Final exact match and HF export (collective); the summary."""
+        ctx, train = self.ctx, self.config.train
+        self._skips.flush()
+        if self._watchdog is not None:
+            self._watchdog.stop()  # from here on, rank 0 alone writes plots and files
+        metrics: dict[str, Any] = {}
+        self._accuracy_after = self._evaluation.exact_match(unwrap(self.model))
+        if self._accuracy_after is not None:
+            metrics["eval/exact_match"] = self._accuracy_after
+        export_dir = None
+        if train.export:  # written beside, then moved in whole
+            staging = staging_dir(self.out_dir / EXPORT_DIR, clear=ctx.is_main)
+            written = export_hf(
+                self.model,
+                self.processor,
+                staging,
+                is_main=ctx.is_main,
+                lora_export=self.config.lora.export,
+            )
+            if written is not None:
+                export_dir = publish_dir(written, self.out_dir / EXPORT_DIR)
+        summary = {
+            "steps": train.steps,
+            "first_loss": self._first_loss,
+            "last_loss": self._last_loss,
+            "accuracy_before": self._accuracy_before,
+            "accuracy_after": self._accuracy_after,
+            "world_size": ctx.world_size,
+            "dp": ctx.dp_size,
+            "cp": ctx.cp_size,
+            "tp": ctx.tp_size,
+            "skipped_steps": self._skips.skipped,
+            "eval_loss_first": self._eval_losses[0] if self._eval_losses else None,
+            "eval_loss_last": self._eval_losses[-1] if self._eval_losses else None,
+            "device": self._device_line,
+            "attention": self._attention,
+            "startup_s": self._clock.phases,
+        }
+        record = StepRecord(step=train.steps, metrics=metrics, lines=self._take_lines())
+        return RunEnd(record=record, summary=summary, export_dir=export_dir)
+
+    def result(self, outcome: LoopOutcome) -> SFTResult:
+        """The run's :class:`SFTResult` after :func:`drive` returned ``outcome``."""
+        train = self.config.train
+        if outcome.end is None:  # a finished run, resumed: nothing trained
+            return SFTResult(
+                output_dir=self.out_dir,
+                steps=self._start_step,
+                first_loss=self._first_loss,
+                last_loss=None,
+                accuracy_before=self._accuracy_before,
+                accuracy_after=None,
+                export_dir=None,
+                model=unwrap(self.model),
+                data_plane=self.data_plane,
+                loaders_built=self.loader.loaders_built,
+            )
+        return SFTResult(
+            output_dir=self.out_dir,
+            steps=train.steps,
+            first_loss=self._first_loss,
+            last_loss=self._last_loss,
+            accuracy_before=self._accuracy_before,
+            accuracy_after=self._accuracy_after,
+            export_dir=self.out_dir / EXPORT_DIR if train.export else None,
+            model=unwrap(self.model),
+            data_plane=self.data_plane,
+            loaders_built=self.loader.loaders_built,
+        )

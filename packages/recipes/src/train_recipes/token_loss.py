@@ -1,0 +1,77 @@
+"""The SFT model path of one batch: the forward (sharded when needed) and its token-sum loss.
+
+# B batch, S sequence, S_l local (cp-sharded) sequence, V vocabulary
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["token_sum_loss"]
+
+
+def token_sum_loss(
+    model: Any, batch: dict[str, Any], *, sharder: Any = None, vlm: bool = False
+) -> Tensor:
+    """The sum over this rank's trained tokens of -log p(label): the loss of contract (b).
+
+    Unpacked text rows pass ``position_ids`` and no attention mask: right padding never reaches
+    a real token under causal attention (energon-sft's padding positions continue the row, so
+    they never read as a new document). Packed rows (``qkv_format == "thd"``) go through the
+    ``sharder``, at cp=1 too: cp-sharder's variable-length attention keeps every document to
+    itself, from ``seq_lens``, and no ``[S, S]`` mask is built. VLM batches pass [4, B, S]
+    position ids (the 1-D ids, then the loader's M-RoPE ids, per packed document) and the
+    images; the model's own M-RoPE builder would treat a packed row as one sequence. With a
+    ``sharder`` the batch is sharded (cp > 1: over the cp ranks) and the forward runs in its
+    context.
+
+    Args:
+        model: the (wrapped) model or the Engine.
+        batch: ``input_ids`` [B, S], ``labels`` [B, S] (already shifted, -100 untrained),
+            ``position_ids`` [B, S]; packed: ``qkv_format`` and ``seq_lens`` [B, N]; VLM:
+            ``mrope_position_ids`` [3, B, S] and, when the batch has images, ``pixel_values``
+            [P, D] and ``image_grid_thw`` [N, 3] (see ``_integrations.batch_tensors``).
+        sharder: cp-sharder's ``ContextParallelSharder``; required for packed batches.
+        vlm: the batch is an image-text batch (it must carry M-RoPE ids).
+
+    Returns:
+        0-dim float32 tensor.
+    """
+    from vocab_parallel import token_log_probs
+
+    inputs: dict[str, Any] = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    if vlm:
+        if "mrope_position_ids" not in batch:
+            raise ValueError(
+                "a VLM batch needs mrope_position_ids [3, B, S] (energon-sft builds them for "
+                "M-RoPE families); build the batch with _integrations.batch_tensors(batch, vlm=True)"
+            )
+        inputs["position_ids"] = torch.cat(
+            [batch["position_ids"].unsqueeze(0), batch["mrope_position_ids"]]
+        )
+        for name in ("pixel_values", "image_grid_thw"):  # absent for a text-only batch
+            if name in batch:
+                inputs[name] = batch[name]
+    elif "position_ids" in batch:
+        inputs["position_ids"] = batch["position_ids"]
+    if batch.get("qkv_format") == "thd":
+        if sharder is None:
+            raise ValueError(
+                "a packed batch (qkv_format='thd') needs cp-sharder's sharder (its "
+                "variable-length attention keeps documents apart); pass sharder=..."
+            )
+        inputs["qkv_format"] = "thd"
+        inputs["seq_lens"] = batch["seq_lens"]
+    # No KV cache: training never reuses one.
+    if sharder is None:
+        labels = inputs.pop("labels")
+        logits = model(**inputs, use_cache=False).logits  # [B, S, V]
+        return -token_log_probs(logits, labels).sum()
+    train_ctx, local = sharder.shard(inputs)
+    labels = local.pop("labels")
+    with train_ctx():
+        logits = model(**local, use_cache=False).logits  # [B, S_l, V]
+        return -token_log_probs(logits, labels).sum()
