@@ -207,3 +207,11 @@ def test_missing_ray_is_one_line_naming_the_extra_before_anything_starts(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert "'--controller'" in err and "train-recipes[ray]" in err
+
+
+def test_ray_address_without_the_ray_controller_is_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["sft", "--ray-address", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'--ray-address'" in err and "--controller ray" in err, err

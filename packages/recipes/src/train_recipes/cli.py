@@ -209,6 +209,10 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         args.nproc_per_node = _default_nproc(args.command, args.config)
     lock = None
     try:
+        if getattr(args, "controller", "spmd") == "ray" and _under_launcher():
+            raise ConfigError(
+                "--controller", "'ray' starts its own ranks (Ray actors); run it without torchrun"
+            )
         config = _load(args, args.command)
         lock, done = _guard_run_folder(args, config)
     except ConfigError as err:

@@ -91,14 +91,20 @@ def needed_extras(config: SFTConfig | RetrievalConfig) -> list[NeededExtra]:
     return needed
 
 
-def check_controller(controller: str) -> None:
+def check_controller(controller: str, *, ray_address: str | None = None) -> None:
     """``--controller ray`` needs Ray (the ``ray`` extra), checked before anything starts.
 
     Raises:
-        ConfigError: naming ``--controller`` and the extra that installs Ray.
+        ConfigError: naming ``--controller`` and the extra that installs Ray, or
+            ``--ray-address`` given without ``--controller ray``.
     """
     if controller not in ("spmd", "ray"):
         raise ConfigError("--controller", f"must be 'spmd' or 'ray', got {controller!r}")
+    if ray_address is not None and controller != "ray":
+        raise ConfigError(
+            "--ray-address",
+            f"{ray_address!r} is only used with --controller ray; add --controller ray",
+        )
     if controller == "ray" and not module_available("ray"):
         raise ConfigError(
             "--controller",
@@ -285,7 +291,7 @@ def run_preflight(
         validate_retrieval(config, world_size=world_size)
     check_contents(config)
     check_extras(config)
-    check_controller(controller)
+    check_controller(controller, ray_address=ray_address)
     remote = controller == "ray" and ray_address is not None
     plan = plan_devices(
         config, world_size=world_size, local_world_size=0 if remote else local_world_size

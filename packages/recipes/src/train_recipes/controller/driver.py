@@ -21,6 +21,7 @@ from train_recipes.config_sft import SFTConfig
 from train_recipes.controller.ray_cluster import (
     ActorFailure,
     RankGroup,
+    first_line,
     import_ray,
     plan_placement,
     start_or_join,
@@ -88,7 +89,11 @@ def run_sft_on_ray(
             room for the job. The other ranks are stopped first.
     """
     ray = import_ray()
-    started = start_or_join(ray, address=address, world_size=world_size)
+    try:
+        started = start_or_join(ray, address=address, world_size=world_size)
+    except Exception as err:  # Ray raises plain Exceptions for a cluster that does not come up
+        where = f"join the Ray cluster at {address!r}" if address else "start a local Ray cluster"
+        raise ControllerError(f"could not {where}: {first_line(err)}") from None
     dp = world_size // (config.parallel.cp * config.parallel.tp)
     plane = DataPlane(dp_size=dp)
     group: RankGroup | None = None

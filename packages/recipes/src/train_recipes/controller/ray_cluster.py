@@ -15,7 +15,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RAY_EXTRA", "ActorFailure", "RankGroup", "import_ray", "start_or_join"]
+__all__ = [
+    "RAY_EXTRA",
+    "ActorFailure",
+    "RankGroup",
+    "first_line",
+    "import_ray",
+    "start_or_join",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -182,12 +189,12 @@ class RankGroup:
             results[rank] = ray.get(ref)
         except ray.exceptions.RayActorError as err:
             return ActorFailure(
-                f"rank {rank}'s actor died during {what} ({_first_line(err)})", rank=rank, died=True
+                f"rank {rank}'s actor died during {what} ({first_line(err)})", rank=rank, died=True
             )
         except ray.exceptions.RayTaskError as err:
             cause = err.as_instanceof_cause()
             return ActorFailure(
-                f"rank {rank} failed during {what}: {type(cause).__name__}: {_first_line(cause)}",
+                f"rank {rank} failed during {what}: {type(cause).__name__}: {first_line(cause)}",
                 rank=rank,
                 died=False,
             )
@@ -209,7 +216,8 @@ class RankGroup:
             logger.debug("remove_placement_group: %s", err)
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """The line of an error worth printing (Ray wraps errors in headers and tracebacks)."""
     text = str(err).strip()
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
