@@ -297,6 +297,11 @@ def setup_checks(rank: int, world: int) -> dict:
             make_model(), mesh=mesh, config=DDPConfig(bucket_cap_mb=0)
         ),
         "bad_config": lambda: apply_data_parallel(make_model(), mesh=mesh, config=object()),  # type: ignore[arg-type]
+        "bad_dtype_name": lambda: apply_data_parallel(
+            make_model(),
+            mesh=mesh,
+            config=FSDP2Config(param_dtype="fp8"),  # type: ignore[arg-type]
+        ),
     }.items():
         try:
             call()
@@ -318,6 +323,13 @@ def setup_checks(rank: int, world: int) -> dict:
     except RuntimeError as err:
         errors["ddp_forward_bypass"] = str(err)
 
+    # Dtypes by name (as YAML gives them) are resolved when wrapping: float64 parameters
+    # computed in float32 give float32 logits.
+    named = apply_data_parallel(
+        make_model().double(), mesh=mesh, config=FSDP2Config(param_dtype="float32")
+    )
+    stored = str(next(named.parameters()).dtype)  # read before a forward unshards them
+    named_dtypes = (str(named(ids).dtype), stored)
     fsdp = apply_data_parallel(make_model(), mesh=mesh, config=FSDP2Config())
     blocks_sharded = all(isinstance(b, FSDPModule) for b in fsdp.layers) and isinstance(
         fsdp, FSDPModule
@@ -343,6 +355,7 @@ def setup_checks(rank: int, world: int) -> dict:
     except ValueError as err:
         errors["mixed_divide_factors"] = str(err)
     return {
+        "named_dtypes": named_dtypes,
         "summed_size": summed_size,
         "errors": errors,
         "blocks_sharded": blocks_sharded,

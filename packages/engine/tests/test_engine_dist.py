@@ -121,6 +121,8 @@ def test_setup_validation_blocks_and_param_groups(rank_pool) -> None:
     assert "no_sync" in errors["static_graph_accum"]
     assert "bucket_cap_mb must be > 0" in errors["bucket_cap"]
     assert "DDPConfig or FSDP2Config" in errors["bad_config"]
+    assert "FSDP2Config.param_dtype='fp8' is not a dtype" in errors["bad_dtype_name"]
+    assert r["named_dtypes"] == ("torch.float32", "torch.float64"), r["named_dtypes"]
     assert "static_graph=False" in errors["engine_static_graph"]
     assert "call engine(...) instead of model(...)" in errors["ddp_forward_bypass"]
     assert "Finish the window" in errors["fsdp2_mid_window_zero_grad"]

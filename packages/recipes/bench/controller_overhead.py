@@ -101,7 +101,14 @@ def main(argv: list[str] | None = None) -> int:
             )
     base = rows[0]["step_ms"]
     for row in rows:
-        row["ratio"] = round(row["step_ms"] / base, 4) if base > 0 else float("nan")
+        row["ratio"] = round(row["step_ms"] / base, 4) if base > 0 and row["step_ms"] > 0 else None
+    if any(row["ratio"] is None for row in rows):
+        # The longer run was not slower: other load on the machine outweighed the extra steps.
+        print(
+            "controller_overhead: a per-step time is not positive (the machine's other load "
+            "varies more than the extra steps cost); rerun on a quiet machine or with more --steps",
+            file=sys.stderr,
+        )
     print_table(rows, list(rows[0]), title="controller overhead per step (ratio: Ray / SPMD)")
     if args.out is not None:
         device = "cpu"

@@ -159,35 +159,34 @@ def test_bad_retrieval_config_names_the_key() -> None:
     assert info.value.key == "parallel.data_parallel"
 
 
-def test_parallel_knobs_mirror_the_engine_configs() -> None:
-    import dataclasses
-
-    import torch
-
+def test_parallel_sections_are_the_engine_configs() -> None:
+    """No mirrored copy: the YAML sections load into train-engine's own config classes."""
     from train_engine import DDPConfig, FSDP2Config
-    from train_recipes._dist import engine_dp_config
-    from train_recipes.config import DDPKnobs, FSDPKnobs, ParallelConfig
 
-    def defaults(cls: type) -> dict[str, object]:
-        return {f.name: f.default for f in dataclasses.fields(cls)}
-
-    # Same names and defaults: a knob added to the engine must be added here too.
-    assert defaults(DDPKnobs) == defaults(DDPConfig)
-    engine_fsdp = defaults(FSDP2Config)
-    for name, default in defaults(FSDPKnobs).items():
-        assert name in engine_fsdp, f"FSDPKnobs.{name} is not a train_engine.FSDP2Config field"
-        assert default == engine_fsdp[name]
-    ddp = engine_dp_config(ParallelConfig(ddp=DDPKnobs(static_graph=True, bucket_cap_mb=50.0)))
-    assert ddp == DDPConfig(static_graph=True, bucket_cap_mb=50.0)
-    fsdp = engine_dp_config(
-        ParallelConfig(
-            data_parallel="fsdp2",
-            fsdp=FSDPKnobs(param_dtype="bfloat16", reduce_dtype="float32", cpu_offload=True),
-        )
+    ddp = load_config(
+        SFTConfig, None, ["parallel.ddp.static_graph=true", "parallel.ddp.bucket_cap_mb=50"]
+    ).parallel
+    assert type(ddp.ddp) is DDPConfig
+    assert ddp.data_parallel_config() == DDPConfig(static_graph=True, bucket_cap_mb=50.0)
+    fsdp = load_config(
+        SFTConfig,
+        None,
+        [
+            "parallel.data_parallel=fsdp2",
+            "parallel.fsdp.param_dtype=bfloat16",
+            "parallel.fsdp.reduce_dtype=float32",
+            "parallel.fsdp.cpu_offload=true",
+            "parallel.fsdp.reshard_after_forward=false",
+        ],
+    ).parallel
+    assert fsdp.data_parallel_config() == FSDP2Config(
+        param_dtype="bfloat16",
+        reduce_dtype="float32",
+        cpu_offload=True,
+        reshard_after_forward=False,
     )
-    assert fsdp == FSDP2Config(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cpu_offload=True
-    )
+    with pytest.raises(ConfigError, match=r"parallel\.fsdp\.param_dtype"):
+        load_config(SFTConfig, None, ["parallel.fsdp.param_dtype=fp8"])
 
 
 def test_cli_rejects_before_any_process_group(capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -13,9 +14,12 @@ from torch.distributed.tensor import DTensor
 
 from train_engine.expert_parallel import ExpertShards, attach
 
-__all__ = ["DDPConfig", "FSDP2Config", "apply_data_parallel"]
+__all__ = ["DDPConfig", "DTypeName", "FSDP2Config", "apply_data_parallel"]
 
 logger = logging.getLogger(__name__)
+
+#: Dtypes by name, as a YAML config spells them (torchtitan's convention); resolved at use.
+DTypeName = Literal["float32", "bfloat16", "float16"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -45,25 +49,41 @@ class DDPConfig:
 class FSDP2Config:
     """Arguments for ``torch.distributed.fsdp.fully_shard``, applied per block and at the root.
 
+    Dtypes may be given by name ("bfloat16", resolved when the model is wrapped), so a config
+    read from YAML holds no torch objects; a ``torch.dtype`` is accepted as well.
+
     Attributes:
         reshard_after_forward: None keeps the usual choice (reshard every block but the last,
             whose parameters backward needs at once); True/False (or an int group size) for all.
             False is ZeRO-2-like: more memory, no all-gather in backward.
-        param_dtype: dtype of unsharded parameters in forward/backward (e.g. ``torch.bfloat16``);
+        param_dtype: dtype of unsharded parameters in forward/backward (e.g. "bfloat16");
             None keeps the parameter dtype (no mixed precision).
-        reduce_dtype: dtype of the gradient reduce-scatter (e.g. ``torch.float32``); None
-            follows ``param_dtype``.
+        reduce_dtype: dtype of the gradient reduce-scatter (e.g. "float32"); None follows
+            ``param_dtype``.
         output_dtype: dtype forward outputs are cast to; None leaves them.
         cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
         cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU.
     """
 
     reshard_after_forward: bool | int | None = None
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    output_dtype: torch.dtype | None = None
+    param_dtype: DTypeName | torch.dtype | None = None
+    reduce_dtype: DTypeName | torch.dtype | None = None
+    output_dtype: DTypeName | torch.dtype | None = None
     cast_forward_inputs: bool = True
     cpu_offload: bool = False
+
+
+def _resolve_dtype(field: str, value: DTypeName | torch.dtype | None) -> torch.dtype | None:
+    """A dtype field of :class:`FSDP2Config` as a ``torch.dtype`` (names resolved here)."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    resolved = getattr(torch, str(value), None)
+    if value not in ("float32", "bfloat16", "float16") or not isinstance(resolved, torch.dtype):
+        raise ValueError(
+            f"FSDP2Config.{field}={value!r} is not a dtype; use 'float32', 'bfloat16', "
+            "'float16', a torch.dtype or None"
+        )
+    return resolved
 
 
 def _find_blocks(
@@ -230,9 +250,9 @@ def _apply_fsdp2(
             "FSDP2 CPU offload with param_dtype=%s: casts happen on the GPU", config.param_dtype
         )
     policy = MixedPrecisionPolicy(
-        param_dtype=config.param_dtype,
-        reduce_dtype=config.reduce_dtype,
-        output_dtype=config.output_dtype,
+        param_dtype=_resolve_dtype("param_dtype", config.param_dtype),
+        reduce_dtype=_resolve_dtype("reduce_dtype", config.reduce_dtype),
+        output_dtype=_resolve_dtype("output_dtype", config.output_dtype),
         cast_forward_inputs=config.cast_forward_inputs,
     )
     offload = CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import logging
 import os
 import signal
@@ -16,9 +15,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-from train_engine import DDPConfig, FSDP2Config
-from train_recipes.config_shared import ParallelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -181,17 +177,3 @@ def die_with_parent(*, poll_s: float = 0.5) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
-
-
-def engine_dp_config(parallel: ParallelConfig) -> DDPConfig | FSDP2Config:
-    """train-engine's DDP or FSDP2 config from the recipe's YAML-friendly knobs.
-
-    The knobs mirror the engine's fields by name (a test keeps them in step); only FSDP2's
-    dtypes differ, named ("bfloat16") in YAML and ``torch.dtype`` in the engine.
-    """
-    if parallel.data_parallel == "ddp":
-        return DDPConfig(**dataclasses.asdict(parallel.ddp))
-    knobs = dataclasses.asdict(parallel.fsdp)
-    for name in ("param_dtype", "reduce_dtype"):
-        knobs[name] = None if knobs[name] is None else getattr(torch, knobs[name])
-    return FSDP2Config(**knobs)

@@ -9,10 +9,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, Required, TypedDict, cast
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from energon_sft import SFTBatch, SFTLoader, SFTTaskEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +28,24 @@ _IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 # takes the loader's count of trained tokens (it owns that count: nobody recounts the labels),
 # so they stay there (a device copy would have to be read back, stalling the GPU's queue).
 HOST_KEYS = frozenset({"qkv_format", "seq_lens", "num_trainable_tokens"})
+
+
+class ModelBatch(TypedDict, total=False):
+    """One micro-batch as the recipe's model path takes it (built by :func:`batch_tensors`).
+
+    Every tensor is [B, S] unless noted; ``labels`` are already shifted (-100 untrained).
+    """
+
+    input_ids: Required[Tensor]
+    labels: Required[Tensor]
+    position_ids: Required[Tensor]
+    attention_mask: Required[Tensor]  # int64, 1 on real tokens
+    num_trainable_tokens: Required[int]  # the loader's count of labels != -100 (host)
+    qkv_format: Literal["thd"]  # packed rows only (host)
+    seq_lens: Tensor  # [B, N] document lengths, -1 past the last (host)
+    mrope_position_ids: Tensor  # [3, B, S], VLM only
+    pixel_values: Tensor  # [P, D], VLM batches with images
+    image_grid_thw: Tensor  # [N, 3], VLM batches with images
 
 
 def family_takes_images(model_family: str) -> bool:
@@ -52,15 +73,24 @@ def convert_chat_jsonl(jsonl: str | Path, out_dir: str | Path) -> Path:
 
 
 def build_encoder(
-    tokenizer: Any,
+    tokenizer: object,
     *,
     model_family: str,
     max_length: int,
     train_on: str,
     pad_to_multiple_of: int,
     packing: bool,
-) -> Any:
-    """energon-sft's SFTTaskEncoder for this recipe."""
+) -> SFTTaskEncoder:
+    """energon-sft's SFTTaskEncoder for this recipe.
+
+    Args:
+        tokenizer: the tokenizer, or a processor with ``.tokenizer`` (VLM families).
+        model_family: energon-sft's model-family adapter name.
+        max_length: tokens per sample after the chat template.
+        train_on: "all_assistant" turns or only the "final_assistant" one.
+        pad_to_multiple_of: row padding (2 * cp, so rows split into the cp chunks).
+        packing: pack several samples per row (a 64-sample packing buffer).
+    """
     from energon_sft import SFTTaskEncoder
 
     return SFTTaskEncoder(
@@ -76,7 +106,7 @@ def build_encoder(
 def build_loader(
     path: str | Path,
     *,
-    encoder: Any,
+    encoder: SFTTaskEncoder,
     batch_size: int,
     dp_rank: int,
     dp_world_size: int,
@@ -84,7 +114,7 @@ def build_loader(
     seed: int,
     shuffle: bool,
     num_logical_shards: int | None,
-) -> Any:
+) -> SFTLoader:
     """energon-sft's savable loader for one data-parallel replica (state_dict/load_state_dict)."""
     from energon_sft import build_sft_loader
 
@@ -118,10 +148,15 @@ def broadcast_next(iterator: Any, *, mapper: Any, group: Any) -> Any:
 
 
 def collate_chat_rows(
-    encoder: Any, rows: Sequence[dict[str, Any]], *, media_root: str | Path | None = None
-) -> Any:
-    """Chat rows (``{"messages": [...], "media": [paths]}``, as in the held-out JSONL) encoded
-    and collated by energon-sft exactly as a training batch is, without Energon's loader.
+    encoder: SFTTaskEncoder,
+    rows: Sequence[dict[str, Any]],
+    *,
+    media_root: str | Path | None = None,
+) -> SFTBatch:
+    """Chat rows encoded and collated by energon-sft exactly as a training batch is.
+
+    The rows are ``{"messages": [...], "media": [paths]}``, as in the held-out JSONL; Energon's
+    loader is not involved.
 
     ``media`` paths are read relative to ``media_root`` and handed over inline.
     """
@@ -146,7 +181,9 @@ def collate_chat_rows(
     return encoder.collate(samples)
 
 
-def batch_tensors(batch: Any, *, vlm: bool = False, cp: int = 1) -> dict[str, Any]:
+def batch_tensors(
+    batch: SFTBatch | dict[str, Any], *, vlm: bool = False, cp: int = 1
+) -> ModelBatch:
     """The keys of an energon-sft batch that the recipe's model path takes (host tensors).
 
     ``labels`` are already shifted (``labels[:, t]`` is the target of position t, -100 where
@@ -191,12 +228,16 @@ def batch_tensors(batch: Any, *, vlm: bool = False, cp: int = 1) -> dict[str, An
         out["mrope_position_ids"] = mrope
         if get("pixel_values") is not None:  # a text-only batch has no images
             out.update({name: get(name) for name in _IMAGE_KEYS})
-    return out
+    return cast(ModelBatch, out)
 
 
-def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """Copy the model's tensors of ``batch`` to ``device``; the layout keys stay on the host."""
-    return {k: v if k in HOST_KEYS else v.to(device, non_blocking=True) for k, v in batch.items()}
+def to_device(batch: ModelBatch, device: torch.device) -> ModelBatch:
+    """Copy the model's tensors of ``batch`` to ``device``; the host keys stay on the host."""
+    moved = {
+        k: v if k in HOST_KEYS else cast(Tensor, v).to(device, non_blocking=True)
+        for k, v in batch.items()
+    }
+    return cast(ModelBatch, moved)
 
 
 def mrope_positions_for_prompts(

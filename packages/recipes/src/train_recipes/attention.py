@@ -62,7 +62,7 @@ CAUSAL_ATTENTION = "train_recipes_causal_sdpa"
 def _causal_sdpa(
     module: nn.Module, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any
 ) -> Any:
-    """transformers' SDPA attention, called without a mask: plain causal attention."""
+    """Transformers' SDPA attention, called without a mask: plain causal attention."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if attention_mask is not None:
@@ -133,8 +133,10 @@ class CausalFastPath:
 
     @contextlib.contextmanager
     def selected(self, *, packed: bool) -> Iterator[None]:
-        """Within the block: the mask-free causal attention for unpacked rows (``packed=False``),
-        transformers' SDPA for packed ones. Wrap the forward; the backward needs no wrapping.
+        """Select the attention for the ``with`` block's forwards.
+
+        The mask-free causal attention for unpacked rows (``packed=False``), transformers' SDPA
+        for packed ones. Wrap the forward; the backward needs no wrapping.
         """
         if not self.enabled or packed:
             yield

@@ -1,5 +1,6 @@
-"""Activation checkpointing per decoder layer: keep only each layer's inputs in forward and
-recompute its activations in backward.
+"""Activation checkpointing per decoder layer.
+
+Forward keeps only each checkpointed layer's inputs; backward recomputes its activations.
 
 The layer's ``forward`` is wrapped (``torch.utils.checkpoint.checkpoint``, non-reentrant), not
 the module: parameter names stay as they are (no ``_checkpoint_wrapped_module.``), so Engine

@@ -363,6 +363,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``train-recipes`` argument parser with every command."""
     parser = argparse.ArgumentParser(prog="train-recipes", description=__doc__)
     parser.add_argument("--version", action="version", version=version("train-recipes"))
     commands = parser.add_subparsers(dest="command", required=True)
@@ -458,6 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (2 for a user mistake, in one line)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.handler is None:

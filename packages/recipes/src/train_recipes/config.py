@@ -32,14 +32,12 @@ from train_recipes.config_sft import (
     TinyModelConfig,
     TrainConfig,
 )
-from train_recipes.config_shared import DDPKnobs, FSDPKnobs, OptimConfig, ParallelConfig
+from train_recipes.config_shared import OptimConfig, ParallelConfig
 from train_recipes.config_validation import validate_retrieval, validate_sft
 
 __all__ = [
     "ConfigError",
-    "DDPKnobs",
     "DataConfig",
-    "FSDPKnobs",
     "LoRAConfig",
     "MoELossConfig",
     "ModelConfig",

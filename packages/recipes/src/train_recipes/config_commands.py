@@ -25,8 +25,10 @@ Recipe = Literal["sft", "retrieval"]
 
 
 class UsageError(ValueError):
-    """A command-line mistake outside the config (a missing run folder, an unknown name): the
-    CLI prints it as one line and exits 2."""
+    """A command-line mistake outside the config (a missing run folder, an unknown name).
+
+    The CLI prints it as one line and exits 2.
+    """
 
 
 RECIPES: dict[Recipe, type[SFTConfig] | type[RetrievalConfig]] = {

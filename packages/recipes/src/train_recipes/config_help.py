@@ -19,10 +19,16 @@ from train_recipes.config_retrieval import RetrievalTrainConfig
 from train_recipes.config_sft import TrainConfig
 
 
+def _is_yaml_type(tp: Any) -> bool:
+    return typing.get_origin(tp) in (Literal, tuple) or dataclasses.is_dataclass(tp)
+
+
 def _type_name(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Union or origin is types.UnionType:
-        return " | ".join("null" if a is type(None) else _type_name(a) for a in args)
+        # Python-only alternatives (a torch.dtype besides its name) cannot be written in YAML.
+        shown = [a for a in args if a.__module__ in ("builtins", "typing") or _is_yaml_type(a)]
+        return " | ".join("null" if a is type(None) else _type_name(a) for a in shown)
     if origin is Literal:
         return "|".join(str(a) for a in args)
     if origin is tuple:

@@ -1,6 +1,8 @@
 """Config sections both recipes share: the optimizer and how the job is spread over ranks.
 
-Pure Python (no torch import): the typed-YAML loader reads them before any process starts.
+The data-parallel sections are train-engine's own :class:`~train_engine.DDPConfig` and
+:class:`~train_engine.FSDP2Config` (dtypes by name, resolved when the model is wrapped), so the
+typed-YAML loader reads them before any process starts and no copy has to be kept in step.
 """
 
 from __future__ import annotations
@@ -8,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["DDPKnobs", "FSDPKnobs", "OptimConfig", "ParallelConfig"]
+from train_engine import DDPConfig, FSDP2Config
+
+__all__ = ["OptimConfig", "ParallelConfig"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -44,36 +48,6 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class DDPKnobs:
-    """DistributedDataParallel knobs: train_engine.DDPConfig's fields, by the same names and
-    defaults (a test keeps them in step), declared here so that loading a config needs no torch.
-    """
-
-    broadcast_buffers: bool = False
-    find_unused_parameters: bool = False
-    static_graph: bool = False
-    bucket_cap_mb: float | None = None
-    gradient_as_bucket_view: bool = False
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class FSDPKnobs:
-    """FSDP2 knobs: fields of train_engine.FSDP2Config by the same names, with dtypes by name.
-
-    Attributes:
-        reshard_after_forward: None keeps FSDP2's default.
-        param_dtype: mixed-precision parameter dtype ("bfloat16") or None for full precision.
-        reduce_dtype: gradient reduction dtype or None.
-        cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU.
-    """
-
-    reshard_after_forward: bool | None = None
-    param_dtype: Literal["float32", "bfloat16"] | None = None
-    reduce_dtype: Literal["float32", "bfloat16"] | None = None
-    cpu_offload: bool = False
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
 class ParallelConfig:
     """How the job is spread over ranks: world = dp * cp * tp.
 
@@ -83,13 +57,18 @@ class ParallelConfig:
         tp: tensor-parallel degree of the whole model (attention heads, MLP, embedding and
             output projection over the vocabulary; vocab-parallel loss). Needs fsdp2.
         ep: expert-parallel degree of converted MoE models (divides dp and the experts).
-        ddp: DDP knobs.
-        fsdp: FSDP2 knobs.
+        ddp: train-engine's DDP arguments (with ``data_parallel: ddp``).
+        fsdp: train-engine's FSDP2 arguments (with ``data_parallel: fsdp2``); dtypes by name
+            ("bfloat16").
     """
 
     data_parallel: Literal["ddp", "fsdp2"] = "ddp"
     cp: int = 1
     tp: int = 1
     ep: int = 1
-    ddp: DDPKnobs = field(default_factory=DDPKnobs)
-    fsdp: FSDPKnobs = field(default_factory=FSDPKnobs)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    fsdp: FSDP2Config = field(default_factory=FSDP2Config)
+
+    def data_parallel_config(self) -> DDPConfig | FSDP2Config:
+        """What ``train_engine.apply_data_parallel`` takes for ``data_parallel``."""
+        return self.ddp if self.data_parallel == "ddp" else self.fsdp

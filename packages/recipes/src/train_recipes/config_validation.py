@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from train_engine import DDPConfig
 from train_recipes.config_loader import ConfigError
 from train_recipes.config_ranges import check_retrieval_ranges, check_sft_ranges
 from train_recipes.config_retrieval import RetrievalConfig
 from train_recipes.config_sft import SFTConfig, TrainConfig
-from train_recipes.config_shared import DDPKnobs, ParallelConfig
+from train_recipes.config_shared import ParallelConfig
 
 __all__ = ["validate_retrieval", "validate_sft"]
 
@@ -28,7 +29,7 @@ def _check_common(parallel: ParallelConfig, accumulation: int, world_size: int) 
             f"(train.gradient_accumulation_steps={accumulation}): DDP's static graph assumes "
             f"every backward all-reduces; set static_graph=false or gradient_accumulation_steps=1",
         )
-    if parallel.data_parallel != "ddp" and parallel.ddp != DDPKnobs():
+    if parallel.data_parallel != "ddp" and parallel.ddp != DDPConfig():
         raise ConfigError(
             "parallel.ddp",
             f"DDP knobs are set but parallel.data_parallel={parallel.data_parallel!r}",
@@ -200,7 +201,7 @@ def _check_loop(config: SFTConfig, world_size: int) -> None:
 
 
 def _check_tensor_parallel(config: SFTConfig) -> None:
-    """tp > 1: FSDP2, a model class with a TP plan, head counts divisible by tp."""
+    """Tp > 1: FSDP2, a model class with a TP plan, head counts divisible by tp."""
     from train_recipes.tensor_parallel import SUPPORTED_ARCHITECTURES, tp_head_counts
 
     tp, model = config.parallel.tp, config.model

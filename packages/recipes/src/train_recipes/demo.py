@@ -259,8 +259,11 @@ def write_demo_dataset(
 
 
 def sft_data_paths(config: SFTConfig, out_dir: Path, *, is_main: bool) -> tuple[Path, Path | None]:
-    """The Energon dataset path and the held-out JSONL: ``data.path`` and ``data.eval_path``,
-    or the demo's, which the main rank writes under ``out_dir/data`` (the others wait)."""
+    """The Energon dataset path and the held-out JSONL of an SFT run.
+
+    ``data.path`` and ``data.eval_path``, or the demo's, which the main rank writes under
+    ``out_dir/data`` (the others wait).
+    """
     if config.data.path is not None:
         eval_path = Path(config.data.eval_path) if config.data.eval_path else None
         return Path(config.data.path), eval_path

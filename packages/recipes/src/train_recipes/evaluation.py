@@ -19,24 +19,28 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from train_recipes import _integrations as data_api
+from train_recipes._integrations import ModelBatch
+
+if TYPE_CHECKING:
+    from energon_sft import SFTTaskEncoder
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["held_out_batches", "held_out_loss"]
 
 #: (device batch, host batch) -> the sum over the batch's trained tokens of -log p, 0-dim.
-LossSum = Callable[[dict[str, Tensor], dict[str, Tensor]], Tensor]
+LossSum = Callable[[ModelBatch, ModelBatch], Tensor]
 
 
 def held_out_batches(
-    encoder: Any,
+    encoder: SFTTaskEncoder,
     rows: Sequence[dict[str, Any]],
     *,
     batch_size: int,
@@ -45,14 +49,15 @@ def held_out_batches(
     media_root: str | Path | None = None,
     vlm: bool = False,
     cp: int = 1,
-) -> list[dict[str, Tensor]]:
+) -> list[ModelBatch]:
     """This replica's held-out batches, on the host (built once, reused at every evaluation).
 
     Args:
         encoder: the training data's energon-sft ``SFTTaskEncoder``.
         rows: chats (``{"messages": [...], "media": [paths]}``).
         batch_size: chats per batch.
-        replica, replicas: this data-parallel replica and their number.
+        replica: this data-parallel replica.
+        replicas: the number of data-parallel replicas.
         media_root: the folder ``media`` paths are relative to.
         vlm: the image-text path (M-RoPE ids and media keys), as for training batches.
         cp: the context-parallel degree the rows are padded for.
@@ -84,7 +89,7 @@ def held_out_batches(
 @torch.no_grad()
 def held_out_loss(
     model: nn.Module,
-    batches: Sequence[dict[str, Tensor]],
+    batches: Sequence[ModelBatch],
     *,
     loss_sum: LossSum,
     device: torch.device,
@@ -98,8 +103,9 @@ def held_out_loss(
         batches: this rank's :func:`held_out_batches`.
         loss_sum: the training loss's token sum for one batch (cp sharding included).
         device: this rank's device.
-        cp, tp: context- and tensor-parallel degrees: cp ranks hold parts of a replica's
-            token sum, tp ranks each hold all of it; every one counts the replica's tokens.
+        cp: context-parallel degree: a replica's cp ranks each hold a part of its token sum.
+        tp: tensor-parallel degree: a replica's tp ranks each hold all of its token sum (every
+            cp and tp rank counts the replica's tokens).
 
     Returns:
         sum of -log p over all held-out trained tokens / their number, same on every rank.

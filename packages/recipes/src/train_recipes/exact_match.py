@@ -140,9 +140,14 @@ def exact_match_accuracy(
     """Held-out exact-match accuracy by greedy decoding, split over all ranks (collective).
 
     Args:
+        model: the (unwrapped) model; FSDP2 models stay sharded (every rank decodes).
         processor: the tokenizer, or a processor with ``.tokenizer`` and ``.image_processor``.
         rows: chats whose last message is the reference assistant answer; ``media`` paths are
             relative to ``media_root``.
+        max_new_tokens: the greedy decoding budget per answer.
+        device: this rank's device.
+        batch_size: prompts decoded together.
+        media_root: the folder ``media`` paths are relative to (None: the working directory).
         tp: tensor-parallel degree; each tp group decodes the same rows together.
 
     Returns:

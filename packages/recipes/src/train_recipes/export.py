@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
@@ -18,6 +18,9 @@ import yaml
 from train_recipes.config_loader import config_from_dict
 from train_recipes.config_sft import SFTConfig
 from train_recipes.run_folder import CHECKPOINT_DIR, CONFIG_FILE, publish_dir
+
+if TYPE_CHECKING:
+    from train_engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +92,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None)
     return publish_dir(written, out)
 
 
-def _load_newest(engine: Any, candidates: list[Path]) -> Path:
+def _load_newest(engine: Engine, candidates: list[Path]) -> Path:
     """Load the newest of ``candidates`` whose files pass their checksums; returns it."""
     from train_recipes.resume import load_newest
 

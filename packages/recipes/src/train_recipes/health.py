@@ -62,8 +62,11 @@ MIN_STEP_LIMIT_S = 30.0
 
 
 class TrainingAborted(RuntimeError):
-    """The run cannot usefully continue. Raised on every rank at the same step (the decision
-    rests on agreed values), with a one-line message for the user."""
+    """The run cannot usefully continue.
+
+    Raised on every rank at the same step (the decision rests on agreed values), with a
+    one-line message for the user.
+    """
 
 
 # ------------------------------------------------------------------------------------- skips
@@ -241,8 +244,10 @@ class HangWatchdog:
         self._store.set(str(self.rank), f"{self._step},{time.time():.3f}")
 
     def _others(self) -> dict[int, tuple[int, float]]:
-        """(published step, publication time) of every other rank; one store request when
-        every rank has published (the usual case), else one per rank."""
+        """(published step, publication time) of every other rank.
+
+        One store request when every rank has published (the usual case), else one per rank.
+        """
         ranks = [r for r in range(self.world_size) if r != self.rank]
         keys = [str(r) for r in ranks]
         if self._store.check(keys):

@@ -1,5 +1,7 @@
-"""Meta-device init and sharded loading: build the model without memory, shard it (TP, FSDP2),
-then read from the safetensors files only the bytes each rank keeps.
+"""Meta-device init and sharded loading of a model folder.
+
+Build the model without memory, shard it (TP, FSDP2), then read from the safetensors files only
+the bytes each rank keeps.
 
 ``from_pretrained`` on every rank holds a whole copy of the model per rank (plus the memory
 map of the files) before FSDP2 shards it: past a few billion parameters that is what runs a
@@ -150,10 +152,12 @@ def _local_slice(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]
 
 
 def _checkpoint_name(name: str, entries: dict[str, _Entry]) -> str | None:
-    """The file's name for state-dict entry ``name``: itself, or (transformers saves some
-    composite models, e.g. Qwen2.5-VL, under their legacy names: ``model.language_model.X``
-    as ``model.X``, ``model.visual.X`` as ``visual.X``) the one name found with a single
-    wrapper component dropped."""
+    """The file's name for state-dict entry ``name``.
+
+    Either ``name`` itself, or (transformers saves some composite models, e.g. Qwen2.5-VL, under
+    their legacy names: ``model.language_model.X`` as ``model.X``, ``model.visual.X`` as
+    ``visual.X``) the one name found with a single wrapper component dropped.
+    """
     if name in entries:
         return name
     parts = name.split(".")
@@ -217,8 +221,9 @@ def build_on_meta(
 def load_sharded_safetensors(
     model: nn.Module, folder: str | Path, *, device: torch.device
 ) -> LoadStats:
-    """Materialise a meta-device model (plain, TP and/or FSDP2) on ``device`` and fill each
-    rank's shards from the safetensors files in ``folder``; not collective.
+    """Materialise a meta-device model (plain, TP and/or FSDP2) on ``device`` from ``folder``.
+
+    Each rank's shards are filled from the safetensors files in ``folder``; not collective.
 
     The checkpoint's tensor names must be the model's state-dict names, or those names with one
     wrapper component dropped (transformers' legacy layout of composite models such as

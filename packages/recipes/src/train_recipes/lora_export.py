@@ -54,6 +54,9 @@ def export_lora(
 
     Args:
         model: the peft model (unwrapped from DDP).
+        tokenizer: the tokenizer or processor, saved beside the weights.
+        out_dir: the destination folder.
+        is_main: this rank writes the files (rank 0).
         lora_export: "merged" (a plain transformers folder) or "adapter"
             (``adapter_config.json`` + ``adapter_model.safetensors``).
 

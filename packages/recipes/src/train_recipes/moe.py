@@ -17,11 +17,16 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from train_engine import Engine, ExpertShards
+    from train_recipes._dist import RankContext
+    from train_recipes.config_sft import SFTConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +67,7 @@ def read_model_type(model_path: str | None) -> tuple[str | None, dict[str, Any]]
     return (raw.get("model_type"), raw) if isinstance(raw, dict) else (None, {})
 
 
-def check_moe_config(config: Any, *, world_size: int) -> None:
+def check_moe_config(config: SFTConfig, *, world_size: int) -> None:
     """The MoE part of ``validate_sft``: ep degree, family support, loss coefficients.
 
     Raises:
@@ -136,7 +141,7 @@ def is_convertible(model: nn.Module) -> bool:
     return model_type in SUPPORTED_MODEL_TYPES
 
 
-def build_groups(ctx: Any, ep: int) -> MoEGroups:
+def build_groups(ctx: RankContext, ep: int) -> MoEGroups:
     """Create the expert-parallel and replica groups (collective: every rank calls it).
 
     Args:
@@ -166,7 +171,7 @@ def build_groups(ctx: Any, ep: int) -> MoEGroups:
     return MoEGroups(ep=ep, ep_group=mine_ep, replica_group=mine_replica)
 
 
-def convert_model(model: nn.Module, groups: MoEGroups) -> Any:
+def convert_model(model: nn.Module, groups: MoEGroups) -> ExpertShards | None:
     """Convert the HF sparse blocks in place; returns the ``ExpertShards`` (None when ep == 1).
 
     The router-logit output of transformers is switched off (the converted layers have no HF
@@ -212,7 +217,7 @@ def to_hf_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, 
     return full if state else {}
 
 
-def prepare(model: nn.Module, ctx: Any, config: Any) -> Any:
+def prepare(model: nn.Module, ctx: RankContext, config: SFTConfig) -> ExpertShards | None:
     """Convert a supported MoE model for training (every rank calls it); ExpertShards or None.
 
     Dense models, and MoE families without conversion (only with ep == 1, which
@@ -328,8 +333,10 @@ class RouterLosses:
         return total * scale
 
     def after_step(self, device: torch.device) -> None:
-        """After the optimizer step: DeepSeek-V3's bias update from the window's global loads
-        (collective when the rate is set: every rank calls it, and all apply the same update)."""
+        """After the optimizer step: DeepSeek-V3's bias update from the window's global loads.
+
+        Collective when the rate is set: every rank calls it, and all apply the same update.
+        """
         load, self._window_load = self._window_load, torch.zeros_like(self._window_load)
         if not self.active or self.bias_update_rate == 0:
             return
@@ -343,8 +350,10 @@ class RouterLosses:
                 update_score_correction_bias(layer.router, layer_load, rate=self.bias_update_rate)
 
     def metrics(self, device: torch.device) -> dict[str, float]:
-        """Tokens per expert (min, max, coefficient of variation) and dropped tokens since the
-        last call, summed over all ranks (collective: every rank calls it)."""
+        """Tokens per expert (min, max, coefficient of variation) and dropped tokens.
+
+        Counted since the last call, summed over all ranks (collective: every rank calls it).
+        """
         if not self.active:
             return {}
         packed = torch.cat([self._load.reshape(-1), self._pairs]).to(device)
@@ -366,7 +375,9 @@ class RouterLosses:
         }
 
 
-def router_losses(model: nn.Module, engine: Any, config: Any, ctx: Any) -> RouterLosses:
+def router_losses(
+    model: nn.Module, engine: Engine, config: SFTConfig, ctx: RankContext
+) -> RouterLosses:
     """The run's :class:`RouterLosses` (inactive for models without converted MoE layers)."""
     return RouterLosses(
         model,

@@ -1,5 +1,8 @@
-"""Build the SFT model and distribute it, in torchtitan's order: tensor parallelism, activation
-checkpointing, compile, then data parallelism (DDP or FSDP2 on the (dp, cp) gradient mesh)."""
+"""Build the SFT model and distribute it, in torchtitan's order.
+
+Tensor parallelism, activation checkpointing, compile, then data parallelism (DDP or FSDP2 on
+the (dp, cp) gradient mesh).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import torch
 from torch import nn
 
 from train_recipes import moe
-from train_recipes._dist import RankContext, engine_dp_config
+from train_recipes._dist import RankContext
 from train_recipes.checkpointing import apply_activation_checkpointing
 from train_recipes.config_sft import SFTConfig
 from train_recipes.loading import build_on_meta, load_sharded_safetensors
@@ -91,7 +94,7 @@ def build_parallel_model(
     model = apply_data_parallel(
         model,
         mesh=ctx.grad_mesh(),
-        config=engine_dp_config(config.parallel),
+        config=config.parallel.data_parallel_config(),
         gradient_accumulation_steps=config.train.gradient_accumulation_steps,
         expert_shards=expert_shards,
     )

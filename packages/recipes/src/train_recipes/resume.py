@@ -1,5 +1,7 @@
-"""Checkpoints of the SFT recipe: what a save holds besides the Engine's state, which checkpoint a
-resume takes, and which config changes a resume applies or refuses.
+"""Checkpoints of the SFT recipe and how a run resumes from them.
+
+What a save holds besides the Engine's state, which checkpoint a resume takes, and which config
+changes a resume applies or refuses.
 
 A save's per-rank extra state holds the loader position, the step, the loss window, the first
 logged loss, the held-out accuracy before training and the config that trained up to it. A
@@ -13,16 +15,21 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from train_recipes.config_loader import ConfigError, config_from_dict, to_dict
 from train_recipes.config_sft import SFTConfig
 from train_recipes.run_folder import CHECKPOINT_DIR
+
+if TYPE_CHECKING:
+    from energon_sft import SFTLoader
+    from train_engine import Engine, LossWindow
+    from train_recipes.colocated import ColocatedLoader
 
 __all__ = [
     "CHANGEABLE",
@@ -136,7 +143,9 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     return engine_complete_checkpoints(Path(output_dir) / CHECKPOINT_DIR)
 
 
-def load_newest(engine: Any, candidates: list[Path], *, say: Any) -> tuple[Path, Any] | None:
+def load_newest(
+    engine: Engine, candidates: list[Path], *, say: Callable[[str], None]
+) -> tuple[Path, Any] | None:
     """Load the first of ``candidates`` whose files pass their checksums (collective).
 
     A corrupt checkpoint (train-engine's CheckpointCorruptError, raised on every rank before
@@ -312,12 +321,12 @@ def _mean_window(states: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def save(
-    engine: Any,
+    engine: Engine,
     output_dir: Path,
     *,
     step: int,
-    loader: Any,
-    window: Any,
+    loader: SFTLoader | ColocatedLoader,
+    window: LossWindow,
     config: SFTConfig,
     dp_size: int,
     accuracy_before: float | None,
@@ -361,8 +370,10 @@ def _step_of(name: str) -> int | None:
 
 
 def _prune(output_dir: Path, *, keep: int, upto: int) -> None:
-    """Keep the newest ``keep`` checkpoints of steps <= ``upto`` (never a higher step: those
-    are not this timeline's and were removed at resume)."""
+    """Keep the newest ``keep`` checkpoints of steps <= ``upto``.
+
+    Never a higher step: those are not this timeline's and were removed at resume.
+    """
     if keep <= 0:
         return
     root = output_dir / CHECKPOINT_DIR
@@ -374,8 +385,10 @@ def _prune(output_dir: Path, *, keep: int, upto: int) -> None:
 
 
 def _drop_newer(output_dir: Path, step: int) -> list[str]:
-    """Remove checkpoints newer than the one resumed from (they failed to load or are a
-    discarded timeline); a reader would otherwise take them first."""
+    """Remove checkpoints newer than the one resumed from.
+
+    They failed to load or are a discarded timeline; a reader would otherwise take them first.
+    """
     root = output_dir / CHECKPOINT_DIR
     removed = []
     for path in sorted(root.iterdir()) if root.is_dir() else []:
@@ -397,14 +410,14 @@ def _layout_note(saved_dp: int, saved_accum: int, dp_size: int, config: SFTConfi
 
 
 def restore(
-    engine: Any,
-    loader: Any,
-    window: Any,
+    engine: Engine,
+    loader: SFTLoader | ColocatedLoader,
+    window: LossWindow,
     config: SFTConfig,
     *,
     dp_size: int,
     is_main: bool,
-    say: Any,
+    say: Callable[[str], None],
     data_plane: Any = None,
 ) -> Restored | None:
     """Load the newest complete checkpoint of ``config.train.output_dir`` (collective).

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from train_recipes._dist import engine_dp_config, init_distributed
+from train_recipes._dist import init_distributed
 from train_recipes.config_retrieval import RetrievalConfig, RetrievalModelConfig
 from train_recipes.loop import LoopOutcome, LoopPlan, RunEnd, RunStart, StepRecord, drive
 from train_recipes.runtime import build_optimizer, open_run_folder, write_run_config
@@ -319,7 +319,7 @@ class RetrievalRecipe:
         self.model = load_encoder(config.model, ctx.device)
         self.autocast = autocast_dtype(config.model.autocast_dtype)
         wrapped = apply_data_parallel(
-            self.model, mesh=ctx.mesh["dp"], config=engine_dp_config(config.parallel)
+            self.model, mesh=ctx.mesh["dp"], config=config.parallel.data_parallel_config()
         )
         optimizer, self._scheduler = build_optimizer(
             wrapped, config.optim, device=ctx.device, total_steps=train.steps

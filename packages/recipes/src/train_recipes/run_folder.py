@@ -1,6 +1,7 @@
-"""The run folder's safety rules: what belongs to a run, when a folder may be (re)used, one live
-job per folder, and files that are replaced whole (a killed job never leaves a half-written file
-where a reader would take it).
+"""The run folder's safety rules.
+
+What belongs to a run, when a folder may be (re)used, one live job per folder, and files that
+are replaced whole (a killed job never leaves a half-written file where a reader would take it).
 
 A fresh run refuses a folder that already holds something unless ``--resume`` (continue it) or
 ``--overwrite`` (replace it) is given. ``--overwrite`` removes only the entries a run writes
@@ -256,8 +257,10 @@ def write_atomic(path: str | os.PathLike[str], text: str) -> None:
 
 
 def staging_dir(target: str | os.PathLike[str], *, clear: bool = True) -> Path:
-    """``<target>.tmp``, emptied of an interrupted write's leftovers when ``clear`` (rank 0):
-    write a folder there, then :func:`publish_dir` it."""
+    """``<target>.tmp``: write a folder there, then :func:`publish_dir` it.
+
+    Emptied of an interrupted write's leftovers when ``clear`` (rank 0).
+    """
     target = Path(target)
     tmp = target.with_name(target.name + ".tmp")
     if clear:

@@ -1,5 +1,7 @@
-"""The SFT recipe: energon-sft data -> (cp-sharder) -> HF causal LM -> vocab-parallel token-sum
-loss -> train_engine.Engine (DDP or FSDP2), with metrics, checkpoints, resume and HF export.
+"""The SFT recipe, with metrics, checkpoints, resume and HF export.
+
+energon-sft data -> (cp-sharder) -> HF causal LM -> vocab-parallel token-sum loss ->
+train_engine.Engine (DDP or FSDP2).
 
 :func:`run_sft` is the SPMD loop: every rank drives its own :class:`SFTRecipe` (the stages, in
 :mod:`train_recipes.sft_recipe`) through :func:`train_recipes.loop.drive`.

@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 
 from train_recipes._dist import RankContext
+from train_recipes._integrations import ModelBatch
 from train_recipes.config_sft import SFTConfig
 from train_recipes.evaluation import LossSum, held_out_batches, held_out_loss
 from train_recipes.exact_match import exact_match_accuracy
@@ -53,7 +54,7 @@ class SFTEvaluation:
         self.rows: list[dict[str, Any]] = []
         if eval_path is not None and train.eval_samples > 0:
             self.rows = list(read_jsonl(eval_path))[: train.eval_samples]
-        self.batches: list[dict[str, Tensor]] = []
+        self.batches: list[ModelBatch] = []
         if train.eval_every > 0 and eval_path is not None:
             self.batches = held_out_batches(
                 encoder,

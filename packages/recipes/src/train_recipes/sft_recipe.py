@@ -1,5 +1,7 @@
-"""The SFT recipe object: energon-sft data -> (cp-sharder) -> HF causal LM -> vocab-parallel
-token-sum loss -> train_engine.Engine (DDP or FSDP2), as stages that the loop calls.
+"""The SFT recipe object: the stages that the loop calls.
+
+energon-sft data -> (cp-sharder) -> HF causal LM -> vocab-parallel token-sum loss ->
+train_engine.Engine (DDP or FSDP2).
 
 # B batch, S sequence
 """
@@ -26,6 +28,7 @@ from train_recipes._dist import (
     init_distributed,
     process_group_timeout_s,
 )
+from train_recipes._integrations import ModelBatch
 from train_recipes.attention import CausalFastPath, attention_path, rows_are_packed, sdpa_backends
 from train_recipes.colocated import replica_loader
 from train_recipes.config_loader import to_dict
@@ -355,9 +358,7 @@ class SFTRecipe:
         record.update(self._router_losses.metrics(ctx.device))  # collective; {} without MoE
         return record
 
-    def _forward_attention(
-        self, host_batch: dict[str, Any]
-    ) -> contextlib.AbstractContextManager[None]:
+    def _forward_attention(self, host_batch: ModelBatch) -> contextlib.AbstractContextManager[None]:
         if self._fast_path is None:
             return contextlib.nullcontext()
         return self._fast_path.selected(packed=rows_are_packed(host_batch["position_ids"]))
@@ -402,7 +403,7 @@ class SFTRecipe:
         line = f"step {step}: eval/loss {loss:.4f} (held-out)"
         return StepRecord(step=step, metrics={"eval/loss": loss}, lines=(line,))
 
-    def _held_out_loss_sum(self, batch: dict[str, Tensor], host_batch: dict[str, Tensor]) -> Tensor:
+    def _held_out_loss_sum(self, batch: ModelBatch, host_batch: ModelBatch) -> Tensor:
         with self._forward_attention(host_batch), sdpa_backends(self.config.model.sdpa_backends):
             return token_sum_loss(unwrap(self.model), batch, sharder=self.sharder, vlm=self.vlm)
 

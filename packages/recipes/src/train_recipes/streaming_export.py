@@ -33,9 +33,11 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 def _plan(
     entries: list[tuple[str, torch.Tensor]], max_shard_bytes: int
 ) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive entries grouped into shards of at most ``max_shard_bytes`` (a larger
-    tensor gets a shard of its own). Depends only on names, shapes and dtypes: the same on
-    every rank."""
+    """Consecutive entries grouped into shards of at most ``max_shard_bytes``.
+
+    A larger tensor gets a shard of its own. Depends only on names, shapes and dtypes: the same
+    on every rank.
+    """
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
     for name, tensor in entries:

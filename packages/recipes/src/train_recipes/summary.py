@@ -55,6 +55,7 @@ def skipped_text(steps: list[int]) -> str:
 def summary_table(
     summary: dict[str, Any], out_dir: Path, png: Path | None, export_dir: Path | None
 ) -> str:
+    """The SFT run's closing table from its ``summary.json`` data, the plot and the export."""
     acc0, acc1 = summary["accuracy_before"], summary["accuracy_after"]
     lines = [
         "",

@@ -115,8 +115,10 @@ def _get(model: nn.Module, path: str) -> nn.Module:
 
 
 def _check_no_partial_gradients(layer: nn.Module, replicated: set[str]) -> None:
-    """A plain parameter inside the sharded region would get only this rank's share of its
-    gradient (silently wrong training): refuse any the plan does not declare replicated."""
+    """Refuse plain parameters in the sharded region that the plan does not declare replicated.
+
+    Such a parameter would get only this rank's share of its gradient (silently wrong training).
+    """
     from torch.distributed.tensor import DTensor
 
     stray = [

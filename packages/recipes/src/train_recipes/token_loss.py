@@ -5,16 +5,36 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["token_sum_loss"]
+if TYPE_CHECKING:
+    from cp_sharder import ContextParallelSharder
+    from train_recipes._integrations import ModelBatch
+
+__all__ = ["CausalLM", "token_sum_loss"]
+
+
+class _LogitsOutput(Protocol):
+    logits: Tensor  # [B, S, V], a DTensor sharded over V under tensor parallelism
+
+
+class CausalLM(Protocol):
+    """What the loss calls: a transformers causal LM, its DDP/FSDP2 wrapper or the Engine."""
+
+    def __call__(self, **inputs: Tensor | str | bool) -> _LogitsOutput:
+        """The forward, with the batch's tensors (and ``qkv_format``) as keywords."""
+        ...
 
 
 def token_sum_loss(
-    model: Any, batch: dict[str, Any], *, sharder: Any = None, vlm: bool = False
+    model: CausalLM,
+    batch: ModelBatch,
+    *,
+    sharder: ContextParallelSharder | None = None,
+    vlm: bool = False,
 ) -> Tensor:
     """The sum over this rank's trained tokens of -log p(label): the loss of contract (b).
 
