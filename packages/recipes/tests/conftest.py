@@ -58,6 +58,18 @@ def shapes_data(tmp_path_factory: pytest.TempPathFactory) -> DemoSplit:
     return _demo(tmp_path_factory, "shapes", train_size=400, eval_size=16)
 
 
+@pytest.fixture(scope="session")
+def epoch_data(tmp_path_factory: pytest.TempPathFactory) -> DemoSplit:
+    """96 training chats: one epoch is 12 batches of 8 (6 steps at dp=2)."""
+    return write_demo_dataset(
+        tmp_path_factory.mktemp("epoch") / "data",
+        task="addition",
+        train_size=96,
+        eval_size=8,
+        seed=0,
+    )
+
+
 def data_overrides(split: DemoSplit) -> list[str]:
     return [f"data.path={split.energon_dir}", f"data.eval_path={split.eval_jsonl}"]
 

@@ -128,7 +128,11 @@ def _load(args: argparse.Namespace, kind: str) -> object:
     recipe: Recipe = "sft" if kind == "sft" else "retrieval"
     _, config = load_recipe_config(recipe, args.config, _overrides(args))
     checked = run_preflight(
-        config, world_size=_world_size(args), local_world_size=_local_world_size(args)
+        config,
+        world_size=_world_size(args),
+        local_world_size=_local_world_size(args),
+        controller=getattr(args, "controller", "spmd"),
+        ray_address=getattr(args, "ray_address", None),
     )
     if _PREFLIGHT_DONE not in os.environ and os.environ.get("RANK", "0") == "0":
         for warning in checked.warnings:
@@ -205,6 +209,10 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         args.nproc_per_node = _default_nproc(args.command, args.config)
     lock = None
     try:
+        if getattr(args, "controller", "spmd") == "ray" and _under_launcher():
+            raise ConfigError(
+                "--controller", "'ray' starts its own ranks (Ray actors); run it without torchrun"
+            )
         config = _load(args, args.command)
         lock, done = _guard_run_folder(args, config)
     except ConfigError as err:
@@ -213,6 +221,12 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     try:
         if done is not None:
             return done
+        if getattr(args, "controller", "spmd") == "ray":  # this process drives Ray actors
+            from train_recipes.controller.driver import main_on_ray
+
+            return main_on_ray(
+                config, world_size=args.nproc_per_node, resume=args.resume, address=args.ray_address
+            )
         if args.nproc_per_node > 1 and not _under_launcher():
             out = Path(config.train.output_dir).resolve()  # type: ignore[attr-defined]
             os.environ[_GUARDED_ENV] = str(out)
@@ -370,6 +384,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_train_args(sft)
     sft.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    sft.add_argument(
+        "--controller",
+        choices=("spmd", "ray"),
+        default="spmd",
+        help="spmd: torchrun ranks (default); ray: this process drives one Ray actor per rank "
+        "(extra train-recipes[ray]; --nproc-per-node is then the number of ranks in all)",
+    )
+    sft.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --controller ray: join this Ray cluster (e.g. 'auto' after `ray start "
+        "--head`, or HEAD:6379) instead of starting a local one",
+    )
     sft.set_defaults(handler=None)
 
     ret = commands.add_parser(

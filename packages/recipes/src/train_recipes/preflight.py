@@ -91,6 +91,28 @@ def needed_extras(config: SFTConfig | RetrievalConfig) -> list[NeededExtra]:
     return needed
 
 
+def check_controller(controller: str, *, ray_address: str | None = None) -> None:
+    """``--controller ray`` needs Ray (the ``ray`` extra), checked before anything starts.
+
+    Raises:
+        ConfigError: naming ``--controller`` and the extra that installs Ray, or
+            ``--ray-address`` given without ``--controller ray``.
+    """
+    if controller not in ("spmd", "ray"):
+        raise ConfigError("--controller", f"must be 'spmd' or 'ray', got {controller!r}")
+    if ray_address is not None and controller != "ray":
+        raise ConfigError(
+            "--ray-address",
+            f"{ray_address!r} is only used with --controller ray; add --controller ray",
+        )
+    if controller == "ray" and not module_available("ray"):
+        raise ConfigError(
+            "--controller",
+            "'ray' needs the 'ray' package, which is not installed; install the extra: "
+            "pip install 'train-recipes[ray]' (or run without --controller ray: torchrun ranks)",
+        )
+
+
 def module_available(name: str) -> bool:
     """Whether ``import name`` would find the module (without importing it)."""
     try:
@@ -239,7 +261,12 @@ def config_warnings(config: SFTConfig | RetrievalConfig, plan: DevicePlan) -> li
 
 
 def run_preflight(
-    config: SFTConfig | RetrievalConfig, *, world_size: int, local_world_size: int
+    config: SFTConfig | RetrievalConfig,
+    *,
+    world_size: int,
+    local_world_size: int,
+    controller: str = "spmd",
+    ray_address: str | None = None,
 ) -> Preflight:
     """Everything checkable before launch: config, extras, devices; warnings for the rest.
 
@@ -247,6 +274,9 @@ def run_preflight(
         config: the loaded config.
         world_size: ranks of the whole job.
         local_world_size: ranks on this node (``--nproc-per-node``).
+        controller: "spmd" (torchrun ranks) or "ray" (one Ray actor per rank).
+        ray_address: the Ray cluster joined (``--ray-address``); its GPUs are not this
+            machine's, so the driver checks them when it places the ranks.
 
     Raises:
         ConfigError: naming the key (or option) at fault and the fix.
@@ -261,5 +291,9 @@ def run_preflight(
         validate_retrieval(config, world_size=world_size)
     check_contents(config)
     check_extras(config)
-    plan = plan_devices(config, world_size=world_size, local_world_size=local_world_size)
+    check_controller(controller, ray_address=ray_address)
+    remote = controller == "ray" and ray_address is not None
+    plan = plan_devices(
+        config, world_size=world_size, local_world_size=0 if remote else local_world_size
+    )
     return Preflight(plan=plan, warnings=tuple(config_warnings(config, plan)))

@@ -29,6 +29,7 @@ from train_recipes.run_folder import CHECKPOINT_DIR
 if TYPE_CHECKING:
     from energon_sft import SFTLoader
     from train_engine import Engine, LossWindow
+    from train_recipes.colocated import ColocatedLoader
 
 __all__ = [
     "CHANGEABLE",
@@ -324,15 +325,20 @@ def save(
     output_dir: Path,
     *,
     step: int,
-    loader: SFTLoader,
+    loader: SFTLoader | ColocatedLoader,
     window: LossWindow,
     config: SFTConfig,
     dp_size: int,
     accuracy_before: float | None,
     first_loss: float | None,
     is_main: bool,
+    data_plane: Any = None,
 ) -> Path:
-    """Save a checkpoint of ``step`` and prune older ones of this run (collective)."""
+    """Save a checkpoint of ``step`` and prune older ones of this run (collective).
+
+    ``data_plane`` (a ``DataPlane``: the samples each step trained on) is saved with this
+    rank's extra state, inside the checkpoint's atomic swap.
+    """
     import torch.distributed as dist
 
     target = checkpoint_dir(output_dir, step)
@@ -347,6 +353,7 @@ def save(
             "config": to_dict(config),
             "logical_shards": config.data.num_logical_shards or dp_size,
             "dp_size": dp_size,
+            "data_plane": None if data_plane is None else data_plane.state_dict(),
         },
     )
     if is_main:
@@ -404,13 +411,14 @@ def _layout_note(saved_dp: int, saved_accum: int, dp_size: int, config: SFTConfi
 
 def restore(
     engine: Engine,
-    loader: SFTLoader,
+    loader: SFTLoader | ColocatedLoader,
     window: LossWindow,
     config: SFTConfig,
     *,
     dp_size: int,
     is_main: bool,
     say: Callable[[str], None],
+    data_plane: Any = None,
 ) -> Restored | None:
     """Load the newest complete checkpoint of ``config.train.output_dir`` (collective).
 
@@ -419,6 +427,8 @@ def restore(
         loader: the fresh energon-sft loader (before its first batch).
         window: the LossWindow.
         config: the resuming job's config.
+        data_plane: the job's ``DataPlane``, given the saved records (all old ranks' after a
+            change of the world size); None leaves them.
         dp_size: the resuming job's data-parallel size.
         is_main: rank 0 (removes stale checkpoints).
         say: prints one line on rank 0.
@@ -466,10 +476,15 @@ def restore(
         loader.load_state_dict(extra["loader"])
         if "loss_window" in extra:
             window.load_state_dict(extra["loss_window"])
+        if data_plane is not None and extra.get("data_plane") is not None:
+            data_plane.load_state_dict(extra["data_plane"])
     else:
         loader.load_state_dict([e["loader"] for e in extras])
         if all("loss_window" in e for e in extras):
             window.load_state_dict(_mean_window([e["loss_window"] for e in extras]))
+        planes = [e["data_plane"] for e in extras if e.get("data_plane") is not None]
+        if data_plane is not None and planes:
+            data_plane.load_state_dict(planes)
         extra = extras[0]
     if is_main:
         removed = _drop_newer(out_dir, step)

@@ -273,12 +273,14 @@ def publish_dir(tmp: str | os.PathLike[str], target: str | os.PathLike[str]) -> 
 
     The old folder is moved aside first and deleted last, so a crash leaves either the old or
     the new folder under ``target`` (plus a ``.tmp``/``.old`` leftover, never taken by a reader).
+    A ``.old`` left by a crash between the two renames is the only copy while ``target`` is
+    missing: it is kept until the new folder is in place.
     """
     tmp, target = Path(tmp), Path(target)
     old = target.with_name(target.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
     if target.exists():
+        if old.exists():  # target is complete: the leftover is an older copy
+            shutil.rmtree(old)
         target.rename(old)
     tmp.rename(target)
     if old.exists():

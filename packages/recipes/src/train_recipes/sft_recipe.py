@@ -30,8 +30,10 @@ from train_recipes._dist import (
 )
 from train_recipes._integrations import ModelBatch
 from train_recipes.attention import CausalFastPath, attention_path, rows_are_packed, sdpa_backends
+from train_recipes.colocated import replica_loader
 from train_recipes.config_loader import to_dict
 from train_recipes.config_sft import SFTConfig
+from train_recipes.data_plane import DataPlane, sample_ids_of
 from train_recipes.demo import sft_data_paths
 from train_recipes.health import (
     HangWatchdog,
@@ -79,6 +81,9 @@ class SFTResult:
         accuracy_after: held-out exact match after training.
         export_dir: the Hugging Face export, when written.
         model: the trained model (unwrapped from DDP; FSDP2 models stay sharded).
+        data_plane: the samples each step trained on (this rank's replica; with ``--resume``,
+            the earlier steps' too).
+        loaders_built: energon-sft loaders this rank built (1 on a replica's first rank, else 0).
     """
 
     output_dir: Path
@@ -89,6 +94,8 @@ class SFTResult:
     accuracy_after: float | None
     export_dir: Path | None
     model: torch.nn.Module
+    data_plane: DataPlane | None = None
+    loaders_built: int = 0
 
 
 class SFTRecipe:
@@ -197,18 +204,9 @@ class SFTRecipe:
             pad_to_multiple_of=row_length_multiple(config),
             packing=config.data.packing,
         )
-        # cp ranks of one replica build identical loaders (same dp rank, same seed).
-        self.loader = data_api.build_loader(
-            dataset_path,
-            encoder=self._encoder,
-            batch_size=config.data.micro_batch_size,
-            dp_rank=ctx.dp_rank,
-            dp_world_size=ctx.dp_size,
-            num_workers=config.data.num_workers,
-            seed=train.seed,
-            shuffle=config.data.shuffle,
-            num_logical_shards=config.data.num_logical_shards,
-        )
+        # One loader per replica, on its first rank; its cp/tp peers receive the batches.
+        self.loader = replica_loader(config, ctx, dataset_path, encoder=self._encoder)
+        self.data_plane = DataPlane(dp_size=ctx.dp_size)
         # The window's ranks hold disjoint parts of the loss sum (tp ranks hold copies).
         self.window: LossWindow = LossWindow(train.loss_window, group=ctx.grad_mesh().get_group())
         start = self._restore(out_dir)
@@ -252,6 +250,7 @@ class SFTRecipe:
                 dp_size=ctx.dp_size,
                 is_main=ctx.is_main,
                 say=say,
+                data_plane=self.data_plane,
             )
         self._start_step = 0 if restored is None else restored.step
         if restored is not None:
@@ -303,10 +302,9 @@ class SFTRecipe:
             self._watchdog.enter_step(step)
         accum = config.train.gradient_accumulation_steps
         # Host copies: counts and layouts are read there (a device read stalls the GPU queue).
-        host = [
-            data_api.batch_tensors(next(self._batches), vlm=self.vlm, cp=ctx.cp_size)
-            for _ in range(accum)
-        ]
+        raw = [next(self._batches) for _ in range(accum)]
+        self.data_plane.record(step, ctx.dp_rank, [i for b in raw for i in sample_ids_of(b)])
+        host = [data_api.batch_tensors(b, vlm=self.vlm, cp=ctx.cp_size) for b in raw]
         micro = [data_api.to_device(m, ctx.device) for m in host]
         # Contract (b): the window's loss tokens over all data-parallel replicas, from the
         # loader's count (made before cp sharding: a replica's cp ranks hold the same count).
@@ -443,6 +441,7 @@ class SFTRecipe:
             accuracy_before=self._accuracy_before,
             first_loss=self._first_loss,
             is_main=self.ctx.is_main,
+            data_plane=self.data_plane,
         )
 
     # ------------------------------------------------------------------------------ finish
@@ -502,6 +501,8 @@ class SFTRecipe:
                 accuracy_after=None,
                 export_dir=None,
                 model=unwrap(self.model),
+                data_plane=self.data_plane,
+                loaders_built=self.loader.loaders_built,
             )
         return SFTResult(
             output_dir=self.out_dir,
@@ -512,4 +513,6 @@ class SFTRecipe:
             accuracy_after=self._accuracy_after,
             export_dir=self.out_dir / EXPORT_DIR if train.export else None,
             model=unwrap(self.model),
+            data_plane=self.data_plane,
+            loaders_built=self.loader.loaders_built,
         )

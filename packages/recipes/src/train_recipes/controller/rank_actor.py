@@ -1,0 +1,111 @@
+"""The code one Ray actor runs: one rank of the job, torch.distributed inside it.
+
+The actor is a plain class (``ray.remote`` wraps it in the driver), importable without Ray.
+Each actor learns its rank at construction; rank 0 names the rendezvous (its node's address
+and a free port), and every actor then joins the default process group through the same
+environment torchrun would set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``). The actor holds the rank's ``SFTRecipe`` and runs its
+stages when the driver calls them; the driver runs the loop.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from train_recipes.config_sft import SFTConfig
+from train_recipes.loop import RunEnd, StepRecord
+
+__all__ = ["RankActor"]
+
+
+class RankActor:
+    """One rank of the job, in its own Ray worker process.
+
+    Args:
+        rank: global rank.
+        world_size: ranks in the job.
+        gpu: the actor holds one GPU (Ray sets ``CUDA_VISIBLE_DEVICES`` to it, so it is
+            ``cuda:0`` here).
+    """
+
+    def __init__(self, *, rank: int, world_size: int, gpu: bool) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        os.environ["RANK"] = str(rank)
+        os.environ["WORLD_SIZE"] = str(world_size)
+        # Each actor sees its own device only: cuda:0 for a GPU bundle, no GPU for a CPU one.
+        os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = "0", "1"
+        if not gpu:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read at CUDA's first use, later
+            # CPU ranks: split the node's cores between the ranks instead of oversubscribing.
+            threads = max(1, (os.cpu_count() or 1) // world_size)
+            os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+            import torch
+
+            torch.set_num_threads(threads)
+
+    def pid(self) -> int:
+        """This actor's process id (the tests SIGKILL it)."""
+        return os.getpid()
+
+    def endpoint(self) -> tuple[str, int]:
+        """The rendezvous rank 0 offers: this node's address and a free TCP port."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        return host, port
+
+    def setup(self, config: SFTConfig, resume: bool, master: tuple[str, int]) -> dict[str, Any]:
+        """Join the process group at ``master`` and run the recipe's ``setup()`` as this rank.
+
+        Returns:
+            ``start`` (the recipe's RunStart), this rank's restored data plane (``plane``)
+            and its replica (``replica``).
+        """
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master[0], str(master[1])
+        from train_recipes.sft_recipe import SFTRecipe
+
+        self.recipe = SFTRecipe(config, resume=resume).__enter__()
+        start = self.recipe.setup()
+        return {
+            "start": start,
+            "plane": self.recipe.data_plane.state_dict(),
+            "replica": self.recipe.ctx.dp_rank,
+        }
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        """One optimizer step: the recipe's record and the ids of the samples it trained on."""
+        record = self.recipe.train_step(step)
+        replica = self.recipe.ctx.dp_rank
+        ids = self.recipe.data_plane.list_sample_ids(step, replica=replica)
+        return {"record": record, "replica": replica, "sample_ids": ids}
+
+    def evaluate(self, step: int) -> StepRecord:
+        """The recipe's evaluations due at ``step``."""
+        return self.recipe.evaluate(step)
+
+    def checkpoint(self, step: int) -> None:
+        """Save a checkpoint of ``step`` (collective over the actors)."""
+        self.recipe.checkpoint(step)
+
+    def finish(self) -> RunEnd:
+        """Final evaluation and export; the summary."""
+        return self.recipe.finish()
+
+    def close(self) -> dict[str, Any]:
+        """End the run on this rank (after every rank finished): its plane and loader count."""
+        import torch.distributed as dist
+
+        recipe = self.recipe
+        dist.barrier()
+        recipe.__exit__(None, None, None)
+        return {
+            "rank": self.rank,
+            "data_plane": recipe.data_plane.state_dict(),
+            "loaders_built": recipe.loader.loaders_built,
+        }

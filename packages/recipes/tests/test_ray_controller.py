@@ -1,0 +1,217 @@
+"""``train-recipes sft --controller ray`` on a local CPU Ray cluster (one start per module):
+the same losses as the SPMD ranks at dp=2 and at cp=2, one loader per replica, the data plane,
+a SIGKILLed actor reported in one line within a minute, and ``--resume`` continuing exactly."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from _controller_workers import metrics_losses, run_sft_plane_on_rank
+from conftest import data_overrides
+from train_recipes import cli
+from train_recipes.config import SFTConfig, load_config, validate_sft
+from train_recipes.controller import RayRun, import_ray, run_sft_on_ray
+from train_recipes.data_plane import DataPlane
+from train_recipes.demo import DemoSplit
+from train_recipes.resume import checkpoint_dir, complete_checkpoints
+
+STEPS = 20
+
+
+def _common(split: DemoSplit, out: Path) -> list[str]:
+    # A constant rate after the warm-up: the killed run's longer train.steps gives the same
+    # rates, so its resume must reproduce the 20-step run.
+    return [
+        *data_overrides(split),
+        f"train.output_dir={out}",
+        f"train.steps={STEPS}",
+        "train.log_every=1",
+        "train.checkpoint_every=10",
+        "train.eval_samples=0",
+        "train.tensorboard=false",
+        "train.export=false",
+        "train.device=cpu",
+        "data.micro_batch_size=8",
+        "data.num_logical_shards=2",
+        "data.shuffle=false",
+        "optim.schedule=constant",
+        "optim.warmup_steps=5",
+    ]
+
+
+def _config(overrides: list[str], world_size: int) -> SFTConfig:
+    config = load_config(SFTConfig, None, overrides)
+    validate_sft(config, world_size=world_size)
+    return config
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[ModuleType]:
+    ray = import_ray()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_dp2(
+    ray_cluster: ModuleType, demo_data: DemoSplit, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[RayRun, dict[int, float]]:
+    """The uninterrupted Ray run at dp=2, and its logged losses."""
+    out = tmp_path_factory.mktemp("ray") / "dp2"
+    run = run_sft_on_ray(_config(_common(demo_data, out), 2), world_size=2)
+    return run, metrics_losses(out)
+
+
+def _tensor(losses: dict[int, float]) -> torch.Tensor:
+    assert sorted(losses) == list(range(1, STEPS + 1)), sorted(losses)
+    return torch.tensor([losses[s] for s in sorted(losses)], dtype=torch.float64)
+
+
+@pytest.mark.timeout(600)
+def test_ray_losses_equal_spmd_at_dp2_and_cp2_with_one_loader_per_replica(
+    ray_dp2: tuple[RayRun, dict[int, float]],
+    rank_pool: Any,
+    demo_data: DemoSplit,
+    tmp_path: Path,
+) -> None:
+    spmd = rank_pool.run(
+        2,
+        run_sft_plane_on_rank,
+        [*_common(demo_data, tmp_path / "spmd"), "parallel.cp=1"],
+        timeout_s=300,
+    )
+    cp_out = tmp_path / "ray-cp2"
+    # dp=1 x cp=2 with 2 micro-batches per step sees dp=2's global batches (2 logical shards).
+    cp2 = run_sft_on_ray(
+        _config(
+            [*_common(demo_data, cp_out), "parallel.cp=2", "train.gradient_accumulation_steps=2"],
+            2,
+        ),
+        world_size=2,
+    )
+    dp2, dp2_losses = ray_dp2
+    reference = _tensor(spmd[0]["losses"])
+    for name, losses in (("ray dp=2", dp2_losses), ("ray cp=2", metrics_losses(cp_out))):
+        got = _tensor(losses)
+        torch.testing.assert_close(
+            got, reference, rtol=2e-4, atol=2e-5, msg=lambda m, n=name: f"{n} vs SPMD dp=2: {m}"
+        )
+    assert reference[-1] < reference[0], f"the loss did not go down: {reference.tolist()}"
+
+    # One loader per replica: on dp=2 each rank is a replica; at cp=2 the cp peer built none.
+    assert dp2.loaders_built == [1, 1] and cp2.loaders_built == [1, 0]
+    peers = []
+    for report in cp2.ranks:
+        plane = DataPlane(dp_size=1)
+        plane.load_state_dict(report["data_plane"])
+        peers.append([plane.list_sample_ids(s) for s in plane.steps()])
+    assert len(peers[0]) == STEPS and peers[0] == peers[1], "the cp ranks saw other samples"
+    # Same global batches in all three jobs: the driver's plane, the SPMD ranks' planes.
+    spmd_plane = DataPlane(dp_size=2)
+    spmd_plane.load_state_dict([r["plane"] for r in spmd])
+    for step in range(1, STEPS + 1):
+        ids = sorted(dp2.data_plane.list_sample_ids(step))
+        assert ids == sorted(cp2.data_plane.list_sample_ids(step)), step
+        assert ids == sorted(spmd_plane.list_sample_ids(step)), step
+    everything = [i for s in dp2.data_plane.steps() for i in dp2.data_plane.list_sample_ids(s)]
+    assert len(everything) == STEPS * 16 == len(set(everything)), "a sample was repeated"
+
+
+def _rank_actor_pids() -> list[int]:
+    """PIDs of the live Ray workers running a RankActor (Ray titles them ``ray::RankActor``)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            title = (entry / "cmdline").read_bytes().split(b"\0")[0]
+        except OSError:
+            continue
+        if title.startswith(b"ray::RankActor"):
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds actor PIDs in /proc")
+def test_sigkilled_actor_is_one_line_within_a_minute_and_resume_continues_exactly(
+    ray_dp2: tuple[RayRun, dict[int, float]],
+    demo_data: DemoSplit,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = tmp_path / "killed"
+    argv = ["sft", "--controller", "ray", "--nproc-per-node", "2"]
+    sets = [x for o in _common(demo_data, out) for x in ("--set", o)]
+    code: list[int] = []
+    # A long run, killed soon after its step-10 checkpoint (the same rates: constant schedule).
+    job = threading.Thread(
+        target=lambda: code.append(cli.main([*argv, *sets, "--set", "train.steps=400"]))
+    )
+    job.start()
+    deadline = time.monotonic() + 400
+    while checkpoint_dir(out, 10) not in complete_checkpoints(out):
+        assert job.is_alive(), f"the run ended before the kill point: {capsys.readouterr()}"
+        assert time.monotonic() < deadline, "step 10's checkpoint never came"
+        time.sleep(0.05)
+    victims = _rank_actor_pids()
+    assert len(victims) == 2, victims
+    os.kill(victims[-1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    job.join(timeout=120)
+    waited = time.monotonic() - killed_at
+    assert not job.is_alive(), "the driver still waits on the killed actor"
+    assert waited < 60, f"the driver took {waited:.0f} s to report the dead actor"
+    assert code == [1]
+    err = capsys.readouterr().err.strip().splitlines()
+    lines = [line for line in err if line.startswith("train-recipes sft:")]
+    assert len(lines) == 1 and "actor died" in lines[0] and "--resume" in lines[0], err
+    assert "Traceback" not in "\n".join(lines)
+    gone = time.monotonic() + 15
+    while _rank_actor_pids() and time.monotonic() < gone:
+        time.sleep(0.2)
+    assert _rank_actor_pids() == [], "the other rank's actor was left running"
+
+    # As if killed right after step 10: later checkpoints go (the kill came at any step).
+    for path in complete_checkpoints(out):
+        if path != checkpoint_dir(out, 10):
+            shutil.rmtree(path)
+    assert cli.main([*argv, *sets, "--resume"]) == 0
+    resumed = metrics_losses(out)
+    _, straight = ray_dp2
+    assert {s: resumed[s] for s in range(11, STEPS + 1)} == {
+        s: straight[s] for s in range(11, STEPS + 1)
+    }, "the resumed losses differ from the uninterrupted run's"
+
+
+def test_missing_ray_is_one_line_naming_the_extra_before_anything_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from train_recipes import preflight
+
+    monkeypatch.setattr(preflight, "module_available", lambda name: name != "ray" and bool(name))
+    assert cli.main(["sft", "--controller", "ray"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "'--controller'" in err and "train-recipes[ray]" in err
+
+
+def test_ray_address_without_the_ray_controller_is_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["sft", "--ray-address", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'--ray-address'" in err and "--controller ray" in err, err
