@@ -13,9 +13,23 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from train_recipes.trackers import Tracker, finite_scalars, open_trackers
 
 logger = logging.getLogger(__name__)
+
+__all__ = [
+    "LOSS_PLOT",
+    "METRICS_FILE",
+    "RunLogger",
+    "StartupClock",
+    "TokenMeter",
+    "loss_plot_or_notice",
+    "plot_loss",
+    "read_metrics",
+]
 
 METRICS_FILE = "metrics.jsonl"
 LOSS_PLOT = "loss.png"
@@ -124,6 +138,51 @@ class RunLogger:
         for tracker in self._trackers:
             tracker.close()
         self._trackers = []
+
+
+class TokenMeter:
+    """Input and loss tokens since the last metric record, and the input-token rate (per rank).
+
+    Input tokens are counted on the host copy of each micro-batch (a device read would stall the
+    GPU's queue); a replica's cp and tp ranks see the same rows, so each adds its share and the
+    sum over all ranks at read time is the global count. Loss tokens are the Engine's global count
+    of each step (a device tensor, summed without a host sync until read).
+
+    Args:
+        duplicates: ranks that see the same rows (cp * tp).
+    """
+
+    def __init__(self, *, duplicates: int) -> None:
+        self._duplicates = duplicates
+        self._inputs = torch.zeros((), dtype=torch.float64)
+        self._loss_tokens: torch.Tensor | None = None
+        self._since = time.perf_counter()
+
+    def restart_clock(self) -> None:
+        """Measure the rate from now (the first step of this process)."""
+        self._since = time.perf_counter()
+
+    def add_inputs(self, attention_mask: torch.Tensor) -> None:
+        """Count one micro-batch's real tokens (its host ``attention_mask`` [B, S])."""
+        self._inputs += float(attention_mask.sum()) / self._duplicates
+
+    def add_loss_tokens(self, num_tokens: torch.Tensor) -> None:
+        """Add one step's global loss-token count (``Engine.global_num_tokens``)."""
+        tokens = self._loss_tokens
+        self._loss_tokens = num_tokens if tokens is None else tokens + num_tokens
+
+    def read(self, device: torch.device) -> tuple[float, float]:
+        """(global input tokens per second, global loss tokens) since the last read; collective."""
+        inputs = self._inputs.clone().to(device)
+        if dist.is_initialized():
+            dist.all_reduce(inputs)
+        now = time.perf_counter()
+        rate = float(inputs) / max(now - self._since, 1e-9)
+        self._since = now
+        self._inputs.zero_()
+        loss_tokens = 0.0 if self._loss_tokens is None else float(self._loss_tokens)
+        self._loss_tokens = None
+        return rate, loss_tokens
 
 
 class StartupClock:

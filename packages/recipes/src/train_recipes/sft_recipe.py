@@ -11,13 +11,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from train_recipes import _integrations as data_api
@@ -43,7 +41,7 @@ from train_recipes.health import (
 )
 from train_recipes.hf_export import export_hf
 from train_recipes.loop import LoopOutcome, LoopPlan, RunEnd, RunStart, StepRecord
-from train_recipes.metrics import StartupClock
+from train_recipes.metrics import StartupClock, TokenMeter
 from train_recipes.modeling import is_vlm, unwrap
 from train_recipes.parallelize import build_parallel_model, row_length_multiple
 from train_recipes.processors import load_processor, tokenizer_of
@@ -230,8 +228,7 @@ class SFTRecipe:
         )
         self._router_losses = moe.router_losses(model, self.engine, config, ctx)
         self._batches = itertools.chain.from_iterable(itertools.repeat(self.loader))
-        self._input_tokens = torch.zeros((), dtype=torch.float64)  # since the last record
-        self._loss_tokens: Tensor | None = None  # global loss tokens since the last record
+        self._tokens = TokenMeter(duplicates=ctx.cp_size * ctx.tp_size)
         self._guards.enter_context(engine_skip_warnings_replaced())
         self._skips = SkipTracker(train.max_consecutive_skips, on_skip=self._note_skip)
         return start
@@ -297,7 +294,7 @@ class SFTRecipe:
         if step == self._start_step + 1:
             self._clock.start("first step")
             self._start_watchdog()
-            self._t_last = time.perf_counter()
+            self._tokens.restart_clock()
         if self._watchdog is not None:
             self._watchdog.enter_step(step)
         accum = config.train.gradient_accumulation_steps
@@ -313,11 +310,7 @@ class SFTRecipe:
         router_losses = self._router_losses
         with sdpa_backends(config.model.sdpa_backends):
             for batch, host_batch in zip(micro, host, strict=True):
-                # A replica's cp and tp ranks see the same rows: summed over all ranks at
-                # logging time, this is the global number of input tokens.
-                self._input_tokens += float(host_batch["attention_mask"].sum()) / (
-                    ctx.cp_size * ctx.tp_size
-                )
+                self._tokens.add_inputs(host_batch["attention_mask"])
                 with self._forward_attention(host_batch), router_losses.collect():
                     loss_sum = token_sum_loss(engine, batch, sharder=self.sharder, vlm=self.vlm)
                 extra = router_losses.term(num_tokens)  # MoE aux/z losses (0.0 otherwise)
@@ -328,9 +321,7 @@ class SFTRecipe:
         if step == self._start_step + 1:
             self._clock.end()
         router_losses.after_step(ctx.device)  # DeepSeek bias balancing (no-op otherwise)
-        # The run's loss-token count is the Engine's: the global count of each step, summed.
-        tokens = self._loss_tokens
-        self._loss_tokens = num_tokens if tokens is None else tokens + num_tokens
+        self._tokens.add_loss_tokens(num_tokens)  # the Engine's global count, not a recount
         self.window.update(step_loss, num_tokens)
         if not self._plan.logs(step):
             return StepRecord(step=step, lines=self._take_lines())
@@ -341,14 +332,7 @@ class SFTRecipe:
         ctx = self.ctx
         self._skips.flush()
         loss, avg = self.window.last(), self.window.average()
-        inputs = self._input_tokens.clone().to(ctx.device)
-        dist.all_reduce(inputs)
-        now = time.perf_counter()
-        tokens_per_s = float(inputs) / max(now - self._t_last, 1e-9)
-        self._t_last = now
-        self._input_tokens.zero_()
-        loss_tokens = 0.0 if self._loss_tokens is None else float(self._loss_tokens)
-        self._loss_tokens = None
+        tokens_per_s, loss_tokens = self._tokens.read(ctx.device)
         self._first_loss = loss if self._first_loss is None else self._first_loss
         self._last_loss = loss
         record: dict[str, Any] = {

@@ -1,0 +1,129 @@
+"""Which config changes a resume applies, and which it refuses.
+
+Every config field is either applied on resume (:data:`CHANGEABLE`) or refused with a per-field
+diff: the others define the trained model, the data stream or the layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from train_recipes.config_loader import ConfigError, config_from_dict, to_dict
+from train_recipes.config_sft import SFTConfig
+
+__all__ = ["CHANGEABLE", "config_changes"]
+
+# Config keys a resume applies. Everything else must equal the checkpoint's config.
+CHANGEABLE = frozenset(
+    {
+        # length, cadence and outputs
+        "train.steps",
+        "train.epochs",
+        "train.log_every",
+        "train.loss_window",
+        "train.checkpoint_every",
+        "train.keep_checkpoints",
+        "train.export",
+        "train.tensorboard",
+        "train.device",
+        "train.output_dir",  # the folder was moved
+        "train.loggers",
+        "train.max_consecutive_skips",
+        "train.collective_timeout_s",
+        "lora.export",
+        # evaluation (a change drops the accuracy measured before training: another test set)
+        "train.eval_samples",
+        "train.eval_max_new_tokens",
+        "data.eval_path",
+        "train.eval_every",
+        "train.eval_loss_samples",
+        # optimisation: the Engine takes the new window; the optimizer and the scheduler take
+        # the new hyperparameters and base rates (not the checkpoint's)
+        "train.gradient_accumulation_steps",
+        "optim.lr",
+        "optim.weight_decay",
+        "optim.betas",
+        "optim.warmup_steps",
+        "optim.schedule",
+        "optim.nonfinite",
+        "optim.min_lr_ratio",
+        "optim.max_grad_norm",
+        "optim.fused",
+        # speed knobs with the same parameters and checkpoints
+        "model.compile",
+        "model.sdpa_backends",
+        "model.attn_implementation",
+        "parallel.fsdp.reshard_after_forward",
+        "parallel.fsdp.cpu_offload",
+    }
+)
+_CHANGEABLE_PREFIXES = ("parallel.ddp.",)
+_SHARDS_KEY = "data.num_logical_shards"
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(_flat(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def config_changes(
+    saved: Mapping[str, Any],
+    config: SFTConfig,
+    *,
+    saved_shards: int | None,
+    new_shards: int,
+) -> dict[str, tuple[Any, Any]]:
+    """The config changes a resume applies; refuses the others.
+
+    Args:
+        saved: the checkpoint's config (plain data, as :func:`to_dict` writes it).
+        config: the config of the resuming job.
+        saved_shards: the saved loader's logical shard count (None when unknown).
+        new_shards: the resuming job's (``data.num_logical_shards`` or its dp size).
+
+    Returns:
+        ``key -> (old, new)`` for every changed field that is applied.
+
+    Raises:
+        ConfigError: one line listing every refused ``key: old -> new``.
+    """
+    old = _flat(to_dict(config_from_dict(SFTConfig, saved)))
+    new = _flat(to_dict(config))
+    applied: dict[str, tuple[Any, Any]] = {}
+    refused: list[str] = []
+    for key in sorted(set(old) | set(new)):
+        if key == _SHARDS_KEY:
+            continue  # compared as the effective shard count below
+        before, after = old.get(key), new.get(key)
+        if before == after:
+            continue
+        if key in CHANGEABLE or key.startswith(_CHANGEABLE_PREFIXES):
+            applied[key] = (before, after)
+        else:
+            refused.append(f"{key}: {before!r} -> {after!r}")
+    if saved_shards is not None and saved_shards != new_shards:
+        raise ConfigError(
+            _SHARDS_KEY,
+            f"the checkpoint's loader has {saved_shards} logical shards, this job would use "
+            f"{new_shards}; a resume keeps the shards and runs on a dp size that divides them: "
+            f"--set {_SHARDS_KEY}={saved_shards} with dp in "
+            f"{[d for d in range(1, saved_shards + 1) if saved_shards % d == 0]}",
+        )
+    if old.get(_SHARDS_KEY) != new.get(_SHARDS_KEY) and saved_shards == new_shards:
+        applied[_SHARDS_KEY] = (old.get(_SHARDS_KEY), new.get(_SHARDS_KEY))
+    if refused:
+        first = refused[0].split(":", 1)[0]
+        raise ConfigError(
+            first,
+            f"cannot change on --resume (the model, the data stream or the layout would no "
+            f"longer be the checkpoint's): {'; '.join(refused)}; resume with the saved values "
+            f"(config.yaml) or start a new run in another --output-dir",
+        )
+    return applied
