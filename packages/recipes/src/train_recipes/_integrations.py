@@ -137,16 +137,20 @@ def build_loader(
 
 
 def topology_mapper(*, dp: int, cp: int, tp: int, num_logical_shards: int | None) -> Any:
-    """energon-sft's ``TopologyMapper`` of the recipe's (dp, cp, tp) mesh (tp fastest, then
-    cp, then dp: the order of ``_dist.init_distributed``'s mesh)."""
+    """Build energon-sft's ``TopologyMapper`` of the recipe's (dp, cp, tp) mesh.
+
+    tp varies fastest, then cp, then dp: the order of ``_dist.init_distributed``'s mesh.
+    """
     from energon_sft import TopologyMapper
 
     return TopologyMapper(dp=dp, cp=cp, tp=tp, num_logical_shards=num_logical_shards)
 
 
 def broadcast_next(iterator: Any, *, mapper: Any, group: Any) -> Any:
-    """energon-sft's ``broadcast_next``: the replica owner's next batch on every replica rank
-    (StopIteration or the owner's error on all of them alike)."""
+    """Give every replica rank the replica owner's next batch (energon-sft's ``broadcast_next``).
+
+    StopIteration, or the owner's error, reaches all of them alike.
+    """
     from energon_sft import broadcast_next as energon_broadcast_next
 
     return energon_broadcast_next(iterator, mapper=mapper, group=group)

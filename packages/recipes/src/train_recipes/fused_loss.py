@@ -1,6 +1,8 @@
-"""The SFT token-sum loss without the [B, S, V] logits: the model runs with its output
-projection passed through, and vocab-parallel's grads-in-forward linear cross-entropy turns the
-final hidden states and the projection weight into the loss and both gradients, chunk by chunk.
+"""The SFT token-sum loss without the [B, S, V] logits.
+
+The model runs with its output projection passed through, and vocab-parallel's grads-in-forward
+linear cross-entropy turns the final hidden states and the projection weight into the loss and
+both gradients, chunk by chunk.
 
 # B batch, S (local) sequence, H hidden, V vocabulary
 
@@ -50,8 +52,11 @@ def fused_head(model: Any) -> nn.Linear | None:
 
 @contextlib.contextmanager
 def _head_passes_hidden(head: nn.Linear) -> Iterator[None]:
-    """Within the block, ``head(x)`` returns ``x``: the model's ``logits`` are its final hidden
-    states [B, S, H]. The module's hooks (FSDP2's, tensor parallelism's) still run around it."""
+    """Make ``head(x)`` return ``x`` within the block.
+
+    The model's ``logits`` are then its final hidden states [B, S, H]. The module's hooks
+    (FSDP2's, tensor parallelism's) still run around it.
+    """
     head.forward = _identity  # type: ignore[method-assign,assignment]
     try:
         yield
@@ -64,10 +69,12 @@ def _identity(x: Tensor) -> Tensor:
 
 
 def _keep_root_unsharded_after_forward(model: Any) -> None:
-    """The loss reads the head's weight after the model's forward: the root FSDP2 unit (which
-    holds the head) must not reshard after forward (its parameters are the first that backward
-    needs anyway, which is why FSDP2 keeps a root unsharded by default). Blocks keep their
-    setting."""
+    """Keep the root FSDP2 unit, which holds the head, unsharded after forward.
+
+    The loss reads the head's weight after the model's forward. The root's parameters are the
+    first that backward needs anyway, which is why FSDP2 keeps a root unsharded by default.
+    Blocks keep their setting.
+    """
     from torch.distributed.fsdp import FSDPModule
 
     inner = getattr(model, "module", model)  # the Engine holds the FSDP2 model
@@ -78,7 +85,7 @@ def _keep_root_unsharded_after_forward(model: Any) -> None:
 def fused_token_sum_loss(
     model: Any, head: nn.Linear, inputs: dict[str, Any], labels: Tensor
 ) -> Tensor:
-    """sum over the trained tokens of -log p(label), from the hidden states and ``head.weight``.
+    """Sum over the trained tokens of -log p(label), from the hidden states and ``head.weight``.
 
     Args:
         model: what the recipe calls (the Engine, or the unwrapped model for evaluation).

@@ -42,8 +42,11 @@ def uses_sharded_load(config: SFTConfig) -> bool:
 
 
 def row_length_multiple(config: SFTConfig) -> int:
-    """What the loader pads every row (packed: every document) to a multiple of: 2*cp (cp's
-    head/tail chunks), times tp under sequence parallelism (each cp shard splits into tp)."""
+    """Give the multiple the loader pads every row (packed: every document) to.
+
+    It is 2*cp (cp's head/tail chunks), times tp under sequence parallelism (each cp shard
+    splits into tp).
+    """
     parallel = config.parallel
     sequence_split = parallel.tp if parallel.tp > 1 and parallel.sequence_parallel else 1
     return 2 * parallel.cp * sequence_split

@@ -394,8 +394,11 @@ class SFTRecipe:
         return StepRecord(step=step, metrics={"eval/loss": loss}, lines=(line,))
 
     def _hf_model(self) -> torch.nn.Module:
-        """The model to generate from: the HF model itself, or (megatron backend) an HF copy of
-        the GPTModel's current weights (collective over tp; every rank holds all of it)."""
+        """Give the model to generate from.
+
+        The HF model itself, or (megatron backend) an HF copy of the GPTModel's current weights
+        (collective over tp; every rank holds all of it).
+        """
         if not self._megatron:
             return unwrap(self.model)
         from train_recipes.megatron.recipe import hf_copy
@@ -475,27 +478,15 @@ class SFTRecipe:
     def result(self, outcome: LoopOutcome) -> SFTResult:
         """The run's :class:`SFTResult` after :func:`drive` returned ``outcome``."""
         train = self.config.train
-        if outcome.end is None:  # a finished run, resumed: nothing trained
-            return SFTResult(
-                output_dir=self.out_dir,
-                steps=self._start_step,
-                first_loss=self._first_loss,
-                last_loss=None,
-                accuracy_before=self._accuracy_before,
-                accuracy_after=None,
-                export_dir=None,
-                model=unwrap(self.model),
-                data_plane=self.data_plane,
-                loaders_built=self.loader.loaders_built,
-            )
+        trained = outcome.end is not None  # False: a finished run, resumed, trained nothing
         return SFTResult(
             output_dir=self.out_dir,
-            steps=train.steps,
+            steps=train.steps if trained else self._start_step,
             first_loss=self._first_loss,
-            last_loss=self._last_loss,
+            last_loss=self._last_loss if trained else None,
             accuracy_before=self._accuracy_before,
-            accuracy_after=self._accuracy_after,
-            export_dir=self.out_dir / EXPORT_DIR if train.export else None,
+            accuracy_after=self._accuracy_after if trained else None,
+            export_dir=self.out_dir / EXPORT_DIR if trained and train.export else None,
             model=unwrap(self.model),
             data_plane=self.data_plane,
             loaders_built=self.loader.loaders_built,

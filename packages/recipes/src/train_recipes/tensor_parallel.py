@@ -162,8 +162,11 @@ def _check_no_partial_gradients(layer: nn.Module, replicated: set[str]) -> None:
 
 
 def _check_sequence_divides(tp: int) -> Any:
-    """A pre-hook for the first decoder layer: sequence parallelism splits [B, S, H] into tp
-    equal parts (DTensor's ``from_local`` assumes even shards), so refuse other lengths."""
+    """Build a pre-hook for the first decoder layer that refuses lengths tp does not divide.
+
+    Sequence parallelism splits [B, S, H] into tp equal parts (DTensor's ``from_local`` assumes
+    even shards).
+    """
 
     def check(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         hidden = args[0] if args else kwargs["hidden_states"]

@@ -1,5 +1,7 @@
-"""Single-controller SFT on Ray (the ``train-recipes[ray]`` extra): one driver process, one
-Ray actor per rank, placed by a placement group; torch.distributed runs inside the actors.
+"""Single-controller SFT on Ray (the ``train-recipes[ray]`` extra).
+
+One driver process, one Ray actor per rank, placed by a placement group; torch.distributed runs
+inside the actors.
 
 Ray is imported only when a run asks for it (``--controller ray``); without the extra the
 preflight names it before anything starts.

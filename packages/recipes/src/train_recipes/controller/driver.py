@@ -1,5 +1,7 @@
-"""The driver of ``train-recipes sft --controller ray``: places one actor per rank, runs the
-training loop and reports a failed or dead rank in one line, within seconds, without hanging.
+"""The driver of ``train-recipes sft --controller ray``.
+
+It places one actor per rank, runs the training loop and reports a failed or dead rank in one
+line, within seconds, without hanging.
 
 The driver holds no model. Each actor joins the job's process group (gloo on CPU, NCCL on GPU)
 and holds its rank's ``SFTRecipe``; the driver runs the recipes' one loop

@@ -1,5 +1,7 @@
-"""Ray's side of the controller: the lazy import, the cluster (started here or joined), the
-placement group and one actor per rank, and calls on all actors that fail fast.
+"""Ray's side of the controller.
+
+The lazy import, the cluster (started here or joined), the placement group and one actor per
+rank, and calls on all actors that fail fast.
 
 A call on the actors waits with ``ray.wait`` in short slices: the first actor that dies or
 raises ends the call at once (its error names the rank), the other actors are killed, and the
@@ -61,9 +63,14 @@ class ActorFailure(RuntimeError):
 
 
 def start_or_join(ray: Any, *, address: str | None, world_size: int) -> bool:
-    """Join the cluster at ``address`` ("auto": the local ``ray start`` one), or start a local
-    one with at least ``world_size`` CPUs (logical: one bundle per rank). Returns whether this
-    call connected (False when Ray was already initialised, e.g. by a test)."""
+    """Join the cluster at ``address``, or start a local one.
+
+    ``address="auto"`` is the local ``ray start`` cluster; a started one has at least
+    ``world_size`` CPUs (logical: one bundle per rank).
+
+    Returns:
+        Whether this call connected (False when Ray was already initialised, e.g. by a test).
+    """
     if ray.is_initialized():
         return False
     if address is not None:
@@ -88,8 +95,9 @@ class Placement:
 
 
 def plan_placement(ray: Any, *, world_size: int, device: str) -> Placement:
-    """GPU bundles for ``train.device=cuda`` (or ``auto`` when the cluster has a GPU per
-    rank), CPU bundles otherwise.
+    """Choose the bundles: GPU for ``train.device=cuda``, CPU otherwise.
+
+    ``train.device=auto`` takes GPU bundles when the cluster has a GPU per rank.
 
     Raises:
         RuntimeError: ``train.device=cuda`` on a cluster with fewer GPUs than ranks.
@@ -201,8 +209,10 @@ class RankGroup:
         return None
 
     def shutdown(self) -> None:
-        """Kill every actor (a rank blocked in a collective with a dead peer never returns)
-        and free the bundles."""
+        """Kill every actor and free the bundles.
+
+        A rank blocked in a collective with a dead peer never returns, so none is waited for.
+        """
         for actor in self.actors:
             try:
                 self._ray.kill(actor, no_restart=True)
