@@ -119,3 +119,59 @@ def test_packed_rows_under_tp2_with_sequence_parallel_follow_the_dp_losses(
             timeout_s=400,
         )
         _assert_same(base, other, f"packed dp=2 vs {name}")
+
+
+def _save_tiny_qwen3(directory: Path) -> Path:
+    """An unmodified transformers Qwen3 (q/k norms, tied head) saved with the demo tokenizer."""
+    from train_recipes.demo import build_char_tokenizer
+    from train_testing.tiny_hf import save_tiny, tiny_model
+
+    tokenizer = build_char_tokenizer()
+    model = tiny_model(
+        "qwen3",
+        seed=0,
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    return save_tiny(model, directory, tokenizer=tokenizer)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("family", ["qwen3", "qwen2_5_vl"])
+def test_tp2_follows_dp2_for_qwen3_and_the_qwen2_5_vl_language_model(
+    rank_pool: Any, demo_data: DemoSplit, shapes_data: DemoSplit, tmp_path: Path, family: str
+) -> None:
+    """Through the recipe: tp=2 (whole-model plan, sequence-parallel norms, vocab-sharded loss)
+    follows the dp=2 losses for a saved Qwen3 folder and for the Qwen2.5-VL demo model (its
+    language model sharded, the vision tower replicated), on the same global batches."""
+    steps = 4
+    if family == "qwen3":
+        split = demo_data
+        extra = [f"model.path={_save_tiny_qwen3(tmp_path / 'qwen3')}"]
+    else:
+        split = shapes_data
+        extra = ["data.model_family=qwen2_5_vl"]
+    dp = _losses(
+        rank_pool,
+        2,
+        [*_common(split, tmp_path / "dp2", steps), *extra],
+        steps,
+        timeout_s=400,
+    )
+    tp = _losses(
+        rank_pool,
+        2,
+        [
+            *_common(split, tmp_path / "tp2", steps),
+            *extra,
+            "parallel.tp=2",
+            "train.gradient_accumulation_steps=2",
+        ],
+        steps,
+        timeout_s=400,
+    )
+    _assert_same(dp, tp, f"{family}: dp=2 vs tp=2")
