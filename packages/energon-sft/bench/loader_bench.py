@@ -25,14 +25,6 @@ from typing import Any
 
 from train_testing.bench import device_name, print_lines, versions, write_json
 
-SPECIAL = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-]
 TEMPLATE = (
     "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' }}"
     "{%- if m['content'] is string -%}{{ m['content'] }}{%- else -%}{%- for p in m['content'] -%}"
@@ -65,24 +57,15 @@ def build_processor(side: int) -> Any:
     import logging
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessor
+    from transformers import Qwen2VLImageProcessor
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
+    from train_testing.tiny_hf import tiny_tokenizer
+
+    fast = tiny_tokenizer(
+        [" ".join(WORDS)] * 20 + ["user assistant system"],
         vocab_size=600,
-        special_tokens=SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        chat_template=TEMPLATE,
     )
-    tok.train_from_iterator([" ".join(WORDS)] * 20 + ["user assistant system"], trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL[1:],
-    )  # fmt: skip
-    fast.chat_template = TEMPLATE
 
     class Proc:
         tokenizer = fast

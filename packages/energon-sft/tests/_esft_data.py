@@ -19,14 +19,6 @@ ONE_RANK_IN_ORDER: Mapping[str, Any] = MappingProxyType(
     {"dp_rank": 0, "dp_world_size": 1, "num_workers": 0, "seed": 0, "shuffle": False}
 )
 
-SPECIAL = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-]
 
 # ChatML-like; image parts render as one placeholder block, tool calls as JSON.
 CHAT_TEMPLATE = (
@@ -57,27 +49,9 @@ CORPUS = [
 
 def build_tokenizer() -> Any:
     """A byte-level BPE trained on a tiny corpus, wrapped as a fast tokenizer with a template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from train_testing.tiny_hf import tiny_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL[1:],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return tiny_tokenizer(CORPUS, vocab_size=400, chat_template=CHAT_TEMPLATE)
 
 
 class LocalProcessor:

@@ -25,15 +25,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from sft_step import FULL, TINY, make_batches, timed_steps
+from sft_step import (
+    FULL,
+    TINY,
+    make_batches,
+    print_summary,
+    result_row,
+    timed_steps,
+    warm_up,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from train_engine import Engine, param_groups
@@ -42,15 +48,10 @@ from train_recipes.sft import token_sum_loss
 from train_testing.bench import (
     add_sft_step_arguments,
     device_name,
-    flops_per_token,
-    fmt,
     free_memory,
     init_process_group,
     llama_config,
-    peak_gib,
-    print_lines,
     resolve_sft_step_sizes,
-    sync,
     versions,
     write_json,
 )
@@ -109,26 +110,9 @@ def setup(name: str, args: argparse.Namespace) -> tuple[Callable[[dict], None], 
 def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     step, n_params, config = setup(name, args)
     data = make_batches(args, config.vocab_size)
-    t0 = time.perf_counter()
-    for i in range(args.warmup):
-        step(data[i % 2])
-    sync(args.device)
-    warmup_s = time.perf_counter() - t0
-    if args.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    seconds = statistics.median(timed_steps(step, data, args))
-    tokens_per_s = args.batch * args.seq / seconds
-    tflops = tokens_per_s * flops_per_token(n_params, config, args.seq) / 1e12
-    return {
-        "variant": name,
-        "ms/step": seconds * 1e3,
-        "tokens/s": tokens_per_s,
-        "model TFLOP/s": tflops,
-        "MFU %": 100 * tflops / args.peak_tflops,
-        "peak GiB": peak_gib(args.device),
-        "warm-up s": warmup_s,
-        "params (B)": n_params / 1e9,
-    }
+    warmup_s = warm_up(step, data, args)
+    times = timed_steps(step, data, args)
+    return result_row(name, times, warmup_s, n_params, config, args)
 
 
 def main() -> None:
@@ -157,22 +141,11 @@ def main() -> None:
             free_memory(args.device)
             print(json.dumps(rows[-1]), flush=True)
     base = rows[0]
-    for r in rows:
-        r[f"vs {base['variant']}"] = r["tokens/s"] / base["tokens/s"]
-    columns = [
-        "variant",
-        "ms/step",
-        "tokens/s",
-        "model TFLOP/s",
-        "MFU %",
-        f"vs {base['variant']}",
-        "peak GiB",
-        "warm-up s",
-    ]
-    print_lines(
+    print_summary(
         f"\nSFT step, hf vs megatron-core, batch {args.batch} x {args.seq} "
         f"({device_name(args.device)})",
-        *("  ".join(f"{c}={fmt(r.get(c), none='None')}" for c in columns) for r in rows),
+        rows,
+        base,
     )
     if args.out:
         import megatron.core

@@ -247,21 +247,39 @@ def run_variant(variant: Variant, args: argparse.Namespace, out_dir: Path | None
     step, n_params, config = setup(variant, args)
     data = make_batches(args, config.vocab_size)
     with sdpa_backends(variant.sdpa):
-        t0 = time.perf_counter()
-        for i in range(args.warmup):
-            step(data[i % 2])
-        sync(args.device)
-        warmup_s = time.perf_counter() - t0
-        if args.device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        warmup_s = warm_up(step, data, args)
         times = timed_steps(step, data, args)
         if variant.name in (args.profile or "").split(",") and out_dir is not None:
             profile(step, data, args, out_dir / f"profile_{variant.name}.txt")
+    return result_row(variant.name, times, warmup_s, n_params, config, args)
+
+
+def warm_up(step: Callable[[dict], None], data: list[dict], args: argparse.Namespace) -> float:
+    """Seconds of ``args.warmup`` untimed steps; the CUDA peak-memory counter restarts after."""
+    t0 = time.perf_counter()
+    for i in range(args.warmup):
+        step(data[i % 2])
+    sync(args.device)
+    warmup_s = time.perf_counter() - t0
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    return warmup_s
+
+
+def result_row(
+    name: str,
+    times: list[float],
+    warmup_s: float,
+    n_params: int,
+    config: Any,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """The JSON row of one variant from its timed step seconds (median over ``times``)."""
     seconds = statistics.median(times)
     tokens_per_s = args.batch * args.seq / seconds
     tflops = tokens_per_s * flops_per_token(n_params, config, args.seq) / 1e12
     return {
-        "variant": variant.name,
+        "variant": name,
         "ms/step": seconds * 1e3,
         "tokens/s": tokens_per_s,
         "model TFLOP/s": tflops,
@@ -270,6 +288,25 @@ def run_variant(variant: Variant, args: argparse.Namespace, out_dir: Path | None
         "warm-up s": warmup_s,
         "params (B)": n_params / 1e9,
     }
+
+
+def print_summary(title: str, rows: list[dict[str, Any]], base: dict[str, Any]) -> None:
+    """Add each row's throughput relative to ``base`` and print the table under ``title``."""
+    for r in rows:
+        r[f"vs {base['variant']}"] = r["tokens/s"] / base["tokens/s"]
+    columns = [
+        "variant",
+        "ms/step",
+        "tokens/s",
+        "model TFLOP/s",
+        "MFU %",
+        f"vs {base['variant']}",
+        "peak GiB",
+        "warm-up s",
+    ]
+    print_lines(
+        title, *("  ".join(f"{c}={fmt(r.get(c), none='None')}" for c in columns) for r in rows)
+    )
 
 
 def profile(
@@ -377,21 +414,8 @@ def main() -> None:
         free_memory(args.device)
         print(json.dumps(rows[-1]), flush=True)
     base = next((r for r in rows if r["variant"] == "fsdp2+compile"), rows[0])
-    for r in rows:
-        r[f"vs {base['variant']}"] = r["tokens/s"] / base["tokens/s"]
-    columns = [
-        "variant",
-        "ms/step",
-        "tokens/s",
-        "model TFLOP/s",
-        "MFU %",
-        f"vs {base['variant']}",
-        "peak GiB",
-        "warm-up s",
-    ]
-    print_lines(
-        f"\nSFT step, batch {args.batch} x {args.seq} ({device_name(args.device)})",
-        *("  ".join(f"{c}={fmt(r.get(c), none='None')}" for c in columns) for r in rows),
+    print_summary(
+        f"\nSFT step, batch {args.batch} x {args.seq} ({device_name(args.device)})", rows, base
     )
     if args.out:
         meta = {

@@ -27,9 +27,10 @@ context around the recomputation.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, ParamSpec
 
 import torch
 from torch import Tensor
@@ -44,6 +45,8 @@ __all__ = ["build_context", "checkpoint_context_fn", "pick_backend"]
 # per-chunk log-sum-exps that its memory-efficient kernel pads to a multiple of 32 rows (on an
 # H200 with torch 2.11, P=16 at cp=2 failed inside torch's merge).
 RING_CHUNK_ALIGN = 32
+
+_P = ParamSpec("_P")
 
 
 def pick_backend(
@@ -121,6 +124,17 @@ def checkpoint_context_fn() -> tuple[
     return contextlib.nullcontext(), (active() if active is not None else contextlib.nullcontext())
 
 
+def _marks_active(build: Callable[_P, TrainContext]) -> Callable[_P, TrainContext]:
+    """``build`` whose returned factories also mark themselves active (see :func:`_recorded`)."""
+
+    @functools.wraps(build)
+    def build_recorded(*args: _P.args, **kwargs: _P.kwargs) -> TrainContext:
+        return _recorded(build(*args, **kwargs))
+
+    return build_recorded
+
+
+@_marks_active
 def build_context(
     plan: BatchPlan,
     backend: Backend,
@@ -133,38 +147,9 @@ def build_context(
     inverse_index: Tensor,
     attach_te: Callable[[], None],
 ) -> TrainContext:
-    """Build the ``train_ctx`` factory of this step (see :func:`_build_context`).
+    """The ``train_ctx`` factory of this step.
 
     Entering the context marks it active for :func:`checkpoint_context_fn`.
-    """
-    return _recorded(
-        _build_context(
-            plan,
-            backend,
-            model=model,
-            cp=cp,
-            hf=hf,
-            local_index=local_index,
-            all_index=all_index,
-            inverse_index=inverse_index,
-            attach_te=attach_te,
-        )
-    )
-
-
-def _build_context(
-    plan: BatchPlan,
-    backend: Backend,
-    *,
-    model: torch.nn.Module,
-    cp: CPGroup,
-    hf: bool,
-    local_index: Tensor,
-    all_index: Tensor,
-    inverse_index: Tensor,
-    attach_te: Callable[[], None],
-) -> TrainContext:
-    """The ``train_ctx`` factory of this step.
 
     Args:
         plan: the step's batch plan.

@@ -12,7 +12,7 @@ block, M-RoPE) and ``bert`` (an encoder, ``BertModel``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -21,13 +21,25 @@ import torch
 from torch import nn
 
 __all__ = [
+    "CHATML_SPECIAL_TOKENS",
     "FAMILIES",
     "TEXT_SIZES",
     "VISION_SIZES",
     "save_tiny",
     "tiny_config",
     "tiny_model",
+    "tiny_tokenizer",
 ]
+
+# Qwen2-VL's ChatML and image-placeholder tokens: pad first, then the rest (eos among them).
+CHATML_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+)
 
 # The sizes most tests use: 2 layers, hidden 32, grouped-query attention 4/2, vocabulary 128.
 TEXT_SIZES: Mapping[str, int] = MappingProxyType(
@@ -215,3 +227,42 @@ def save_tiny(model: nn.Module, directory: Path, *, tokenizer: Any = None) -> Pa
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     return directory
+
+
+def tiny_tokenizer(
+    corpus: list[str],
+    *,
+    vocab_size: int,
+    chat_template: str,
+    special_tokens: Sequence[str] = CHATML_SPECIAL_TOKENS,
+) -> Any:
+    """A byte-level BPE trained on ``corpus``, wrapped as a fast tokenizer with a chat template.
+
+    Args:
+        corpus: the training texts (a few sentences are enough).
+        vocab_size: the BPE vocabulary size, special tokens included.
+        chat_template: the Jinja chat template.
+        special_tokens: the first is the pad token, the others are additional special tokens;
+            ``<|im_end|>`` must be among them (it is the end-of-sequence token).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token=special_tokens[0],
+        additional_special_tokens=list(special_tokens[1:]),
+    )
+    fast.chat_template = chat_template
+    return fast

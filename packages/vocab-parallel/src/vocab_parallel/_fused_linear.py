@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from vocab_parallel._linear import _add_matmul_, _block_fp32
+from vocab_parallel._linear import _add_matmul_, _chunk_logits_grad
 from vocab_parallel._logits import Plan, locate_targets, raise_invalid
-from vocab_parallel._math import chunk_grad, scaled_fp32, scaled_target, shard_stats
+from vocab_parallel._math import scaled_fp32, scaled_target, shard_stats
 from vocab_parallel._reduce import reduce_stats
 
 # Default chunking: one chunk's logits hold at most 1/FUSED_CHUNKS of the full [N, Vl] logits
@@ -69,53 +69,6 @@ def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
     if a.is_cuda:
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()  # CPU matmuls have no fp32 output for 16-bit inputs
-
-
-def _chunk_logits_grad(
-    logits: Tensor,
-    *,
-    log_normalizer: Tensor,
-    g_all: Tensor,
-    target_index: Tensor,
-    target_grad: Tensor,
-    plan: Plan,
-    dtype: torch.dtype,
-) -> Tensor:
-    """[C, Vl] gradient of sum_t c_t log p_t w.r.t. the chunk's logits, in ``dtype``.
-
-    ``g_all`` is c_t / temperature (0 where ignored), ``target_grad`` the same where the target
-    is in this shard (else 0). When ``logits`` already have ``dtype``, the Triton backend
-    overwrites them with their gradient; fp32 logits of 16-bit inputs get a new buffer.
-    """
-    if plan.backend == "triton":
-        from vocab_parallel import _triton
-
-        return _triton.logits_grad(
-            logits,
-            inv_temperature=plan.inv_temperature,
-            inv_vocab=1.0 / plan.vocab_size,
-            log_normalizer=log_normalizer,
-            entropy=None,
-            grad_all=g_all,
-            grad_entropy=None,
-            grad_uniform=None,
-            target_index=target_index,
-            target_grad=target_grad,
-            in_place=True,  # the chunk's logits are not needed once their gradient exists
-            out_dtype=dtype,
-        )
-    grad = chunk_grad(
-        _block_fp32(logits, plan.inv_temperature),
-        log_normalizer=log_normalizer,
-        entropy=None,
-        grad_target=g_all,
-        grad_entropy=None,
-        grad_uniform=None,
-        inv_vocab=1.0 / plan.vocab_size,
-        target_index=target_index,
-        target_grad=target_grad,
-    )
-    return grad.to(dtype)
 
 
 def _chunk_matmuls(

@@ -114,38 +114,65 @@ def _matmul_logits_grad(
     plan: Plan,
 ) -> Tensor:
     """[N, B] logits gradient of one block (input dtype), from a cuBLAS recomputation."""
-    inv_t = plan.inv_temperature
     logits = hidden @ rows.T
     in_block, column = _block_targets(index, in_shard, start, start + rows.shape[0])
     target_grad = torch.where(in_block, g_all, 0.0)
+    return _chunk_logits_grad(
+        logits,
+        log_normalizer=log_normalizer,
+        g_all=g_all,
+        target_index=column,
+        target_grad=target_grad,
+        plan=plan,
+        dtype=hidden.dtype,
+    )
+
+
+def _chunk_logits_grad(
+    logits: Tensor,
+    *,
+    log_normalizer: Tensor,
+    g_all: Tensor,
+    target_index: Tensor,
+    target_grad: Tensor,
+    plan: Plan,
+    dtype: torch.dtype,
+) -> Tensor:
+    """[C, Vl] gradient of sum_t c_t log p_t w.r.t. the chunk's logits, in ``dtype``.
+
+    ``g_all`` is c_t / temperature (0 where ignored), ``target_grad`` the same where the target
+    is in this shard (else 0). When ``logits`` already have ``dtype``, the Triton backend
+    overwrites them with their gradient; fp32 logits of 16-bit inputs get a new buffer.
+    """
     if plan.backend == "triton":
         from vocab_parallel import _triton
 
         return _triton.logits_grad(
             logits,
-            inv_temperature=inv_t,
+            inv_temperature=plan.inv_temperature,
             inv_vocab=1.0 / plan.vocab_size,
             log_normalizer=log_normalizer,
             entropy=None,
             grad_all=g_all,
             grad_entropy=None,
             grad_uniform=None,
-            target_index=column,
+            target_index=target_index,
             target_grad=target_grad,
-            in_place=True,  # the recomputed block is not needed once its gradient exists
+            in_place=True,  # the logits are not needed once their gradient exists
+            out_dtype=dtype,
         )
-    grad_z = chunk_grad(
-        _block_fp32(logits, inv_t),
+    grad = chunk_grad(
+        _block_fp32(logits, plan.inv_temperature),
         log_normalizer=log_normalizer,
         entropy=None,
         grad_target=g_all,
         grad_entropy=None,
         grad_uniform=None,
         inv_vocab=1.0 / plan.vocab_size,
-        target_index=column,
+        target_index=target_index,
         target_grad=target_grad,
     )
-    return grad_z.to(hidden.dtype)
+    return grad.to(dtype)
 
 
 class LinearLogProbs(torch.autograd.Function):
