@@ -18,46 +18,24 @@ from _esft_data import (
     chat_rows,
     png_bytes,
 )
+from _esft_docs import hand_made_doc, packed_row
 from energon_sft import (
-    IGNORE_INDEX,
     ChatSample,
-    EncodedSample,
     MediaItem,
     SFTTaskEncoder,
     build_sft_loader,
     mrope_position_ids,
 )
-from energon_sft.batch import collate, greedy_pack, pack_samples
-
-
-def _doc(n: int, *, first_id: int, mrope: list[list[int]] | None = None) -> EncodedSample:
-    """One hand-made document of n tokens (ids first_id, first_id+1, ...)."""
-    ids = torch.arange(first_id, first_id + n)
-    labels = torch.cat([ids[1:], torch.tensor([IGNORE_INDEX])])
-    return EncodedSample(
-        __key__=f"d{first_id}",
-        __restore_key__=(),
-        input_ids=ids,
-        labels=labels,
-        position_ids=torch.arange(n),
-        image_mask=torch.zeros(n, dtype=torch.bool),
-        mrope_position_ids=torch.tensor(mrope) if mrope is not None else None,
-        pixel_values=None,
-        image_grid_thw=torch.zeros((0, 3), dtype=torch.int64),
-        seq_lens=[n],
-        sample_weights=[1.0],
-        source_ids=[f"s{first_id}"],
-    )
-
-
-def _pack(*docs: EncodedSample) -> EncodedSample:
-    return EncodedSample.derive_from(docs[0], __restore_key__=(), **pack_samples(docs))
+from energon_sft.batch import collate, greedy_pack
 
 
 def test_packed_rows_give_per_row_documents_flat_segments_and_padding_apart() -> None:
     # Row 0: documents of 3 and 2 tokens; row 1: one document of 4. Padded to a multiple of 4:
     # S = 8, so row 0 ends in 3 padding tokens and row 1 in 4.
-    rows = [_pack(_doc(3, first_id=10), _doc(2, first_id=20)), _doc(4, first_id=30)]
+    rows = [
+        packed_row(hand_made_doc(3, first_id=10), hand_made_doc(2, first_id=20)),
+        hand_made_doc(4, first_id=30),
+    ]
     out = collate(rows, pad_token_id=0, pad_to_multiple_of=4, qkv_format="thd")
     assert out["qkv_format"] == "thd"
     assert out["input_ids"].shape == (2, 8)
@@ -75,7 +53,7 @@ def test_packed_rows_give_per_row_documents_flat_segments_and_padding_apart() ->
     assert out["labels"][0].tolist() == [11, 12, -100, 21, -100, -100, -100, -100]
     assert out["mrope_position_ids"] is None
     # One document per row: the same fields, marked bshd.
-    single = collate([_doc(3, first_id=1)], pad_token_id=0, pad_to_multiple_of=4)
+    single = collate([hand_made_doc(3, first_id=1)], pad_token_id=0, pad_to_multiple_of=4)
     assert single["qkv_format"] == "bshd"
     assert single["seq_lens"].tolist() == [[3]]
     assert single["segment_lengths"].tolist() == [3, 1]
@@ -83,9 +61,11 @@ def test_packed_rows_give_per_row_documents_flat_segments_and_padding_apart() ->
 
 
 def test_mrope_ids_are_packed_per_document_and_padding_continues() -> None:
-    first = _doc(3, first_id=10, mrope=[[0, 1, 4], [0, 2, 4], [0, 3, 4]])
-    second = _doc(2, first_id=20, mrope=[[0, 1], [0, 1], [0, 1]])
-    out = collate([_pack(first, second)], pad_token_id=0, pad_to_multiple_of=8, qkv_format="thd")
+    first = hand_made_doc(3, first_id=10, mrope=[[0, 1, 4], [0, 2, 4], [0, 3, 4]])
+    second = hand_made_doc(2, first_id=20, mrope=[[0, 1], [0, 1], [0, 1]])
+    out = collate(
+        [packed_row(first, second)], pad_token_id=0, pad_to_multiple_of=8, qkv_format="thd"
+    )
     got = out["mrope_position_ids"]
     assert got.shape == (3, 1, 8)
     # Each axis continues from its own last value over the 3 padding tokens.
@@ -99,16 +79,18 @@ def test_mrope_ids_are_packed_per_document_and_padding_continues() -> None:
 def test_inconsistent_rows_raise_with_the_fix() -> None:
     with pytest.raises(ValueError, match="M-RoPE family or for none"):
         collate(
-            [_doc(2, first_id=1, mrope=[[0, 1]] * 3), _doc(2, first_id=5)],
+            [hand_made_doc(2, first_id=1, mrope=[[0, 1]] * 3), hand_made_doc(2, first_id=5)],
             pad_token_id=0,
             pad_to_multiple_of=1,
         )
-    bad = _doc(3, first_id=1)
+    bad = hand_made_doc(3, first_id=1)
     bad.seq_lens = [2]
     with pytest.raises(ValueError, match=r"row 0 has 3 tokens but .* \[2\]"):
         collate([bad], pad_token_id=0, pad_to_multiple_of=1)
     with pytest.raises(ValueError, match="qkv_format"):
-        collate([_doc(2, first_id=1)], pad_token_id=0, pad_to_multiple_of=1, qkv_format="sbhd")
+        collate(
+            [hand_made_doc(2, first_id=1)], pad_token_id=0, pad_to_multiple_of=1, qkv_format="sbhd"
+        )
     with pytest.raises(ValueError, match=r"sample 1 has 9 tokens.*capacity 8.*max_length to >= 9"):
         greedy_pack([3, 9], 8)
 

@@ -8,43 +8,23 @@ import itertools
 import pytest
 import torch
 
-from energon_sft import IGNORE_INDEX, EncodedSample, to_megatron_inputs
-from energon_sft.batch import collate, pack_samples
-
-
-def _doc(n: int, *, first_id: int) -> EncodedSample:
-    ids = torch.arange(first_id, first_id + n)
-    labels = torch.cat([ids[1:], torch.tensor([IGNORE_INDEX])])
-    labels[0] = IGNORE_INDEX  # an untrained prompt token
-    return EncodedSample(
-        __key__=f"d{first_id}",
-        __restore_key__=(),
-        input_ids=ids,
-        labels=labels,
-        position_ids=torch.arange(n),
-        image_mask=torch.zeros(n, dtype=torch.bool),
-        mrope_position_ids=None,
-        pixel_values=None,
-        image_grid_thw=torch.zeros((0, 3), dtype=torch.int64),
-        seq_lens=[n],
-        sample_weights=[1.0],
-        source_ids=[f"s{first_id}"],
-    )
-
-
-def _pack(*docs: EncodedSample) -> EncodedSample:
-    return EncodedSample.derive_from(docs[0], __restore_key__=(), **pack_samples(docs))
+from _esft_docs import hand_made_doc, packed_row
+from energon_sft import IGNORE_INDEX, to_megatron_inputs
+from energon_sft.batch import collate
 
 
 def test_packed_batch_becomes_one_thd_row_with_one_segment_per_document() -> None:
     gen = torch.Generator().manual_seed(0)
     lengths = [[int(n) for n in torch.randint(2, 9, (3,), generator=gen)], [5], [4, 6]]
     docs = [
-        [_doc(n, first_id=100 * r + 10 * i) for i, n in enumerate(row)]
+        [
+            hand_made_doc(n, first_id=100 * r + 10 * i, untrained_prompt=True)
+            for i, n in enumerate(row)
+        ]
         for r, row in enumerate(lengths)
     ]
     batch = collate(
-        [_pack(*row) for row in docs], pad_token_id=0, pad_to_multiple_of=8, qkv_format="thd"
+        [packed_row(*row) for row in docs], pad_token_id=0, pad_to_multiple_of=8, qkv_format="thd"
     )
     inputs = to_megatron_inputs(batch)
     rows, seq = batch["input_ids"].shape
@@ -84,7 +64,12 @@ def test_packed_batch_becomes_one_thd_row_with_one_segment_per_document() -> Non
 
 def test_unpacked_batch_keeps_rows_and_needs_no_packed_params() -> None:
     batch = collate(
-        [_doc(3, first_id=1), _doc(6, first_id=20)], pad_token_id=0, pad_to_multiple_of=4
+        [
+            hand_made_doc(3, first_id=1, untrained_prompt=True),
+            hand_made_doc(6, first_id=20, untrained_prompt=True),
+        ],
+        pad_token_id=0,
+        pad_to_multiple_of=4,
     )
     inputs = to_megatron_inputs(batch)
     assert inputs.qkv_format == "sbhd" and inputs.packed_seq_params() is None
@@ -96,7 +81,12 @@ def test_unpacked_batch_keeps_rows_and_needs_no_packed_params() -> None:
 
 def test_images_and_broken_offsets_are_refused() -> None:
     batch = collate(
-        [_pack(_doc(3, first_id=1), _doc(2, first_id=9))],
+        [
+            packed_row(
+                hand_made_doc(3, first_id=1, untrained_prompt=True),
+                hand_made_doc(2, first_id=9, untrained_prompt=True),
+            )
+        ],
         pad_token_id=0,
         pad_to_multiple_of=4,
         qkv_format="thd",

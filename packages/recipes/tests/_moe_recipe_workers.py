@@ -9,15 +9,10 @@ import torch
 from _recipes_workers import run_sft_on_rank
 
 
-def run_moe_sft_on_rank(
-    rank: int,
-    world_size: int,
-    overrides: list[str],
-    probe: list[list[int]],
-    resume: bool = False,
-) -> dict[str, Any]:
-    """:func:`run_sft_on_rank`, also returning (on every rank) the token count of each MoE layer
-    call in training forwards, to show that the ep ranks dispatch unequal numbers of tokens."""
+def run_moe_sft_on_rank(rank: int, world_size: int, *sft_args: Any) -> dict[str, Any]:
+    """:func:`run_sft_on_rank` with the same arguments (``overrides``, ``probe``, ``resume``),
+    also returning (on every rank) the token count of each MoE layer call in training forwards,
+    to show that the ep ranks dispatch unequal numbers of tokens."""
     from moe_dispatch import ExpertParallelMoE
 
     tokens: list[int] = []
@@ -28,7 +23,7 @@ def run_moe_sft_on_rank(
 
     hook = torch.nn.modules.module.register_module_forward_pre_hook(record)
     try:
-        result = run_sft_on_rank(rank, world_size, overrides, probe, resume)
+        result = run_sft_on_rank(rank, world_size, *sft_args)
     finally:
         hook.remove()
     return {**result, "moe_tokens": tokens}

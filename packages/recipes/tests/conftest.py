@@ -74,6 +74,56 @@ def data_overrides(split: DemoSplit) -> list[str]:
     return [f"data.path={split.energon_dir}", f"data.eval_path={split.eval_jsonl}"]
 
 
+def unshuffled_cpu_run(
+    split: DemoSplit, out: Path, steps: int, *, checkpoint_every: int = 0
+) -> list[str]:
+    """Overrides of a CPU run on ``split`` into ``out`` that logs every step, neither evaluates
+    nor exports, and reads unshuffled micro-batches of 8 from 2 logical shards (so the samples
+    each step sees are known): the data-plane, scale and Ray tests add their parallelism."""
+    return [
+        *data_overrides(split),
+        f"train.output_dir={out}",
+        f"train.steps={steps}",
+        "train.log_every=1",
+        f"train.checkpoint_every={checkpoint_every}",
+        "train.eval_samples=0",
+        "train.tensorboard=false",
+        "train.export=false",
+        "train.device=cpu",
+        "data.micro_batch_size=8",
+        "data.num_logical_shards=2",
+        "data.shuffle=false",
+    ]
+
+
+def merged_lora_run(split: DemoSplit, out: Path, steps: int) -> list[str]:
+    """Overrides of a quiet CPU LoRA run on ``split`` into ``out`` (learning rate 1e-2, micro-
+    batches of 8) that exports the merged model: the LoRA tests add their rank and parallelism."""
+    return [
+        *data_overrides(split),
+        f"train.output_dir={out}",
+        "lora.enabled=true",
+        "lora.export=merged",
+        "optim.lr=1e-2",
+        f"train.steps={steps}",
+        *QUIET_CPU_RUN,
+        "data.micro_batch_size=8",
+    ]
+
+
+def check_lora_run(
+    run: dict[str, Any], adapter_dir: Path, probe: list[list[int]], *, window: int
+) -> None:
+    """A LoRA run's rank-0 report shows training (the last ``window`` logged losses sum below
+    the first ``window``), no changed base weight, only ``lora_`` weights trainable, and both
+    exports reproducing its logits on ``probe`` (:func:`check_lora_exports`)."""
+    losses = [run["losses"][s] for s in sorted(run["losses"])]
+    assert sum(losses[-window:]) < sum(losses[:window]), losses
+    assert run["frozen_equal"], "a base weight changed under LoRA"
+    assert run["trainable"] and all("lora_" in n for n in run["trainable"]), run["trainable"]
+    check_lora_exports(run, adapter_dir, probe)
+
+
 def check_lora_exports(run: dict[str, Any], adapter_dir: Path, probe: list[list[int]]) -> None:
     """Both exports of a LoRA run on the default tiny model reproduce its trained logits on
     ``probe``: the merged model (no ``lora_`` weights left), and the adapter alone loaded with

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from _controller_workers import loader_sample_ids, run_sft_plane_on_rank
-from conftest import data_overrides
+from conftest import unshuffled_cpu_run
 from train_recipes.data_plane import DataPlane
 from train_recipes.demo import DemoSplit
 
@@ -25,18 +25,7 @@ def test_cp2_builds_one_loader_per_replica_and_the_plane_lists_one_epoch(
         2,
         run_sft_plane_on_rank,
         [
-            *data_overrides(epoch_data),
-            f"train.output_dir={tmp_path / 'cp2'}",
-            f"train.steps={EPOCH_STEPS}",
-            "train.log_every=1",
-            "train.checkpoint_every=0",
-            "train.eval_samples=0",
-            "train.tensorboard=false",
-            "train.export=false",
-            "train.device=cpu",
-            "data.micro_batch_size=8",
-            "data.num_logical_shards=2",
-            "data.shuffle=false",
+            *unshuffled_cpu_run(epoch_data, tmp_path / "cp2", EPOCH_STEPS),
             "parallel.cp=2",
         ],
         timeout_s=240,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _scale_workers import lora_fsdp2_on_rank
-from conftest import QUIET_CPU_RUN, check_lora_exports, data_overrides
+from conftest import check_lora_run, merged_lora_run
 
 pytest.importorskip("peft", reason="needs the lora extra (peft)")
 
@@ -27,27 +27,17 @@ def test_lora_under_fsdp2_trains_adapters_and_exports(
         2,
         lora_fsdp2_on_rank,
         [
-            *data_overrides(demo_data),
-            f"train.output_dir={tmp_path / 'lora'}",
+            *merged_lora_run(demo_data, tmp_path / "lora", 12),
             "parallel.data_parallel=fsdp2",
             parallel,
-            "lora.enabled=true",
-            "lora.export=merged",
-            "optim.lr=1e-2",
-            "train.steps=12",
-            *QUIET_CPU_RUN,
-            "data.micro_batch_size=8",
         ],
         PROBE,
         str(tmp_path / "adapter"),
         timeout_s=240,
     )[0]
-    losses = [run["losses"][s] for s in sorted(run["losses"])]
-    assert sum(losses[-4:]) < sum(losses[:4]), losses
-    assert run["compared"] > 10 and run["frozen_equal"], "a base weight changed under LoRA"
-    assert run["trainable"] and all("lora_" in n for n in run["trainable"]), run["trainable"]
-
-    check_lora_exports(run, tmp_path / "adapter", PROBE)
+    # The frozen-weight check must have compared the base weights, not an empty set.
+    assert run["compared"] > 10, run["compared"]
+    check_lora_run(run, tmp_path / "adapter", PROBE, window=4)
 
 
 @pytest.mark.timeout(300)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from _controller_workers import metrics_losses, run_sft_plane_on_rank
-from conftest import data_overrides
+from conftest import unshuffled_cpu_run
 from train_recipes import cli
 from train_recipes.config import SFTConfig, load_config, validate_sft
 from train_recipes.controller import RayRun, import_ray, run_sft_on_ray
@@ -34,18 +34,7 @@ def _common(split: DemoSplit, out: Path) -> list[str]:
     # A constant rate after the warm-up: the killed run's longer train.steps gives the same
     # rates, so its resume must reproduce the 20-step run.
     return [
-        *data_overrides(split),
-        f"train.output_dir={out}",
-        f"train.steps={STEPS}",
-        "train.log_every=1",
-        "train.checkpoint_every=10",
-        "train.eval_samples=0",
-        "train.tensorboard=false",
-        "train.export=false",
-        "train.device=cpu",
-        "data.micro_batch_size=8",
-        "data.num_logical_shards=2",
-        "data.shuffle=false",
+        *unshuffled_cpu_run(split, out, STEPS, checkpoint_every=10),
         "optim.schedule=constant",
         "optim.warmup_steps=5",
     ]

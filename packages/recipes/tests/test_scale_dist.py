@@ -15,26 +15,12 @@ import pytest
 import torch
 
 from _recipes_workers import run_sft_on_rank
-from conftest import data_overrides
+from conftest import unshuffled_cpu_run
 from train_recipes.demo import DemoSplit
 
 
 def _common(split: DemoSplit, out: Path, steps: int) -> list[str]:
-    return [
-        *data_overrides(split),
-        f"train.output_dir={out}",
-        f"train.steps={steps}",
-        "train.log_every=1",
-        "train.checkpoint_every=0",
-        "train.eval_samples=0",
-        "train.tensorboard=false",
-        "train.export=false",
-        "train.device=cpu",
-        "data.micro_batch_size=8",
-        "data.num_logical_shards=2",
-        "data.shuffle=false",
-        "parallel.data_parallel=fsdp2",
-    ]
+    return [*unshuffled_cpu_run(split, out, steps), "parallel.data_parallel=fsdp2"]
 
 
 def _losses(

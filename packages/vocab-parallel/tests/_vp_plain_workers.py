@@ -13,17 +13,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+import _vp_reference as reference
 import vocab_parallel as vp
-from _vp_reference import (
-    make_labels,
-    make_logits,
-    ref_cross_entropy,
-    ref_entropy,
-    ref_log_probs,
-    upstream,
-)
-
-IGNORE = -100
+from _vp_reference import IGNORE
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, what: str) -> None:
@@ -63,8 +55,8 @@ def check_plain_logits(rank: int, world_size: int, cases: list[dict[str, Any]]) 
             layout = vp.VocabSplit(group=group, vocab_start=start, vocab_size=vocab)
         what = f"V={vocab} uneven={uneven}"
 
-        full = make_logits(shape, vocab, seed=seed)
-        labels = make_labels(shape, vocab, seed=seed, ignore_index=IGNORE)
+        full = reference.make_logits(shape, vocab, seed=seed)
+        labels = reference.make_labels(shape, vocab, seed=seed, ignore_index=IGNORE)
         ref = full.double().requires_grad_()
         local = full[..., start:stop].clone().requires_grad_()
         log_p, ent = vp.token_log_probs_and_entropy(
@@ -73,9 +65,9 @@ def check_plain_logits(rank: int, world_size: int, cases: list[dict[str, Any]]) 
         lp_only = vp.token_log_probs(local, labels, temperature=temp, vocab_group=layout)
         ent_only = vp.token_entropy(local, temperature=temp, vocab_group=layout)
         ce = vp.cross_entropy(local, labels, vocab_group=layout, label_smoothing=0.1)
-        ref_lp = ref_log_probs(ref, labels, temp, IGNORE)
-        ref_h = ref_entropy(ref, temp)
-        ref_ce = ref_cross_entropy(ref, labels, IGNORE, "mean", 0.1)
+        ref_lp = reference.ref_log_probs(ref, labels, temp, IGNORE)
+        ref_h = reference.ref_entropy(ref, temp)
+        ref_ce = reference.ref_cross_entropy(ref, labels, IGNORE, "mean", 0.1)
         for name, value, expected in (
             ("log-probs", log_p, ref_lp),
             ("token_log_probs", lp_only, ref_lp),
@@ -84,7 +76,7 @@ def check_plain_logits(rank: int, world_size: int, cases: list[dict[str, Any]]) 
             ("cross-entropy", ce, ref_ce),
         ):
             _close(value, expected, atol=3e-5, what=f"{what} {name}")
-        w1, w2 = upstream(shape, seed=seed), upstream(shape, seed=seed + 3)
+        w1, w2 = reference.upstream(shape, seed=seed), reference.upstream(shape, seed=seed + 3)
         (log_p.double() * w1 + ent.double() * w2 + ce.double()).sum().backward()
         (ref_lp * w1 + ref_h * w2 + ref_ce).sum().backward()
         assert local.grad is not None
@@ -119,13 +111,13 @@ def check_plain_fused_linear(rank: int, world_size: int, uneven: bool) -> str:
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(vocab, hidden_size, generator=gen) * 0.6
     hidden_full = torch.randn(*shape, hidden_size, generator=gen)
-    labels = make_labels(shape, vocab, seed=5, ignore_index=IGNORE)
-    coef = upstream(shape, seed=9).float()
+    labels = reference.make_labels(shape, vocab, seed=5, ignore_index=IGNORE)
+    coef = reference.upstream(shape, seed=9).float()
 
     wd = weight.double().requires_grad_()
     hd = hidden_full.double().requires_grad_()
-    ref_lp = ref_log_probs(hd @ wd.T, labels, temp, IGNORE)
-    ref_ce = ref_cross_entropy(hd @ wd.T, labels, IGNORE, "mean", 0.0)
+    ref_lp = reference.ref_log_probs(hd @ wd.T, labels, temp, IGNORE)
+    ref_ce = reference.ref_cross_entropy(hd @ wd.T, labels, IGNORE, "mean", 0.0)
     for name, fn, ref_value in (
         (
             "linear_token_log_probs",

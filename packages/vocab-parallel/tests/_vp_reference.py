@@ -6,6 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# The label value every reference and every vocab_parallel call in these tests ignores.
+IGNORE = -100
+
 
 def ref_log_probs(logits: Tensor, labels: Tensor, temperature: float, ignore_index: int) -> Tensor:
     """[...] float64 log p(label); 0 at ignored positions. ``logits`` is float64 [..., V]."""
@@ -55,7 +58,7 @@ def make_labels(
     *,
     seed: int,
     low: int = 0,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE,
     ignore_fraction: float = 0.25,
 ) -> Tensor:
     """Random int64 labels in [low, V) with about ``ignore_fraction`` set to ``ignore_index``."""

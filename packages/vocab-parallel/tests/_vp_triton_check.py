@@ -10,36 +10,31 @@ import argparse
 
 import torch
 
+import _vp_reference as reference
 import vocab_parallel as vp
-from _vp_reference import (
-    make_labels,
-    make_logits,
-    ref_cross_entropy,
-    ref_entropy,
-    ref_log_probs,
-    upstream,
-)
-
-IGNORE = -100
+from _vp_reference import IGNORE
 
 
 def check(device: str, vocab: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     masked = max(1, vocab // 10)
-    logits = make_logits(shape, vocab, seed=vocab, masked_columns=masked).to(dtype)
-    labels = make_labels(shape, vocab, seed=vocab, low=masked).to(device)
+    logits = reference.make_logits(shape, vocab, seed=vocab, masked_columns=masked).to(dtype)
+    labels = reference.make_labels(shape, vocab, seed=vocab, low=masked).to(device)
     # Tolerances: values accumulate in fp32 either way; bf16 gradients are rounded to bf16
     # (and the CPU interpreter may truncate instead of round).
     v_atol = 5e-5
     g_atol, g_rtol = (3e-6, 1e-5) if dtype == torch.float32 else (8e-3, 2e-2)
-    w1, w2 = upstream(shape, seed=1).to(device), upstream(shape, seed=2).to(device)
+    w1, w2 = (
+        reference.upstream(shape, seed=1).to(device),
+        reference.upstream(shape, seed=2).to(device),
+    )
     for temperature in (1.0, 0.7):
         x = logits.to(device).detach().clone().requires_grad_()
         ref = logits.to(device).detach().double().requires_grad_()
         log_p, ent = vp.token_log_probs_and_entropy(
             x, labels, temperature=temperature, backend="triton"
         )
-        ref_lp = ref_log_probs(ref, labels, temperature, IGNORE)
-        ref_h = ref_entropy(ref, temperature)
+        ref_lp = reference.ref_log_probs(ref, labels, temperature, IGNORE)
+        ref_h = reference.ref_entropy(ref, temperature)
         what = f"{device} V={vocab} {dtype} T={temperature}"
         torch.testing.assert_close(
             log_p.double(), ref_lp, atol=v_atol, rtol=1e-5, msg=lambda m, what=what: f"{what}: {m}"
@@ -60,11 +55,11 @@ def check(device: str, vocab: int, shape: tuple[int, ...], dtype: torch.dtype) -
         assert torch.all(x.grad[labels == IGNORE][..., :masked] == 0)
 
     # Cross-entropy with label smoothing (no masked columns: smoothing over -inf is infinite).
-    plain = make_logits(shape, vocab, seed=vocab + 1).to(dtype)
+    plain = reference.make_logits(shape, vocab, seed=vocab + 1).to(dtype)
     x = plain.to(device).detach().clone().requires_grad_()
     ref = plain.to(device).detach().double().requires_grad_()
     ce = vp.cross_entropy(x, labels, label_smoothing=0.1, backend="triton")
-    ref_ce = ref_cross_entropy(ref, labels, IGNORE, "mean", 0.1)
+    ref_ce = reference.ref_cross_entropy(ref, labels, IGNORE, "mean", 0.1)
     torch.testing.assert_close(ce.double(), ref_ce, atol=v_atol, rtol=1e-5)
     ce.backward()
     ref_ce.backward()
@@ -98,7 +93,7 @@ def check_linear(device: str, vocab: int, tokens: int, dtype: torch.dtype) -> No
     gen = torch.Generator().manual_seed(vocab)
     hidden = torch.randn(tokens, 16, generator=gen).to(dtype)
     weight = (torch.randn(vocab, 16, generator=gen) * 0.5).to(dtype)
-    labels = make_labels((tokens,), vocab, seed=vocab).to(device)
+    labels = reference.make_labels((tokens,), vocab, seed=vocab).to(device)
     h = hidden.to(device).requires_grad_()
     w = weight.to(device).requires_grad_()
     out = vp.linear_token_log_probs(h, w, labels, temperature=1.2, chunk_size=7, backend="triton")
@@ -108,7 +103,7 @@ def check_linear(device: str, vocab: int, tokens: int, dtype: torch.dtype) -> No
     w2 = weight.to(device).requires_grad_()
     ref = vp.linear_token_log_probs(h2, w2, labels, temperature=1.2, chunk_size=7, backend="torch")
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    weights = upstream((tokens,), seed=3).float().to(device)
+    weights = reference.upstream((tokens,), seed=3).float().to(device)
     (out * weights).sum().backward()
     (ref * weights).sum().backward()
     assert h.grad is not None and w.grad is not None
@@ -124,8 +119,8 @@ def check_linear_float64(
     gen = torch.Generator().manual_seed(tokens + vocab)
     hidden = torch.randn(tokens, hidden_dim, generator=gen).to(dtype)
     weight = (torch.randn(vocab, hidden_dim, generator=gen) * 2 / hidden_dim**0.5).to(dtype)
-    labels = make_labels((tokens,), vocab, seed=vocab).to(device)
-    weights = upstream((tokens,), seed=5).double().to(device)
+    labels = reference.make_labels((tokens,), vocab, seed=vocab).to(device)
+    weights = reference.upstream((tokens,), seed=5).double().to(device)
     for temperature in (1.0, 0.8):
         h = hidden.to(device).clone().requires_grad_()
         w = weight.to(device).clone().requires_grad_()
@@ -139,7 +134,7 @@ def check_linear_float64(
         )
         rh = hidden.to(device).double().requires_grad_()
         rw = weight.to(device).double().requires_grad_()
-        ref = ref_log_probs((rh @ rw.T), labels, temperature, IGNORE)
+        ref = reference.ref_log_probs((rh @ rw.T), labels, temperature, IGNORE)
         what = f"{device} N={tokens} V={vocab} H={hidden_dim} {dtype} chunk={chunk} T={temperature}"
         # Values: the block logits are rounded to the input dtype by the matmul (as in any
         # 16-bit matmul); |z| stays below about 12 here, so a logit is off by at most
@@ -169,9 +164,9 @@ def check_linear_float64(
 def check_in_place(device: str, dtype: torch.dtype) -> None:
     """in_place=True: the same gradient as out-of-place, written into the logits' storage."""
     shape, vocab = (3, 7), 300
-    logits = make_logits(shape, vocab, seed=31).to(dtype).to(device)
-    labels = make_labels(shape, vocab, seed=31).to(device)
-    weights = upstream(shape, seed=31).float().to(device)
+    logits = reference.make_logits(shape, vocab, seed=31).to(dtype).to(device)
+    labels = reference.make_labels(shape, vocab, seed=31).to(device)
+    weights = reference.upstream(shape, seed=31).float().to(device)
     for sliced in (False, True):
         x = logits.clone().requires_grad_()
         y = logits.clone().requires_grad_()
@@ -195,11 +190,11 @@ def check_fused_float64(
     gen = torch.Generator().manual_seed(tokens + vocab + 1)
     hidden = torch.randn(tokens, hidden_dim, generator=gen).to(dtype)
     weight = (torch.randn(vocab, hidden_dim, generator=gen) * 2 / hidden_dim**0.5).to(dtype)
-    labels = make_labels((tokens,), vocab, seed=vocab).to(device)
-    coef = upstream((tokens,), seed=6).to(device)
+    labels = reference.make_labels((tokens,), vocab, seed=vocab).to(device)
+    coef = reference.upstream((tokens,), seed=6).to(device)
     rh = hidden.to(device).double().requires_grad_()
     rw = weight.to(device).double().requires_grad_()
-    ref = (ref_log_probs(rh @ rw.T, labels, 0.8, IGNORE) * coef).sum()
+    ref = (reference.ref_log_probs(rh @ rw.T, labels, 0.8, IGNORE) * coef).sum()
     ref_h, ref_w = torch.autograd.grad(ref, [rh, rw])
     # (fp32 logits, fp32 weight-gradient sum, relative error allowed): with both, only the
     # final bf16/fp16 rounding remains.
@@ -238,7 +233,7 @@ def check_fused_upstream_scale(device: str, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(11)
     hidden = torch.randn(40, 24, generator=gen).to(dtype).to(device)
     weight = (torch.randn(101, 24, generator=gen) / 5).to(dtype).to(device)
-    labels = make_labels((40,), 101, seed=12).to(device)
+    labels = reference.make_labels((40,), 101, seed=12).to(device)
     scale = 0.37
     grads = []
     for factor in (1.0, scale):

@@ -14,17 +14,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import _vp_reference as reference
 import vocab_parallel as vp
-from _vp_reference import (
-    make_labels,
-    make_logits,
-    ref_cross_entropy,
-    ref_entropy,
-    ref_log_probs,
-    upstream,
-)
+from _vp_reference import IGNORE
 
-IGNORE = -100
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # (value atol, grad atol, grad rtol)
 TOL = {torch.float32: (3e-5, 3e-6, 1e-5), torch.bfloat16: (5e-5, 4e-3, 1e-2)}
@@ -89,8 +82,8 @@ def check_logits_parity(rank: int, world_size: int, cases: list[dict[str, Any]])
         what = f"case {case}"
         v_atol, g_atol, g_rtol = TOL[dtype]
 
-        full = make_logits(shape, vocab, seed=seed, masked_columns=masked).to(dtype)
-        labels = make_labels(shape, vocab, seed=seed, low=masked, ignore_index=IGNORE)
+        full = reference.make_logits(shape, vocab, seed=seed, masked_columns=masked).to(dtype)
+        labels = reference.make_labels(shape, vocab, seed=seed, low=masked, ignore_index=IGNORE)
         ref = full.double().requires_grad_()
         full, labels_cpu, labels = full.to(device), labels, labels.to(device)
         x = distribute_tensor(full, mesh, placements).requires_grad_()
@@ -99,13 +92,13 @@ def check_logits_parity(rank: int, world_size: int, cases: list[dict[str, Any]])
         for name, value in (("log-probs", log_p), ("entropy", ent), ("cross-entropy", ce)):
             assert not isinstance(value, DTensor), f"{name} should be a plain tensor"
             _same_on_all_ranks(value, f"{what} {name}")
-        ref_lp = ref_log_probs(ref, labels_cpu, temp, IGNORE)
-        ref_h = ref_entropy(ref, temp)
-        ref_ce = ref_cross_entropy(ref, labels_cpu, IGNORE, "mean", 0.0)
+        ref_lp = reference.ref_log_probs(ref, labels_cpu, temp, IGNORE)
+        ref_h = reference.ref_entropy(ref, temp)
+        ref_ce = reference.ref_cross_entropy(ref, labels_cpu, IGNORE, "mean", 0.0)
         _close(log_p, ref_lp, atol=v_atol, rtol=1e-5, what=f"{what} log-probs")
         _close(ent, ref_h, atol=v_atol, rtol=1e-5, what=f"{what} entropy")
         _close(ce, ref_ce, atol=v_atol, rtol=1e-5, what=f"{what} cross-entropy")
-        w1, w2 = upstream(shape, seed=seed), upstream(shape, seed=seed + 7)
+        w1, w2 = reference.upstream(shape, seed=seed), reference.upstream(shape, seed=seed + 7)
         (
             log_p.double() * w1.to(device) + ent.double() * w2.to(device) + ce.double()
         ).sum().backward()
@@ -118,7 +111,7 @@ def check_logits_parity(rank: int, world_size: int, cases: list[dict[str, Any]])
             y = distribute_tensor(full, mesh, placements).requires_grad_()
             ref_y = full.detach().cpu().double().requires_grad_()
             smooth = vp.cross_entropy(y, labels, label_smoothing=0.15, reduction="sum")
-            ref_smooth = ref_cross_entropy(ref_y, labels_cpu, IGNORE, "sum", 0.15)
+            ref_smooth = reference.ref_cross_entropy(ref_y, labels_cpu, IGNORE, "sum", 0.15)
             _close(smooth, ref_smooth, atol=10 * v_atol, rtol=1e-5, what=f"{what} smoothed CE")
             smooth.backward()
             ref_smooth.backward()
@@ -137,14 +130,14 @@ def check_colwise_lm_head(rank: int, world_size: int, vocab: int, dtype_name: st
     gen = torch.Generator().manual_seed(11)
     weight = (torch.randn(vocab, hidden_size, generator=gen) * 0.7).to(dtype)
     hidden_full = torch.randn(*shape, hidden_size, generator=gen).to(dtype)
-    labels = make_labels(shape, vocab, seed=11, ignore_index=IGNORE)
-    w1, w2 = upstream(shape, seed=12), upstream(shape, seed=13)
+    labels = reference.make_labels(shape, vocab, seed=11, ignore_index=IGNORE)
+    w1, w2 = reference.upstream(shape, seed=12), reference.upstream(shape, seed=13)
 
     wd = weight.double().requires_grad_()
     hd = hidden_full.double().requires_grad_()
     ref_logits = hd @ wd.T
-    ref_lp = ref_log_probs(ref_logits, labels, temp, IGNORE)
-    ref_h = ref_entropy(ref_logits, temp)
+    ref_lp = reference.ref_log_probs(ref_logits, labels, temp, IGNORE)
+    ref_h = reference.ref_entropy(ref_logits, temp)
     ref_w_grad, ref_h_grad = torch.autograd.grad(
         (ref_lp * w1 + ref_h * w2).sum(), [wd, hd], retain_graph=True
     )
@@ -205,8 +198,8 @@ def check_fused_linear_sharded(
     gen = torch.Generator().manual_seed(31)
     weight = (torch.randn(vocab, hidden_size, generator=gen) * 0.7).to(dtype)
     hidden_full = torch.randn(*shape, hidden_size, generator=gen).to(dtype)
-    labels = make_labels(shape, vocab, seed=31, ignore_index=IGNORE)
-    coef = upstream(shape, seed=32)
+    labels = reference.make_labels(shape, vocab, seed=31, ignore_index=IGNORE)
+    coef = reference.upstream(shape, seed=32)
     valid = labels != IGNORE
     # bf16: the gradients' own rounding (about 1.7e-3) plus that of the bf16 chunk logits.
     tol = 2e-6 if dtype == torch.float32 else 6e-3
@@ -219,7 +212,7 @@ def check_fused_linear_sharded(
     for name, (ref_coef, options) in cases.items():
         wd = weight.double().requires_grad_()
         hd = hidden_full.double().requires_grad_()
-        ref = (ref_log_probs(hd @ wd.T, labels, temp, IGNORE) * ref_coef).sum()
+        ref = (reference.ref_log_probs(hd @ wd.T, labels, temp, IGNORE) * ref_coef).sum()
         ref_w_grad, ref_h_grad = torch.autograd.grad(ref, [wd, hd])
 
         w = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
@@ -251,7 +244,7 @@ def check_fused_linear_sharded(
     hidden = hidden_full.clone().requires_grad_()
     vp.linear_cross_entropy(hidden, w, labels, reduction="sum").backward()
     hd = hidden_full.double().requires_grad_()
-    ref = -ref_log_probs(hd @ weight.double().T, labels, 1.0, IGNORE).sum()
+    ref = -reference.ref_log_probs(hd @ weight.double().T, labels, 1.0, IGNORE).sum()
     (ref_h_grad,) = torch.autograd.grad(ref, [hd])
     assert hidden.grad is not None and w.grad is None
     err = float((hidden.grad.double() - ref_h_grad).norm() / ref_h_grad.norm())

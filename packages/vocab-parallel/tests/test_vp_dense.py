@@ -5,17 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import _vp_reference as reference
 import vocab_parallel as vp
-from _vp_reference import (
-    make_labels,
-    make_logits,
-    ref_cross_entropy,
-    ref_entropy,
-    ref_log_probs,
-    upstream,
-)
+from _vp_reference import IGNORE
 
-IGNORE = -100
 SHAPE = (3, 5)
 VOCAB = 97
 MASKED = 11  # the first 11 vocabulary columns are -inf; labels avoid them
@@ -40,8 +33,8 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: f
 
 
 def _inputs(dtype: torch.dtype, seed: int, masked: int = MASKED):
-    logits = make_logits(SHAPE, VOCAB, seed=seed, masked_columns=masked).to(dtype)
-    labels = make_labels(SHAPE, VOCAB, seed=seed, low=masked, ignore_index=IGNORE)
+    logits = reference.make_logits(SHAPE, VOCAB, seed=seed, masked_columns=masked).to(dtype)
+    labels = reference.make_labels(SHAPE, VOCAB, seed=seed, low=masked, ignore_index=IGNORE)
     ours = logits.clone().requires_grad_()
     ref = logits.double().requires_grad_()
     return ours, ref, labels
@@ -53,12 +46,12 @@ def test_token_log_probs_matches_reference(dtype: torch.dtype, temperature: floa
     ours, ref, labels = _inputs(dtype, seed=1)
     assert (labels == IGNORE).any() and (labels != IGNORE).any()
     out = vp.token_log_probs(ours, labels, temperature=temperature, chunk_size=4)
-    expected = ref_log_probs(ref, labels, temperature, IGNORE)
+    expected = reference.ref_log_probs(ref, labels, temperature, IGNORE)
     assert out.dtype == torch.float32 and out.shape == SHAPE
     v_atol, g_atol, g_rtol = TOL[dtype]
     _close(out, expected, atol=v_atol, rtol=1e-5, what="log-probs")
     assert torch.all(out[labels == IGNORE] == 0)
-    weights = upstream(SHAPE, seed=1)
+    weights = reference.upstream(SHAPE, seed=1)
     (out.double() * weights).sum().backward()
     (expected * weights).sum().backward()
     assert ours.grad is not None and ours.grad.dtype == dtype
@@ -71,11 +64,11 @@ def test_token_log_probs_matches_reference(dtype: torch.dtype, temperature: floa
 def test_token_entropy_matches_reference(dtype: torch.dtype, temperature: float) -> None:
     ours, ref, _ = _inputs(dtype, seed=2)
     out = vp.token_entropy(ours, temperature=temperature, chunk_size=2)
-    expected = ref_entropy(ref, temperature)
+    expected = reference.ref_entropy(ref, temperature)
     v_atol, g_atol, g_rtol = TOL[dtype]
     _close(out, expected, atol=v_atol, rtol=1e-5, what="entropy")
     assert torch.all(out >= 0)
-    weights = upstream(SHAPE, seed=2)
+    weights = reference.upstream(SHAPE, seed=2)
     (out.double() * weights).sum().backward()
     (expected * weights).sum().backward()
     _close(ours.grad, ref.grad, atol=g_atol, rtol=g_rtol, what="entropy gradient")
@@ -85,12 +78,12 @@ def test_token_entropy_matches_reference(dtype: torch.dtype, temperature: float)
 def test_log_probs_and_entropy_share_one_pass(dtype: torch.dtype) -> None:
     ours, ref, labels = _inputs(dtype, seed=3)
     log_p, ent = vp.token_log_probs_and_entropy(ours, labels, temperature=0.9, chunk_size=3)
-    ref_lp = ref_log_probs(ref, labels, 0.9, IGNORE)
-    ref_h = ref_entropy(ref, 0.9)
+    ref_lp = reference.ref_log_probs(ref, labels, 0.9, IGNORE)
+    ref_h = reference.ref_entropy(ref, 0.9)
     v_atol, g_atol, g_rtol = TOL[dtype]
     _close(log_p, ref_lp, atol=v_atol, rtol=1e-5, what="log-probs")
     _close(ent, ref_h, atol=v_atol, rtol=1e-5, what="entropy")
-    w1, w2 = upstream(SHAPE, seed=30), upstream(SHAPE, seed=31)
+    w1, w2 = reference.upstream(SHAPE, seed=30), reference.upstream(SHAPE, seed=31)
     (log_p.double() * w1 + ent.double() * w2).sum().backward()
     (ref_lp * w1 + ref_h * w2).sum().backward()
     _close(ours.grad, ref.grad, atol=g_atol, rtol=g_rtol, what="joint gradient")
@@ -105,11 +98,11 @@ def test_cross_entropy_matches_torch(dtype: torch.dtype, reduction: str, label_s
     out = vp.cross_entropy(
         ours, labels, reduction=reduction, label_smoothing=label_smoothing, chunk_size=5
     )
-    expected = ref_cross_entropy(ref, labels, IGNORE, reduction, label_smoothing)
+    expected = reference.ref_cross_entropy(ref, labels, IGNORE, reduction, label_smoothing)
     assert out.shape == expected.shape
     v_atol, g_atol, g_rtol = TOL[dtype]
     _close(out, expected, atol=v_atol, rtol=1e-5, what="cross-entropy")
-    weights = upstream(tuple(expected.shape), seed=4)
+    weights = reference.upstream(tuple(expected.shape), seed=4)
     (out.double() * weights).sum().backward()
     (expected * weights).sum().backward()
     _close(ours.grad, ref.grad, atol=g_atol, rtol=g_rtol, what="cross-entropy gradient")
@@ -118,7 +111,7 @@ def test_cross_entropy_matches_torch(dtype: torch.dtype, reduction: str, label_s
 def test_cross_entropy_with_masked_vocabulary() -> None:
     ours, ref, labels = _inputs(torch.float32, seed=5)
     out = vp.cross_entropy(ours, labels)
-    expected = ref_cross_entropy(ref, labels, IGNORE, "mean", 0.0)
+    expected = reference.ref_cross_entropy(ref, labels, IGNORE, "mean", 0.0)
     _close(out, expected, atol=2e-5, rtol=1e-5, what="masked cross-entropy")
     out.backward()
     expected.backward()
@@ -131,15 +124,15 @@ def test_linear_token_log_probs_matches_reference(dtype: torch.dtype, chunk_size
     gen = torch.Generator().manual_seed(6)
     hidden = torch.randn(*SHAPE, 16, generator=gen).to(dtype)
     weight = (torch.randn(VOCAB, 16, generator=gen) * 0.5).to(dtype)
-    labels = make_labels(SHAPE, VOCAB, seed=6, ignore_index=IGNORE)
+    labels = reference.make_labels(SHAPE, VOCAB, seed=6, ignore_index=IGNORE)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
     out = vp.linear_token_log_probs(h, w, labels, temperature=1.3, chunk_size=chunk_size)
-    expected = ref_log_probs(hd @ wd.T, labels, 1.3, IGNORE)
+    expected = reference.ref_log_probs(hd @ wd.T, labels, 1.3, IGNORE)
     # bf16: our logits are bf16 matmul outputs (as in `hidden @ weight.T`), the reference's exact.
     v_atol, g_atol = (1e-5, 1e-5) if dtype == torch.float32 else (0.1, 0.1)
     _close(out, expected, atol=v_atol, rtol=1e-4, what="linear log-probs")
-    weights = upstream(SHAPE, seed=6)
+    weights = reference.upstream(SHAPE, seed=6)
     (out.double() * weights).sum().backward()
     (expected * weights).sum().backward()
     _close(h.grad, hd.grad, atol=g_atol, rtol=1e-2, what="hidden gradient")
@@ -152,7 +145,7 @@ def test_linear_matches_unfused_logits_bitwise_close() -> None:
     gen = torch.Generator().manual_seed(7)
     hidden = torch.randn(4, 32, generator=gen).bfloat16()
     weight = torch.randn(VOCAB, 32, generator=gen).bfloat16()
-    labels = make_labels((4,), VOCAB, seed=7)
+    labels = reference.make_labels((4,), VOCAB, seed=7)
     fused = vp.linear_token_log_probs(hidden, weight, labels, chunk_size=10)
     plain = vp.token_log_probs(hidden @ weight.T, labels)
     torch.testing.assert_close(fused, plain, atol=2e-5, rtol=1e-5)
@@ -160,9 +153,9 @@ def test_linear_matches_unfused_logits_bitwise_close() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_equals_unchunked(dtype: torch.dtype) -> None:
-    logits = make_logits(SHAPE, VOCAB, seed=8, masked_columns=3).to(dtype)
-    labels = make_labels(SHAPE, VOCAB, seed=8, low=3)
-    weights = upstream(SHAPE, seed=8).float()
+    logits = reference.make_logits(SHAPE, VOCAB, seed=8, masked_columns=3).to(dtype)
+    labels = reference.make_labels(SHAPE, VOCAB, seed=8, low=3)
+    weights = reference.upstream(SHAPE, seed=8).float()
 
     def run(chunk: int | None):
         x = logits.clone().requires_grad_()
@@ -178,7 +171,7 @@ def test_chunked_equals_unchunked(dtype: torch.dtype) -> None:
 
 
 def test_all_ignored_batch() -> None:
-    logits = make_logits(SHAPE, VOCAB, seed=9).requires_grad_()
+    logits = reference.make_logits(SHAPE, VOCAB, seed=9).requires_grad_()
     labels = torch.full(SHAPE, IGNORE)
     out = vp.token_log_probs(logits, labels)
     assert torch.all(out == 0)
@@ -186,14 +179,14 @@ def test_all_ignored_batch() -> None:
     assert logits.grad is not None and torch.all(logits.grad == 0)
     # PyTorch's mean over zero targets is nan (0/0); the sum is 0.
     assert torch.isnan(vp.cross_entropy(logits, labels))
-    assert torch.isnan(ref_cross_entropy(logits.double(), labels, IGNORE, "mean", 0.0))
+    assert torch.isnan(reference.ref_cross_entropy(logits.double(), labels, IGNORE, "mean", 0.0))
     assert vp.cross_entropy(logits, labels, reduction="sum").item() == 0.0
 
 
 def test_inputs_are_not_modified_and_no_fp32_copy_is_saved() -> None:
-    logits = make_logits((64,), 512, seed=10).bfloat16().requires_grad_()
+    logits = reference.make_logits((64,), 512, seed=10).bfloat16().requires_grad_()
     before = logits.detach().clone()
-    labels = make_labels((64,), 512, seed=10)
+    labels = reference.make_labels((64,), 512, seed=10)
     saved: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -207,7 +200,7 @@ def test_inputs_are_not_modified_and_no_fp32_copy_is_saved() -> None:
     big = [(t.dtype, tuple(t.shape)) for t in saved if t.numel() >= logits.numel()]
     # Only the input logits themselves (bf16) may be saved at logits size.
     assert big == [(torch.bfloat16, (1, 64, 512))], big
-    fp32 = make_logits((8,), 50, seed=11).requires_grad_()
+    fp32 = reference.make_logits((8,), 50, seed=11).requires_grad_()
     snapshot = fp32.detach().clone()
     vp.token_entropy(fp32, temperature=0.5).sum().backward()
     assert torch.equal(fp32.detach(), snapshot), "fp32 logits were modified in place"
@@ -225,8 +218,10 @@ def test_empty_batch() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sliced_logits_are_read_in_place(dtype: torch.dtype) -> None:
     """logits[:, :-1] (the usual shift) is neither copied nor saved as a copy."""
-    full = make_logits((3, 6), VOCAB, seed=12, masked_columns=2).to(dtype).requires_grad_()
-    labels = make_labels((3, 5), VOCAB, seed=12, low=2)
+    full = (
+        reference.make_logits((3, 6), VOCAB, seed=12, masked_columns=2).to(dtype).requires_grad_()
+    )
+    labels = reference.make_labels((3, 5), VOCAB, seed=12, low=2)
     ref_full = full.detach().double().requires_grad_()
     saved: list[torch.Tensor] = []
 
@@ -239,12 +234,12 @@ def test_sliced_logits_are_read_in_place(dtype: torch.dtype) -> None:
     big = [t for t in saved if t.numel() >= 3 * 5 * VOCAB]
     assert len(big) == 1, [tuple(t.shape) for t in big]
     assert big[0].untyped_storage().data_ptr() == full.untyped_storage().data_ptr(), "copied"
-    ref_lp = ref_log_probs(ref_full[:, :-1], labels, 1.0, IGNORE)
-    ref_h = ref_entropy(ref_full[:, :-1], 1.0)
+    ref_lp = reference.ref_log_probs(ref_full[:, :-1], labels, 1.0, IGNORE)
+    ref_h = reference.ref_entropy(ref_full[:, :-1], 1.0)
     v_atol, g_atol, g_rtol = TOL[dtype]
     _close(log_p, ref_lp, atol=v_atol, rtol=1e-5, what="sliced log-probs")
     _close(ent, ref_h, atol=v_atol, rtol=1e-5, what="sliced entropy")
-    w1, w2 = upstream((3, 5), seed=12), upstream((3, 5), seed=13)
+    w1, w2 = reference.upstream((3, 5), seed=12), reference.upstream((3, 5), seed=13)
     (log_p.double() * w1 + ent.double() * w2).sum().backward()
     (ref_lp * w1 + ref_h * w2).sum().backward()
     _close(full.grad, ref_full.grad, atol=g_atol, rtol=g_rtol, what="sliced gradient")
