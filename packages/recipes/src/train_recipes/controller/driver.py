@@ -32,6 +32,10 @@ from train_recipes.data_plane import DataPlane, PlaneMismatchError
 from train_recipes.loop import RunEnd, RunStart, StepRecord, drive
 from train_recipes.summary import sft_summary_text
 
+# How long the actors may take to come up and answer their first call (imports of torch and
+# transformers on a loaded node take tens of seconds).
+_START_TIMEOUT_S = 300.0
+
 __all__ = ["ControllerError", "RayRun", "main_on_ray", "run_sft_on_ray"]
 
 logger = logging.getLogger(__name__)
@@ -104,7 +108,9 @@ def run_sft_on_ray(
 
         placement = plan_placement(ray, world_size=world_size, device=config.train.device)
         group = RankGroup(ray, RankActor, placement=placement)
-        (master,) = group.call("endpoint", ranks=[0])
+        # The first call also waits for the actors to come up: bounded, so that workers that
+        # die at start (before any actor exists to be reported dead) cannot hang the driver.
+        (master,) = group.call("endpoint", ranks=[0], timeout_s=_START_TIMEOUT_S)
         setups = group.call("setup", config, resume, master)
         restored = DataPlane(dp_size=dp)
         restored.load_state_dict([s["plane"] for s in setups])  # the checkpoint's records

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -43,6 +45,7 @@ def import_ray() -> Any:
     actors of this job run the driver's own interpreter and packages.
     """
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    _temp_dir_outside_virtualenv()
     try:
         import ray
     except ImportError as err:
@@ -51,6 +54,23 @@ def import_ray() -> Any:
             f"extra: {RAY_EXTRA}"
         ) from err
     return ray
+
+
+def _temp_dir_outside_virtualenv() -> None:
+    """Point Ray's temp dir out of the active virtualenv when the default lies inside it.
+
+    Ray's workers refuse a temp dir under ``$VIRTUAL_ENV`` ("temp_dir must not be child
+    directory of virtualenv root") and die at start, so their actors never come up; a session
+    runner that sets ``TMPDIR`` inside the environment (nox does) triggers it. ``RAY_TMPDIR``
+    set by the user is kept.
+    """
+    venv = os.environ.get("VIRTUAL_ENV")
+    if "RAY_TMPDIR" in os.environ or not venv:
+        return
+    default = os.environ.get("TMPDIR") or tempfile.gettempdir()
+    inside = Path(default).resolve().is_relative_to(Path(venv).resolve())
+    if inside:
+        os.environ["RAY_TMPDIR"] = os.path.join(os.sep, "tmp")  # Ray's own fallback
 
 
 class ActorFailure(RuntimeError):
@@ -152,7 +172,13 @@ class RankGroup:
             for rank in range(placement.world_size)
         ]
 
-    def call(self, method: str, *args: Any, ranks: Sequence[int] | None = None) -> list[Any]:
+    def call(
+        self,
+        method: str,
+        *args: Any,
+        ranks: Sequence[int] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
         """``actor.method(*args)`` on every rank (or ``ranks``); the results in rank order.
 
         Raises:
@@ -160,9 +186,11 @@ class RankGroup:
         """
         chosen = list(range(len(self.actors))) if ranks is None else list(ranks)
         refs = [getattr(self.actors[r], method).remote(*args) for r in chosen]
-        return self.wait(refs, chosen, what=method)
+        return self.wait(refs, chosen, what=method, timeout_s=timeout_s)
 
-    def wait(self, refs: list[Any], ranks: list[int], *, what: str) -> list[Any]:
+    def wait(
+        self, refs: list[Any], ranks: list[int], *, what: str, timeout_s: float | None = None
+    ) -> list[Any]:
         """Results of ``refs`` (one per rank of ``ranks``); fails on the first bad one.
 
         When a rank dies, its peers fail soon after in a collective with it; the death is the
@@ -173,7 +201,17 @@ class RankGroup:
         rank_of = {ref: rank for ref, rank in zip(refs, ranks, strict=True)}
         results: dict[int, Any] = {}
         pending = list(refs)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while pending:
+            if deadline is not None and time.monotonic() > deadline:
+                late = sorted(rank_of[ref] for ref in pending)
+                raise ActorFailure(
+                    f"rank(s) {late} did not answer {what} within {timeout_s:.0f} s (an actor "
+                    "whose worker process crashed at start never comes up; see Ray's logs in "
+                    "its session folder)",
+                    rank=late[0],
+                    died=True,
+                )
             ready, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
             for ref in ready:
                 failure = self._outcome(ref, rank_of[ref], what, results)
