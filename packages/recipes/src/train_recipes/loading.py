@@ -111,6 +111,11 @@ def _read_headers(files: list[Path]) -> dict[str, _Entry]:
     return entries
 
 
+def _rows_shape(entry: _Entry, start: int, stop: int) -> tuple[int, ...]:
+    """The shape of rows [start, stop) of ``entry`` (a 0-d tensor stays 0-d)."""
+    return (stop - start, *entry.shape[1:]) if entry.shape else ()
+
+
 def _read_rows(
     fd: int, entry: _Entry, start: int, stop: int, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -130,9 +135,8 @@ def _read_rows(
     row = 1
     for size in entry.shape[1:]:
         row *= size
-    shape = (stop - start, *entry.shape[1:]) if entry.shape else ()
     if out is None:
-        out = torch.empty(shape, dtype=entry.dtype)
+        out = torch.empty(_rows_shape(entry, start, stop), dtype=entry.dtype)
     if out.numel() == 0:
         return out
     raw: Any = out.reshape(-1).view(torch.uint8).numpy()  # bf16 has no numpy dtype: bytes
@@ -331,7 +335,7 @@ def load_sharded_safetensors(
             fd = fds.get(entry.path)
             if fd is None:
                 fd = fds[entry.path] = os.open(entry.path, os.O_RDONLY)
-            shape = (rows.stop - rows.start, *entry.shape[1:]) if entry.shape else ()
+            shape = _rows_shape(entry, rows.start, rows.stop)
             slot, out = (None, None) if staging is None else staging.buffer(shape, entry.dtype)
             block = _read_rows(fd, entry, rows.start, rows.stop, out=out)
             bytes_read += block.numel() * block.element_size()
