@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,10 +66,10 @@ def _temp_dir_outside_virtualenv() -> None:
     venv = os.environ.get("VIRTUAL_ENV")
     if "RAY_TMPDIR" in os.environ or not venv:
         return
-    default = os.environ.get("TMPDIR") or tempfile.gettempdir()
-    inside = Path(default).resolve().is_relative_to(Path(venv).resolve())
-    if inside:
-        os.environ["RAY_TMPDIR"] = os.path.join(os.sep, "tmp")  # Ray's own fallback
+    fallback = os.path.join(os.sep, "tmp")  # Ray's own default without TMPDIR
+    default = os.environ.get("TMPDIR", fallback)
+    if Path(default).resolve().is_relative_to(Path(venv).resolve()):
+        os.environ["RAY_TMPDIR"] = fallback
 
 
 class ActorFailure(RuntimeError):
