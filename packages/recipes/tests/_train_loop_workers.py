@@ -51,12 +51,30 @@ def run_sft_expecting_error(rank: int, world_size: int, overrides: list[str]) ->
     raise AssertionError("the run did not fail")
 
 
+def _tcp_store(rank: int, world_size: int) -> Any:
+    """A TCPStore served from rank 0, like the one torchrun's agent serves.
+
+    The pool's default store is a FileStore, which holds a file lock for each request: a rank
+    SIGSTOPped inside its heartbeat write would block every other rank's store calls, so the
+    watchdog under test would never get to read the frozen heartbeat.
+    """
+    port = [0]
+    store = None
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+        port = [store.port]
+    dist.broadcast_object_list(port, src=0)
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port[0], world_size, is_master=False)
+    return store
+
+
 def _watchdog(rank: int, world_size: int, timeout_s: float, min_step_limit_s: float) -> Any:
-    from train_recipes.health import HangWatchdog, default_store
+    from train_recipes.health import HangWatchdog
 
     fired: list[tuple[float, str]] = []
     dog = HangWatchdog(
-        default_store(),
+        _tcp_store(rank, world_size),
         rank=rank,
         world_size=world_size,
         timeout_s=timeout_s,
@@ -80,6 +98,7 @@ def watchdog_names_a_sleeping_rank(rank: int, world_size: int, timeout_s: float)
     entered = time.monotonic()
     dist.barrier()
     dog.stop()
+    dist.barrier()  # rank 0 serves the store: it stays up until every watchdog has stopped
     if rank != 0:
         return {}
     return {
@@ -113,4 +132,5 @@ def watchdog_names_a_stopped_rank(rank: int, world_size: int, timeout_s: float) 
         }
     dist.barrier()
     dog.stop()
+    dist.barrier()  # rank 0 serves the store: it stays up until every watchdog has stopped
     return result
