@@ -11,6 +11,12 @@ the median ``tokens_per_s`` over the long run's steps after the first five. Both
 same tokens per step, so SPMD's median rate over Ray's is the ratio of their step times; rank 0
 measures the time from one step's record to the next, which includes waiting for the driver.
 
+The third, which a loaded machine cannot blur, is measured inside the Ray run: rank 0's actor
+logs ``controller/step_ms`` (time inside its ``train_step`` calls) and ``controller/wait_ms``
+(time between them: the driver's round trip and logging), so wait / (step + wait) is the share
+of the actor's step cycle that the controller costs. ``--repeats`` alternates which mode runs
+first, so a drift of the machine's load falls on both.
+
     python packages/recipes/bench/controller_overhead.py --out overhead.json      # CPU demo
     python packages/recipes/bench/controller_overhead.py --device cuda --ranks 1 \\
         --config llama-1b5-1gpu --set model.path=/models/m --set data.path=/data/d --steps 20
@@ -70,16 +76,43 @@ def _run(
     return wall
 
 
-def _median_rate(out: Path, *, skip: int = 5) -> float:
-    """The median ``tokens_per_s`` of a run's steps after the first ``skip``."""
-    rates = []
+def _median_metric(out: Path, name: str, *, skip: int = 5) -> float:
+    """The median of metric ``name`` over a run's steps after the first ``skip``."""
+    values = []
     for line in (out / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line) if line.strip() else {}
-        if "tokens_per_s" in record and record.get("step", 0) > skip:
-            rates.append(float(record["tokens_per_s"]))
-    if not rates:
-        raise SystemExit(f"{out}/metrics.jsonl has no tokens_per_s after step {skip}")
-    return statistics.median(rates)
+        if name in record and record.get("step", 0) > skip:
+            values.append(float(record[name]))
+    if not values:
+        raise SystemExit(f"{out}/metrics.jsonl has no {name} after step {skip}")
+    return statistics.median(values)
+
+
+def _measure(mode: str, args: argparse.Namespace, extra: list[str], tmp: Path) -> dict[str, Any]:
+    """One mode's short and long runs: the per-step time from the wall difference and the
+    long run's median rate."""
+    tag = f"{mode}-{len(list(tmp.iterdir()))}"
+    walls = {
+        n: _run(
+            mode, n, ranks=args.ranks, out=tmp / f"{tag}-{n}", extra=extra, timeout_s=args.timeout_s
+        )
+        for n in (args.steps, 2 * args.steps)
+    }
+    long_run = tmp / f"{tag}-{2 * args.steps}"
+    row: dict[str, Any] = {
+        "mode": mode,
+        "ranks": args.ranks,
+        f"wall_{args.steps}_s": round(walls[args.steps], 2),
+        f"wall_{2 * args.steps}_s": round(walls[2 * args.steps], 2),
+        "step_ms": round(1000 * (walls[2 * args.steps] - walls[args.steps]) / args.steps, 2),
+        "median_tokens_per_s": round(_median_metric(long_run, "tokens_per_s"), 1),
+        "actor_step_ms": None,
+        "actor_wait_ms": None,
+    }
+    if mode == "ray":  # rank 0's actor times its steps and the waits between them
+        row["actor_step_ms"] = round(_median_metric(long_run, "controller/step_ms"), 2)
+        row["actor_wait_ms"] = round(_median_metric(long_run, "controller/wait_ms"), 3)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--ranks", type=int, default=2, help="ranks (dp x cp x tp)")
     parser.add_argument("--steps", type=int, default=100, help="the short run's steps")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="rounds of both modes, alternating which goes first"
+    )
     parser.add_argument("--config", default=None, help="a config (default: the embedded demo)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--timeout-s", type=float, default=1800.0)
@@ -97,36 +133,35 @@ def main(argv: list[str] | None = None) -> int:
     extra += [x for kv in [*args.set, f"train.device={args.device}"] for x in ("--set", kv)]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="controller-overhead-") as tmp:
-        for mode in ("spmd", "ray"):
-            walls = {
-                n: _run(
-                    mode,
-                    n,
-                    ranks=args.ranks,
-                    out=Path(tmp) / f"{mode}-{n}",
-                    extra=extra,
-                    timeout_s=args.timeout_s,
+        for repeat in range(args.repeats):
+            # Alternating the order spreads a slow drift of the machine's load over both modes.
+            order = ("spmd", "ray") if repeat % 2 == 0 else ("ray", "spmd")
+            measured = {mode: _measure(mode, args, extra, Path(tmp)) for mode in order}
+            spmd, ray = measured["spmd"], measured["ray"]
+            for row in (spmd, ray):
+                row["repeat"] = repeat
+                row["ratio"] = (
+                    round(row["step_ms"] / spmd["step_ms"], 4)
+                    if spmd["step_ms"] > 0 and row["step_ms"] > 0
+                    else None
                 )
-                for n in (args.steps, 2 * args.steps)
-            }
-            per_step = (walls[2 * args.steps] - walls[args.steps]) / args.steps
-            rate = _median_rate(Path(tmp) / f"{mode}-{2 * args.steps}")
-            rows.append(
-                {
-                    "mode": mode,
-                    "ranks": args.ranks,
-                    f"wall_{args.steps}_s": round(walls[args.steps], 2),
-                    f"wall_{2 * args.steps}_s": round(walls[2 * args.steps], 2),
-                    "step_ms": round(1000 * per_step, 2),
-                    "median_tokens_per_s": round(rate, 1),
-                }
-            )
-    base = rows[0]["step_ms"]
-    for row in rows:
-        row["ratio"] = round(row["step_ms"] / base, 4) if base > 0 and row["step_ms"] > 0 else None
-        row["ratio_from_rates"] = round(
-            rows[0]["median_tokens_per_s"] / row["median_tokens_per_s"], 4
-        )
+                row["ratio_from_rates"] = round(
+                    spmd["median_tokens_per_s"] / row["median_tokens_per_s"], 4
+                )
+            rows += [spmd, ray]
+    ray_rows = [row for row in rows if row["mode"] == "ray"]
+    summary = {
+        "ratio_from_rates_median": statistics.median(r["ratio_from_rates"] for r in ray_rows),
+        "ratio_from_walls_median": statistics.median(
+            [r["ratio"] for r in ray_rows if r["ratio"] is not None] or [float("nan")]
+        ),
+        "spmd_step_ms_median": statistics.median(r["step_ms"] for r in rows if r["mode"] == "spmd"),
+        # Measured inside one process at one time, so the machine's load swings cancel out.
+        "actor_wait_fraction_median": statistics.median(
+            r["actor_wait_ms"] / (r["actor_step_ms"] + r["actor_wait_ms"]) for r in ray_rows
+        ),
+        "actor_step_ms_median": statistics.median(r["actor_step_ms"] for r in ray_rows),
+    }
     if any(row["ratio"] is None for row in rows):
         # The longer run was not slower: other load on the machine outweighed the extra steps.
         print(
@@ -134,14 +169,29 @@ def main(argv: list[str] | None = None) -> int:
             "varies more than the extra steps cost); rerun on a quiet machine or with more --steps",
             file=sys.stderr,
         )
-    print_table(rows, list(rows[0]), title="controller overhead per step (ratio: Ray / SPMD)")
+    columns = ["repeat", *[c for c in rows[0] if c != "repeat"]]
+    print_table(rows, columns, title="controller overhead per step (ratio: Ray / SPMD)")
+    print(
+        f"median over {args.repeats} repeat(s): Ray / SPMD step time "
+        f"{summary['ratio_from_rates_median']:.4f} from the rates, "
+        f"{summary['ratio_from_walls_median']:.4f} from the wall times; "
+        f"SPMD step {summary['spmd_step_ms_median']:.0f} ms; the Ray actor waited "
+        f"{100 * summary['actor_wait_fraction_median']:.2f}% of its step cycle for the driver "
+        f"(step {summary['actor_step_ms_median']:.0f} ms)"
+    )
     if args.out is not None:
         device = "cpu"
         if args.device == "cuda":
             import torch
 
             device = torch.cuda.get_device_name(0)
-        payload = {"device": device, "versions": versions("ray", "train-recipes"), "rows": rows}
+        payload = {
+            "device": device,
+            "versions": versions("ray", "train-recipes"),
+            "argv": sys.argv[1:] if argv is None else argv,
+            "summary": summary,
+            "rows": rows,
+        }
         args.out.write_text(json.dumps(payload, indent=2))
     return 0
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from _controller_workers import metrics_losses, run_sft_plane_on_rank
+from _recipes_workers import metric_rows
 from conftest import unshuffled_cpu_run
 from train_recipes import cli
 from train_recipes.config import SFTConfig, load_config, validate_sft
@@ -99,6 +100,13 @@ def test_ray_losses_equal_spmd_at_dp2_and_cp2_with_one_loader_per_replica(
             got, reference, rtol=2e-4, atol=2e-5, msg=lambda m, n=name: f"{n} vs SPMD dp=2: {m}"
         )
     assert reference[-1] < reference[0], f"the loss did not go down: {reference.tolist()}"
+    # The controller's cost is in the run's metrics: rank 0's time inside and between steps
+    # (the first step follows setup, so it has no wait).
+    rows = [r for r in metric_rows(cp_out) if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert all(r["controller/step_ms"] > 0 for r in rows), rows[0]
+    assert "controller/wait_ms" not in rows[0], rows[0]
+    assert all(0 < r["controller/wait_ms"] < 60_000 for r in rows[1:]), rows[1]
 
     # One loader per replica: on dp=2 each rank is a replica; at cp=2 the cp peer built none.
     assert dp2.loaders_built == [1, 1] and cp2.loaders_built == [1, 0]

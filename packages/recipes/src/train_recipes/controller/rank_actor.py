@@ -6,12 +6,20 @@ and a free port), and every actor then joins the default process group through t
 environment torchrun would set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``). The actor holds the rank's ``SFTRecipe`` and runs its
 stages when the driver calls them; the driver runs the loop.
+
+What the controller costs shows in the run's own metrics: each logged step's record from rank
+0 carries ``controller/wait_ms`` (the mean time this actor waited between the end of one
+``train_step`` call and the start of the next: the driver's round trip, its logging and Ray's
+call overhead) and ``controller/step_ms`` (the mean time inside ``train_step``), both averaged
+over the steps since the previous logged record.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
+import time
 from typing import Any
 
 from train_recipes.config_sft import SFTConfig
@@ -33,6 +41,7 @@ class RankActor:
     def __init__(self, *, rank: int, world_size: int, gpu: bool) -> None:
         self.rank = rank
         self.world_size = world_size
+        self._clock = _StepClock()
         os.environ["RANK"] = str(rank)
         os.environ["WORLD_SIZE"] = str(world_size)
         # Each actor sees its own device only: cuda:0 for a GPU bundle, no GPU for a CPU one.
@@ -80,7 +89,11 @@ class RankActor:
 
     def train_step(self, step: int) -> dict[str, Any]:
         """One optimizer step: the recipe's record and the ids of the samples it trained on."""
+        self._clock.begin()
         record = self.recipe.train_step(step)
+        self._clock.end()
+        if record.metrics:
+            record = dataclasses.replace(record, metrics={**record.metrics, **self._clock.read()})
         replica = self.recipe.ctx.dp_rank
         ids = self.recipe.data_plane.list_sample_ids(step, replica=replica)
         return {"record": record, "replica": replica, "sample_ids": ids}
@@ -109,3 +122,33 @@ class RankActor:
             "data_plane": recipe.data_plane.state_dict(),
             "loaders_built": recipe.loader.loaders_built,
         }
+
+
+class _StepClock:
+    """Time inside ``train_step`` calls and between them, averaged since the last read."""
+
+    def __init__(self) -> None:
+        self._last_end: float | None = None
+        self._began = 0.0
+        self._busy_s = self._wait_s = 0.0
+        self._steps = self._waits = 0
+
+    def begin(self) -> None:
+        self._began = time.perf_counter()
+        if self._last_end is not None:  # the first step follows setup, not the driver's loop
+            self._wait_s += self._began - self._last_end
+            self._waits += 1
+
+    def end(self) -> None:
+        self._last_end = time.perf_counter()
+        self._busy_s += self._last_end - self._began
+        self._steps += 1
+
+    def read(self) -> dict[str, float]:
+        """``controller/step_ms`` and ``controller/wait_ms`` (when measured), then reset."""
+        out = {"controller/step_ms": 1000 * self._busy_s / max(self._steps, 1)}
+        if self._waits:
+            out["controller/wait_ms"] = 1000 * self._wait_s / self._waits
+        self._busy_s = self._wait_s = 0.0
+        self._steps = self._waits = 0
+        return out
