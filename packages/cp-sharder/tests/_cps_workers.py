@@ -176,7 +176,7 @@ def hf_parity(rank: int, world_size: int, arch: str) -> dict[str, dict[str, floa
     ref_loss, ref = _reference_bshd(model, batch, embeds=False)
     loss, grads, sharder = _cp_step(model, mesh, batch)
     results["bshd"] = _compare(loss, grads, ref_loss, ref)
-    results["bshd"]["padded_len"] = sharder.layout.padded_seq_len
+    results["bshd"]["padded_len"] = sharder.layout.sequence.padded_seq_len
 
     # (c) inputs_embeds carrying grad into the embedding table.
     loss, grads, _ = _cp_step(model, mesh, batch, embeds=True)
@@ -200,14 +200,14 @@ def hf_parity(rank: int, world_size: int, arch: str) -> dict[str, dict[str, floa
     ref_loss, ref = _reference_docs(model, docs)
     loss, grads, sharder = _cp_step(model, mesh, thd)
     results["thd_padded"] = _compare(loss, grads, ref_loss, ref)
-    results["thd_padded"]["layout"] = sharder.layout.kind.value  # type: ignore[assignment]
+    results["thd_padded"]["layout"] = sharder.layout.sequence.kind.value  # type: ignore[assignment]
 
     # ... and unpadded documents (head/tail over the stream with document masking).
     thd, docs = _packed_batch([[5, 7, 4], [9, 3]], None, seq=16, seed=13)
     ref_loss, ref = _reference_docs(model, docs)
     loss, grads, sharder = _cp_step(model, mesh, thd)
     results["thd_unpadded"] = _compare(loss, grads, ref_loss, ref)
-    results["thd_unpadded"]["layout"] = sharder.layout.kind.value  # type: ignore[assignment]
+    results["thd_unpadded"]["layout"] = sharder.layout.sequence.kind.value  # type: ignore[assignment]
     return results
 
 
@@ -500,6 +500,6 @@ def two_d_mesh(rank: int, world_size: int) -> dict[str, Any]:
         "cp_size": sharder.cp_size,
         "cp_rank": sharder.cp_rank,
         "roundtrip_err": float((back - x).abs().max()),
-        "local_count": sharder.layout.num_label_tokens,
+        "local_count": sharder.layout.sequence.num_label_tokens,
         "dp_count": int(sharder.num_label_tokens(dp_group=mesh["dp"].get_group())),
     }

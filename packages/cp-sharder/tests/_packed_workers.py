@@ -147,7 +147,7 @@ def packed_step(
         dist.all_reduce(total, group=group)
         for g in grads.values():
             dist.all_reduce(g, group=group)
-    return float(total), grads, result.layout.backend.value, result.layout.kind.value
+    return float(total), grads, result.layout.backend.value, result.layout.sequence.kind.value
 
 
 def compare(

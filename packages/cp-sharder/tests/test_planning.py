@@ -103,19 +103,23 @@ def test_thd_shard_then_gather_is_the_identity(
     if pad_docs:
         batch["seq_lens_padded"] = pad_t
     plan = plan_batch(batch, PlanOptions(cp=cp))
+    sequence = plan.sequence
     table = layouts.all_rank_indices(
-        plan.kind, padded_len=plan.padded_seq_len, cp=cp, cu_seqlens_padded=plan.cu_seqlens_padded
+        sequence.kind,
+        padded_len=sequence.padded_seq_len,
+        cp=cp,
+        cu_seqlens_padded=sequence.cu_seqlens_padded,
     )
-    layouts.check_partition(table, plan.padded_seq_len)
+    layouts.check_partition(table, sequence.padded_seq_len)
     stream = plan.tensors["inputs_embeds"]  # [1, P, 3]
     shards = [stream.index_select(1, table[r]) for r in range(cp)]
     gathered = torch.cat(shards, dim=1)  # what the all-gather returns, rank order
     restored = gathered.index_select(1, layouts.inverse_permutation(table.flatten()))
     assert torch.equal(restored, stream)
-    trimmed = restored[:, : plan.original_seq_len].reshape(len(rows), seq, 3)
+    trimmed = restored[:, : sequence.original_seq_len].reshape(len(rows), seq, 3)
     assert torch.equal(trimmed, x)
     if pad_docs and seq % (2 * cp) == 0:
-        assert plan.kind.value == "thd"
+        assert sequence.kind.value == "thd"
 
 
 def test_packed_batch_errors_name_the_value_and_the_fix() -> None:

@@ -80,9 +80,9 @@ def test_cp1_is_identity_and_verbs_round_trip() -> None:
     assert sharder.backend_family is Backend.PORTABLE
     layout = sharder.layout
     assert isinstance(layout, ShardLayout)
-    assert layout.kind is LayoutKind.IDENTITY
+    assert layout.sequence.kind is LayoutKind.IDENTITY
     assert layout.backend is Backend.NONE
-    assert (layout.original_seq_len, layout.padded_seq_len) == (7, 7)
+    assert (layout.sequence.original_seq_len, layout.sequence.padded_seq_len) == (7, 7)
     assert torch.equal(local["input_ids"], batch["input_ids"])
     assert torch.equal(local["position_ids"], torch.arange(7)[None])
     # Keys the forward does not name stay with the sharder; labels always come back.
@@ -230,7 +230,7 @@ def test_packed_cp1_matches_per_document_forward() -> None:
     sharder = ContextParallelSharder(model)
     ctx, local = sharder.shard({"input_ids": ids, "qkv_format": "thd", "seq_lens": [[5, 4]]})
     assert sharder.layout.backend is Backend.VARLEN  # was PORTABLE (dense mask) before issue 15
-    assert sharder.layout.input_row_shape == (1, 12)
+    assert sharder.layout.sequence.input_row_shape == (1, 12)
     with ctx():
         logits = model(**local).logits
     assert model.config._attn_implementation == "sdpa", "override not restored"
@@ -292,7 +292,7 @@ def test_shard_result_unpacks_and_verbs_take_an_explicit_layout() -> None:
     first = sharder.shard(_batch(seq=7))
     train_ctx, local = first  # the seed usage still unpacks
     assert train_ctx is first.train_ctx and local is first.batch
-    assert first.layout.original_seq_len == 7
+    assert first.layout.sequence.original_seq_len == 7
     second = sharder.shard(_batch(seq=5))
     x = torch.randn(2, 7, 3)
     assert torch.equal(sharder.gather_token_tensor(x, layout=first, trim=True), x)

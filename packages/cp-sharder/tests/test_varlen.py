@@ -60,14 +60,14 @@ def test_kernel_matches_dense_reference_forward_and_backward(
         k = torch.randn(total, kv_heads, 8, dtype=torch.float64, generator=gen, requires_grad=True)
         v = torch.randn(total, kv_heads, 8, dtype=torch.float64, generator=gen, requires_grad=True)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        segments = varlen.Segments(
+            cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths)
+        )
         out = varlen.varlen_attention(
             q,
             k,
             v,
-            cu_seqlens_q=cu,
-            cu_seqlens_k=cu,
-            max_seqlen_q=max(lengths),
-            max_seqlen_k=max(lengths),
+            segments,
             causal=causal,
             scale=scale,
             window=window,
@@ -97,30 +97,25 @@ def test_suffix_queries_are_bottom_right_aligned() -> None:
     q = torch.cat([query[6:10], query[2:4]])
     k = torch.cat([keys, keys[:4]])
     v = torch.cat([values, values[:4]])
-    out = varlen.varlen_attention(
-        q,
-        k,
-        v,
+    segments = varlen.Segments(
         cu_seqlens_q=torch.tensor([0, 4, 6]),
         cu_seqlens_k=torch.tensor([0, 10, 14]),
         max_seqlen_q=4,
         max_seqlen_k=10,
     )
+    out = varlen.varlen_attention(q, k, v, segments)
     torch.testing.assert_close(out, torch.cat([full[6:10], full[2:4]]), rtol=1e-12, atol=1e-12)
 
 
 def test_kernel_rejects_bad_shapes() -> None:
     q = torch.randn(6, 3, 8)
     cu = torch.tensor([0, 6])
+    segments = varlen.Segments(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6, max_seqlen_k=6)
     with pytest.raises(ValueError, match=r"THD tensors \[T, H, D\]"):
-        varlen.varlen_attention(
-            q[None], q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6, max_seqlen_k=6
-        )
+        varlen.varlen_attention(q[None], q, q, segments)
     kv = torch.randn(6, 2, 8)
     with pytest.raises(ValueError, match="dividing the query heads"):
-        varlen.varlen_attention(
-            q, kv, kv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6, max_seqlen_k=6
-        )
+        varlen.varlen_attention(q, kv, kv, segments)
 
 
 @settings(max_examples=25, deadline=None)
@@ -157,13 +152,7 @@ def test_cp_runs_reproduce_global_causal_attention(
         # Each document meets a rank in at most two runs (head and tail).
         assert plan.cu_seqlens_q.numel() - 1 <= 2 * (len(lengths) + 1)
         out = varlen.varlen_attention(
-            q[mine],
-            gathered_k[plan.kv_index],
-            gathered_v[plan.kv_index],
-            cu_seqlens_q=plan.cu_seqlens_q,
-            cu_seqlens_k=plan.cu_seqlens_k,
-            max_seqlen_q=plan.max_seqlen_q,
-            max_seqlen_k=plan.max_seqlen_k,
+            q[mine], gathered_k[plan.kv_index], gathered_v[plan.kv_index], plan
         )
         torch.testing.assert_close(out, ref[mine], rtol=1e-10, atol=1e-10)
 
@@ -193,24 +182,19 @@ def test_torch_varlen_on_cuda_matches_the_reference(kv_heads: int) -> None:
     ref = _dense_reference(q, k, v, doc, causal=True, window=None, scale=None)
     leaves = [t.cuda().bfloat16().requires_grad_() for t in (q, k, v)]
     assert varlen._use_torch_varlen(leaves[0], None)
-    out = varlen.varlen_attention(
-        *leaves,
-        cu_seqlens_q=cu.cuda(),
-        cu_seqlens_k=cu.cuda(),
-        max_seqlen_q=64,
-        max_seqlen_k=64,
+    segments = varlen.Segments(
+        cu_seqlens_q=cu.cuda(), cu_seqlens_k=cu.cuda(), max_seqlen_q=64, max_seqlen_k=64
     )
+    out = varlen.varlen_attention(*leaves, segments)
     torch.testing.assert_close(out.double().cpu(), ref, rtol=3e-2, atol=3e-2)
     out.float().sum().backward()
     assert all(t.grad is not None and bool(t.grad.isfinite().all()) for t in leaves)
     # Suffix queries (CP chunks) are bottom-right aligned on this kernel too.
-    tail = varlen.varlen_attention(
-        leaves[0][30:37],
-        leaves[1][:37],
-        leaves[2][:37],
+    tail_segments = varlen.Segments(
         cu_seqlens_q=torch.tensor([0, 7], device="cuda"),
         cu_seqlens_k=torch.tensor([0, 37], device="cuda"),
         max_seqlen_q=7,
         max_seqlen_k=37,
     )
+    tail = varlen.varlen_attention(leaves[0][30:37], leaves[1][:37], leaves[2][:37], tail_segments)
     torch.testing.assert_close(tail.double().cpu(), ref[30:37], rtol=3e-2, atol=3e-2)

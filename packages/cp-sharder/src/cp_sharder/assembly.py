@@ -96,10 +96,11 @@ def assemble(
     if backend is Backend.TE and plan.thd:
         from cp_sharder.attention import te
 
-        assert plan.cu_seqlens_padded is not None
-        lens = plan.cu_seqlens_padded.diff()
+        cu = plan.sequence.cu_seqlens_padded
+        assert cu is not None
+        lens = cu.diff()
         device = local["position_ids"].device
-        keys = te.thd_batch_keys(plan.cu_seqlens_padded.to(device), int(lens.max()))
+        keys = te.thd_batch_keys(cu.to(device), int(lens.max()))
         out.update({k: v for k, v in keys.items() if signature.accepts(k)})
     return out, buffers
 

@@ -69,7 +69,7 @@ def pick_backend(
     # Only transformers models: their attention call goes through torch_ring's autograd
     # wrapper, which re-enters torch's ring dispatch for backward. A plain model's own SDPA
     # call would run backward outside train_ctx and get local-only gradients.
-    ring_aligned = plan.padded_seq_len % (RING_CHUNK_ALIGN * 2 * cp.size) == 0
+    ring_aligned = plan.sequence.padded_seq_len % (RING_CHUNK_ALIGN * 2 * cp.size) == 0
     if plain_causal and ring_aligned and hf and mesh_type == "cuda":
         return Backend.TORCH_RING
     return Backend.PORTABLE
@@ -173,7 +173,7 @@ def build_context(
     if backend is Backend.TORCH_RING:
         from cp_sharder.attention import torch_ring
 
-        return torch_ring.make_context(model, cp, hf, plan.padded_seq_len)
+        return torch_ring.make_context(model, cp, hf, plan.sequence.padded_seq_len)
     if backend is Backend.VARLEN:
         from cp_sharder.attention import packed
 

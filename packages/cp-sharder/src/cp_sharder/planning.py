@@ -22,7 +22,7 @@ from torch import Tensor
 from cp_sharder import layouts
 from cp_sharder.layouts import LayoutKind
 
-__all__ = ["BatchPlan", "PlanOptions", "docs_from_positions", "plan_batch"]
+__all__ = ["BatchPlan", "PlanOptions", "SequencePlan", "docs_from_positions", "plan_batch"]
 
 TrainContext = Callable[[], contextlib.AbstractContextManager[Any]]
 
@@ -60,6 +60,29 @@ class PlanOptions:
     te: bool = False
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SequencePlan:
+    """How one global batch's sequence is padded and laid out, and its label count.
+
+    What a shard layout keeps of the plan (no tensors of the batch itself).
+
+    Attributes:
+        kind: the token layout.
+        original_seq_len: S ([B, S] batch) or T (packed batch).
+        padded_seq_len: P.
+        input_row_shape: (B, S) of a packed batch, else None.
+        cu_seqlens_padded: [N+1] int64 padded packed boundaries, else None.
+        num_label_tokens: labels != ignore_index in the batch.
+    """
+
+    kind: LayoutKind
+    original_seq_len: int
+    padded_seq_len: int
+    input_row_shape: tuple[int, int] | None = None
+    cu_seqlens_padded: Tensor | None = None
+    num_label_tokens: int = 0
+
+
 @dataclass(kw_only=True, slots=True)
 class BatchPlan:
     """Everything derived from one batch before any collective.
@@ -68,11 +91,7 @@ class BatchPlan:
         tensors: padded global token tensors (sequence dim per ``seq_dims``).
         seq_dims: the sequence dim of each token tensor.
         passthrough: non-token keys handed to the model unchanged.
-        kind: the token layout.
-        original_seq_len: S ([B, S] batch) or T (packed batch).
-        padded_seq_len: P.
-        input_row_shape: (B, S) of a packed batch, else None.
-        cu_seqlens_padded: [N+1] int64 padded packed boundaries, else None.
+        sequence: the layout kind, lengths, packed boundaries and label count.
         doc_ids: [B or 1, P] int64 document id per position for the mask-based backend, or None
             (one document per row).
         key_valid: [B, P] bool, False on keys nobody may attend to, or None.
@@ -80,7 +99,6 @@ class BatchPlan:
             padding as segments of its own; None when the rows are not packed.
         right_padded: every padding token (attention_mask 0, trailing pad) sits after the
             row's last real token, so causal attention never reaches it.
-        num_label_tokens: labels != ignore_index in the batch.
         thd: the batch is packed THD.
         hook_context: the model hook's train_ctx, if any.
     """
@@ -88,16 +106,11 @@ class BatchPlan:
     tensors: dict[str, Tensor]
     seq_dims: dict[str, int]
     passthrough: dict[str, Any]
-    kind: LayoutKind
-    original_seq_len: int
-    padded_seq_len: int
-    input_row_shape: tuple[int, int] | None
-    cu_seqlens_padded: Tensor | None
+    sequence: SequencePlan
     doc_ids: Tensor | None
     key_valid: Tensor | None
     segment_ids: Tensor | None
     right_padded: bool
-    num_label_tokens: int
     thd: bool
     hook_context: TrainContext | None
 
@@ -330,16 +343,13 @@ def _plan_bshd(
         tensors=tensors,
         seq_dims=seq_dims,
         passthrough=passthrough,
-        kind=kind,
-        original_seq_len=seq,
-        padded_seq_len=padded,
-        input_row_shape=None,
-        cu_seqlens_padded=None,
+        sequence=SequencePlan(
+            kind=kind, original_seq_len=seq, padded_seq_len=padded, num_label_tokens=num_labels
+        ),
         doc_ids=doc_ids,
         key_valid=key_valid,
         segment_ids=segment_ids,
         right_padded=right_padded,
-        num_label_tokens=num_labels,
         thd=False,
         hook_context=hook_context,
     )

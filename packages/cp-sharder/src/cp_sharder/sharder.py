@@ -33,7 +33,14 @@ from cp_sharder.attention import (
 )
 from cp_sharder.backends import build_context, pick_backend
 from cp_sharder.layouts import LayoutKind
-from cp_sharder.planning import BatchPlan, PlanOptions, TrainContext, pad_tensor, plan_batch
+from cp_sharder.planning import (
+    BatchPlan,
+    PlanOptions,
+    SequencePlan,
+    TrainContext,
+    pad_tensor,
+    plan_batch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +52,12 @@ class ShardLayout:
     """Where this rank's tokens sit in the padded global sequence, captured by ``shard()``.
 
     Attributes:
-        kind: the layout (identity, contiguous, head/tail, THD).
+        sequence: the batch's layout kind, lengths, packed boundaries and label count, as
+            planned (a :class:`~cp_sharder.planning.SequencePlan`): ``kind``,
+            ``original_seq_len`` (S, or T = B*S for a packed batch), ``padded_seq_len`` (P),
+            ``input_row_shape`` ((B, S) of a packed batch, else None), ``cu_seqlens_padded``
+            ([N+1] int64 padded packed boundaries, else None) and ``num_label_tokens`` (label
+            tokens of the pre-shard batch, this data-parallel rank only).
         cp_size: W.
         cp_rank: this rank.
         local_token_global_indices: [P/W] int64 global position of each local token, in local
@@ -53,32 +65,21 @@ class ShardLayout:
         all_rank_indices: [W, P/W] int64, row r = rank r's global positions (computed locally).
         inverse_indices: [P] int64 inverse of ``all_rank_indices.flatten()``: gathered tokens in
             rank order, indexed by it, are in global order.
-        original_seq_len: S for a [B, S] batch; T = B*S for a packed (THD) batch.
-        padded_seq_len: P.
-        input_row_shape: (B, S) of a packed batch before flattening, else None.
-        cu_seqlens_padded: [N+1] int64 padded boundaries of the packed sequences, else None.
-        num_label_tokens: label tokens of the pre-shard batch (labels != ignore_index), this
-            data-parallel rank only.
         backend: the attention backend the step's train_ctx enters.
     """
 
-    kind: LayoutKind
+    sequence: SequencePlan
     cp_size: int
     cp_rank: int
     local_token_global_indices: Tensor
     all_rank_indices: Tensor
     inverse_indices: Tensor
-    original_seq_len: int
-    padded_seq_len: int
-    input_row_shape: tuple[int, int] | None = None
-    cu_seqlens_padded: Tensor | None = None
-    num_label_tokens: int = 0
     backend: Backend = Backend.NONE
 
     @property
     def local_seq_len(self) -> int:
         """P/W, the number of tokens each rank holds."""
-        return self.padded_seq_len // self.cp_size
+        return self.sequence.padded_seq_len // self.cp_size
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -215,11 +216,12 @@ class ContextParallelSharder:
         failure: Exception | None = None
         try:
             plan = self._plan_with_hook(dict(batch))
-            cu = plan.cu_seqlens_padded
+            sequence = plan.sequence
+            cu = sequence.cu_seqlens_padded
             summary = [
-                plan.padded_seq_len,
-                plan.original_seq_len,
-                list(LayoutKind).index(plan.kind),
+                sequence.padded_seq_len,
+                sequence.original_seq_len,
+                list(LayoutKind).index(sequence.kind),
                 int(cu.sum()) if cu is not None else -1,
             ]
         except Exception as err:
@@ -241,30 +243,25 @@ class ContextParallelSharder:
             sliding_window=has_sliding_window(self._model),
         )
         all_idx = layouts.all_rank_indices(
-            plan.kind,
-            padded_len=plan.padded_seq_len,
+            sequence.kind,
+            padded_len=sequence.padded_seq_len,
             cp=cp.size,
-            cu_seqlens_padded=plan.cu_seqlens_padded,
+            cu_seqlens_padded=sequence.cu_seqlens_padded,
         )
         local_idx = all_idx[cp.rank]
         inverse = layouts.inverse_permutation(all_idx.reshape(-1))
         layout = ShardLayout(
-            kind=plan.kind,
+            sequence=sequence,
             cp_size=cp.size,
             cp_rank=cp.rank,
             local_token_global_indices=local_idx,
             all_rank_indices=all_idx,
             inverse_indices=inverse,
-            original_seq_len=plan.original_seq_len,
-            padded_seq_len=plan.padded_seq_len,
-            input_row_shape=plan.input_row_shape,
-            cu_seqlens_padded=plan.cu_seqlens_padded,
-            num_label_tokens=plan.num_label_tokens,
             backend=backend,
         )
         local: dict[str, Tensor] = {}
         for name, t in plan.tensors.items():
-            if plan.kind is LayoutKind.IDENTITY:
+            if sequence.kind is LayoutKind.IDENTITY:
                 local[name] = t  # cp=1: nothing moves, nothing is copied
             else:
                 local[name] = t.index_select(plan.seq_dims[name], local_idx.to(t.device))
@@ -284,10 +281,10 @@ class ContextParallelSharder:
             "cp shard: cp=%d rank=%d layout=%s backend=%s length %d -> %d",
             cp.size,
             cp.rank,
-            plan.kind.value,
+            sequence.kind.value,
             backend.value,
-            plan.original_seq_len,
-            plan.padded_seq_len,
+            sequence.original_seq_len,
+            sequence.padded_seq_len,
         )
         self._last = ShardResult(
             train_ctx=train_ctx, batch=out, layout=layout, local_buffers=buffers
@@ -356,21 +353,22 @@ class ContextParallelSharder:
             [..., P/W, ...] ([1, P/W, ...] for a packed batch); differentiable.
         """
         layout = self._resolve(layout, "shard_token_tensor")
-        if layout.input_row_shape is not None and tuple(t.shape[:2]) == layout.input_row_shape:
-            t = t.reshape(1, layout.original_seq_len, *t.shape[2:])
+        sequence = layout.sequence
+        if sequence.input_row_shape is not None and tuple(t.shape[:2]) == sequence.input_row_shape:
+            t = t.reshape(1, sequence.original_seq_len, *t.shape[2:])
             seq_dim = 1
         length = t.shape[seq_dim]
-        if length == layout.original_seq_len and length != layout.padded_seq_len:
+        if length == sequence.original_seq_len and length != sequence.padded_seq_len:
             if fill is None:
                 raise ValueError(
                     f"tensor has the original length {length}; padding it to "
-                    f"{layout.padded_seq_len} needs an explicit fill= value"
+                    f"{sequence.padded_seq_len} needs an explicit fill= value"
                 )
-            t = pad_tensor(t, seq_dim, layout.padded_seq_len - length, fill)
-        elif length != layout.padded_seq_len:
+            t = pad_tensor(t, seq_dim, sequence.padded_seq_len - length, fill)
+        elif length != sequence.padded_seq_len:
             raise ValueError(
                 f"tensor has length {length} on dim {seq_dim}; expected the original length "
-                f"{layout.original_seq_len} or the padded length {layout.padded_seq_len}"
+                f"{sequence.original_seq_len} or the padded length {sequence.padded_seq_len}"
             )
         return t.index_select(seq_dim, layout.local_token_global_indices.to(t.device))
 
@@ -400,24 +398,25 @@ class ContextParallelSharder:
             [..., P, ...] (or trimmed as above).
         """
         layout = self._resolve(layout, "gather_token_tensor")
+        sequence = layout.sequence
         seq_dim = seq_dim % t.dim()
         if t.shape[seq_dim] != layout.local_seq_len:
             raise ValueError(
                 f"tensor has length {t.shape[seq_dim]} on dim {seq_dim}; expected the local "
-                f"length {layout.local_seq_len} (= padded {layout.padded_seq_len} / cp {layout.cp_size})"
+                f"length {layout.local_seq_len} (= padded {sequence.padded_seq_len} / cp {layout.cp_size})"
             )
         full = all_gather_seq(t, dim=seq_dim, cp=self._cp)
         full = full.index_select(seq_dim, layout.inverse_indices.to(t.device))
         if not trim:
             return full
-        full = full.narrow(seq_dim, 0, layout.original_seq_len)
-        if layout.input_row_shape is not None:
+        full = full.narrow(seq_dim, 0, sequence.original_seq_len)
+        if sequence.input_row_shape is not None:
             if seq_dim != 1 or full.shape[0] != 1:
                 raise ValueError(
                     "trimming a packed tensor back to rows needs it as [1, T, ...] with seq_dim=1, "
                     f"got shape {tuple(full.shape)} and seq_dim={seq_dim}"
                 )
-            full = full.reshape(*layout.input_row_shape, *full.shape[2:])
+            full = full.reshape(*sequence.input_row_shape, *full.shape[2:])
         return full
 
     def num_label_tokens(
@@ -446,7 +445,7 @@ class ContextParallelSharder:
             [] int64 tensor, identical on every rank of ``dp_group``.
         """
         layout = self._resolve(layout, "num_label_tokens")
-        count = torch.tensor(layout.num_label_tokens, dtype=torch.int64, device=device)
+        count = torch.tensor(layout.sequence.num_label_tokens, dtype=torch.int64, device=device)
         if dp_group is not None and dist.get_world_size(dp_group) > 1:
             dist.all_reduce(count, group=dp_group)
         return count

@@ -25,7 +25,7 @@ from torch import Tensor
 from cp_sharder._dist import CPGroup, all_gather_seq
 from cp_sharder.attention import adapters
 from cp_sharder.attention.adapters import AttentionArgs, Kernel, Limits, hf_attention
-from cp_sharder.attention.varlen import varlen_attention
+from cp_sharder.attention.varlen import Segments, varlen_attention
 
 __all__ = ["HF_ATTENTION_KEY", "PackedAttention", "VarlenPlan", "plan_runs"]
 
@@ -34,23 +34,18 @@ HF_ATTENTION_KEY = "cp_sharder_varlen"
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class VarlenPlan:
+class VarlenPlan(Segments):
     """The kernel arguments of one step's packed attention (one per causal flag).
 
+    The segments are this rank's query runs over the B*n flattened local queries and each run's
+    key range; ``cu_seqlens_k`` is the same object as ``cu_seqlens_q`` when every run's keys are
+    its own queries (cp=1, causal).
+
     Attributes:
-        cu_seqlens_q: [R+1] int64 cumulative run lengths over the B*n flattened local queries.
-        cu_seqlens_k: [R+1] int64 cumulative key lengths; the same object as ``cu_seqlens_q``
-            when every run's keys are its own queries (cp=1, causal).
-        max_seqlen_q: the longest run.
-        max_seqlen_k: the longest key range.
         kv_index: [sum Lk] int64 index of each run's keys into the gathered keys flattened to
             [B*P], or None when the keys are the local queries themselves.
     """
 
-    cu_seqlens_q: Tensor
-    cu_seqlens_k: Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
     kv_index: Tensor | None
 
 
@@ -113,26 +108,22 @@ def plan_runs(
     key_len = key_end - key_start
     cu_q = _cumulative(run_q_len)
     identity = bool(torch.equal(inverse_index.cpu(), positions)) and n == padded
+    kv_index: Tensor | None = None
     if identity and causal:
         # cp=1: every run is a whole segment and its keys are its own queries.
-        return VarlenPlan(
-            cu_seqlens_q=cu_q,
-            cu_seqlens_k=cu_q,
-            max_seqlen_q=int(run_q_len.max()),
-            max_seqlen_k=int(run_q_len.max()),
-            kv_index=None,
-        )
-    run_of_key = torch.repeat_interleave(torch.arange(run_start.numel()), key_len)
-    cu_k = _cumulative(key_len)
-    offset = torch.arange(int(cu_k[-1])) - cu_k[:-1][run_of_key]
-    global_pos = key_start[run_of_key] + offset
-    slot = inverse_index.cpu()[global_pos]
-    kv_index = run_row[run_of_key] * padded + slot
+        cu_k, max_k = cu_q, int(run_q_len.max())
+    else:
+        run_of_key = torch.repeat_interleave(torch.arange(run_start.numel()), key_len)
+        cu_k, max_k = _cumulative(key_len), int(key_len.max())
+        offset = torch.arange(int(cu_k[-1])) - cu_k[:-1][run_of_key]
+        global_pos = key_start[run_of_key] + offset
+        slot = inverse_index.cpu()[global_pos]
+        kv_index = run_row[run_of_key] * padded + slot
     return VarlenPlan(
         cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k,
         max_seqlen_q=int(run_q_len.max()),
-        max_seqlen_k=int(key_len.max()),
+        max_seqlen_k=max_k,
         kv_index=kv_index,
     )
 
@@ -226,18 +217,7 @@ class PackedAttention:
             kv = kv.transpose(1, 2).reshape(-1, kv.shape[1], kv.shape[-1])
             kv = kv.index_select(0, plan.kv_index)
             k, v = kv[..., : key.shape[-1]], kv[..., key.shape[-1] :]
-        out = varlen_attention(
-            q,
-            k,
-            v,
-            cu_seqlens_q=plan.cu_seqlens_q,
-            cu_seqlens_k=plan.cu_seqlens_k,
-            max_seqlen_q=plan.max_seqlen_q,
-            max_seqlen_k=plan.max_seqlen_k,
-            causal=causal,
-            scale=scale,
-            window=window,
-        )
+        out = varlen_attention(q, k, v, plan, causal=causal, scale=scale, window=window)
         return out.reshape(rows, n, heads, out.shape[-1])
 
 

@@ -1,8 +1,8 @@
 """Variable-length (per-document) attention on packed THD tensors: the one kernel entry point.
 
 Every packed path of cp-sharder (cp=1 and context parallel, transformers and plain PyTorch
-models) calls :func:`varlen_attention`. Query segment ``i`` holds tokens
-``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and attends to key segment ``i``
+models) calls :func:`varlen_attention` with a :class:`Segments` table. Query segment ``i`` holds
+tokens ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and attends to key segment ``i``
 (``cu_seqlens_k[i]:cu_seqlens_k[i+1]``) only. Causal masking is bottom-right aligned, as in
 FlashAttention: the queries of a segment are the *last* ``Lq`` positions of its ``Lk`` keys, so a
 query chunk taken from the middle of a document attends to the document's prefix up to itself,
@@ -29,18 +29,38 @@ import functools
 import inspect
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["torch_varlen_available", "varlen_attention"]
+__all__ = ["Segments", "torch_varlen_available", "varlen_attention"]
 
 # Captured at import so an SDPA override (plain models) can never route this call to itself.
 _SDPA = F.scaled_dot_product_attention
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Segments:
+    """The segment table of one varlen call: which keys each query segment attends to.
+
+    Attributes:
+        cu_seqlens_q: [N+1] int cumulative query segment lengths, from 0 to T.
+        cu_seqlens_k: [N+1] int cumulative key segment lengths, from 0 to Tk. The same tensor
+            object as ``cu_seqlens_q`` when queries and keys coincide (lets torch pick cuDNN
+            where it may).
+        max_seqlen_q: the longest query segment.
+        max_seqlen_k: the longest key segment.
+    """
+
+    cu_seqlens_q: Tensor
+    cu_seqlens_k: Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
 
 
 @functools.cache
@@ -69,13 +89,7 @@ def _use_torch_varlen(query: Tensor, window: int | None) -> bool:
     return window is None or "window_size" in params
 
 
-def _check(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-) -> None:
+def _check(query: Tensor, key: Tensor, value: Tensor, segments: Segments) -> None:
     if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
         raise ValueError(
             "varlen_attention takes THD tensors [T, H, D]; got query "
@@ -86,10 +100,11 @@ def _check(
             f"query has {query.shape[1]} heads and key/value {key.shape[1]}/{value.shape[1]}; "
             "key and value need the same head count, dividing the query heads (GQA)"
         )
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+    cu_q, cu_k = segments.cu_seqlens_q, segments.cu_seqlens_k
+    if cu_q.numel() != cu_k.numel():
         raise ValueError(
-            f"cu_seqlens_q has {cu_seqlens_q.numel()} entries and cu_seqlens_k "
-            f"{cu_seqlens_k.numel()}; both need N+1 entries for the same N segments"
+            f"cu_seqlens_q has {cu_q.numel()} entries and cu_seqlens_k {cu_k.numel()}; "
+            "both need N+1 entries for the same N segments"
         )
 
 
@@ -97,10 +112,7 @@ def _torch_varlen_call(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    cu_q: Tensor,
-    cu_k: Tensor,
-    max_q: int,
-    max_k: int,
+    segments: Segments,
     *,
     causal: bool,
     scale: float | None,
@@ -126,8 +138,10 @@ def _torch_varlen_call(
         kwargs["enable_gqa"] = True
     # Older releases have no enable_gqa: FlashAttention's varlen kernel takes fewer KV heads
     # natively (num_heads % num_heads_k == 0).
+    cu_q, cu_k = segments.cu_seqlens_q, segments.cu_seqlens_k
     cu_q32 = cu_q.to(device=query.device, dtype=torch.int32)
     cu_k32 = cu_q32 if cu_k is cu_q else cu_k.to(device=query.device, dtype=torch.int32)
+    max_q, max_k = segments.max_seqlen_q, segments.max_seqlen_k
     out = fn(query, key, value, cu_q32, cu_k32, max_q, max_k, **kwargs)
     return out[0] if isinstance(out, tuple) else out
 
@@ -196,11 +210,8 @@ def varlen_attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
+    segments: Segments,
     *,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
     causal: bool = True,
     scale: float | None = None,
     window: int | None = None,
@@ -211,12 +222,7 @@ def varlen_attention(
         query: [T, H, D] packed queries.
         key: [Tk, Hkv, D] packed keys (Hkv divides H).
         value: [Tk, Hkv, Dv] packed values.
-        cu_seqlens_q: [N+1] int cumulative query segment lengths, from 0 to T.
-        cu_seqlens_k: [N+1] int cumulative key segment lengths, from 0 to Tk. Pass the same
-            tensor object as ``cu_seqlens_q`` when queries and keys coincide (lets torch pick
-            cuDNN where it may).
-        max_seqlen_q: the longest query segment.
-        max_seqlen_k: the longest key segment.
+        segments: the query and key segments (their ``cu_seqlens`` run from 0 to T and Tk).
         causal: mask keys after each query, bottom-right aligned (a segment's queries are the
             last ``Lq`` of its ``Lk`` keys).
         scale: softmax scale; None means 1/sqrt(D).
@@ -230,20 +236,12 @@ def varlen_attention(
         ValueError: tensors not [T, H, D], head counts that do not divide, or segment tables of
             different lengths.
     """
-    _check(query, key, value, cu_seqlens_q, cu_seqlens_k)
+    _check(query, key, value, segments)
     if _use_torch_varlen(query, window):
         return _torch_varlen_call(
-            query,
-            key,
-            value,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            causal=causal,
-            scale=scale,
-            window=window,
+            query, key, value, segments, causal=causal, scale=scale, window=window
         )
-    cu_q = cu_seqlens_q.tolist()
-    cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.tolist()
+    shared = segments.cu_seqlens_k is segments.cu_seqlens_q
+    cu_q = segments.cu_seqlens_q.tolist()
+    cu_k = cu_q if shared else segments.cu_seqlens_k.tolist()
     return _per_segment(query, key, value, cu_q, cu_k, causal=causal, scale=scale, window=window)
