@@ -61,13 +61,15 @@ GIB = 1024**3
 
 @dataclass(kw_only=True, slots=True)
 class Row:
+    """One variant's measurements; a variant that did not run keeps the defaults (no numbers)."""
+
     variant: str
     baseline: str
-    median_ms: float | None
-    peak_extra_gib: float | None
-    extra_over_logits: float | None
-    grad_gib: float
-    transient_over_logits: float | None
+    median_ms: float | None = None
+    peak_extra_gib: float | None = None
+    extra_over_logits: float | None = None
+    grad_gib: float = 0.0
+    transient_over_logits: float | None = None
     speedup: float | None = None
     over_floor: float | None = None
     status: str = "ok"
@@ -158,18 +160,7 @@ def _measure(
     rows = []
     for name, variant in variants.items():
         if variant.status not in ("ok", "bound"):
-            rows.append(
-                Row(
-                    variant=name,
-                    baseline=variant.baseline,
-                    median_ms=None,
-                    peak_extra_gib=None,
-                    extra_over_logits=None,
-                    grad_gib=0.0,
-                    transient_over_logits=None,
-                    status=variant.status,
-                )
-            )
+            rows.append(Row(variant=name, baseline=variant.baseline, status=variant.status))
             continue
         loss_err = grad_err = None
         if variant.status == "ok":
