@@ -150,7 +150,7 @@ def _chunk_logits_grad(
         return _triton.logits_grad(
             logits,
             inv_temperature=plan.inv_temperature,
-            inv_vocab=1.0 / plan.vocab_size,
+            inv_vocab=1.0 / plan.layout.vocab_size,
             log_normalizer=log_normalizer,
             entropy=None,
             grad_all=g_all,
@@ -168,7 +168,7 @@ def _chunk_logits_grad(
         grad_target=g_all,
         grad_entropy=None,
         grad_uniform=None,
-        inv_vocab=1.0 / plan.vocab_size,
+        inv_vocab=1.0 / plan.layout.vocab_size,
         target_index=target_index,
         target_grad=target_grad,
     )
@@ -184,7 +184,7 @@ class LinearLogProbs(torch.autograd.Function):
         targets = locate_targets(labels, plan=plan, local_vocab=local_vocab)
         running, target = _blockwise_stats(hidden, weight, targets, plan)
         glob = reduce_stats(
-            running, target=target, invalid_labels=targets.invalid, group=plan.group
+            running, target=target, invalid_labels=targets.invalid, group=plan.layout.group
         )
         if glob.invalid_labels:
             raise_invalid(labels, plan=plan, count=glob.invalid_labels)
@@ -224,10 +224,10 @@ class LinearLogProbs(torch.autograd.Function):
             if grad_weight is not None:
                 torch.mm(grad_logits.T, hidden, out=grad_weight[start:stop])
             del grad_logits
-        if grad_hidden is not None and plan.group is not None:
+        if grad_hidden is not None and plan.layout.group is not None:
             # Each rank saw only its vocabulary rows: the hidden gradient is a sum over ranks
             # ([N, H] floats, independent of V).
-            dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=plan.group)
+            dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=plan.layout.group)
         return (
             grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
             grad_weight,
