@@ -26,7 +26,7 @@ from torch import Tensor
 
 from vocab_parallel._linear import _add_matmul_, _chunk_logits_grad
 from vocab_parallel._logits import Plan, locate_targets, raise_invalid
-from vocab_parallel._math import scaled_fp32, scaled_target, shard_stats
+from vocab_parallel._math import GradTerms, scaled_fp32, scaled_target, shard_stats
 from vocab_parallel._reduce import reduce_stats
 
 # Default chunking: one chunk's logits hold at most 1/FUSED_CHUNKS of the full [N, Vl] logits
@@ -195,15 +195,13 @@ class FusedLinearLoss(torch.autograd.Function):
             if grad_hidden is None and accumulator is None:
                 continue
             if local_vocab:
-                grad_logits = _chunk_logits_grad(
-                    logits,
+                terms = GradTerms(
                     log_normalizer=glob.log_normalizer,
-                    g_all=g_all[start:stop],
+                    grad_all=g_all[start:stop],
                     target_index=index,
                     target_grad=target_grad[start:stop],
-                    plan=plan,
-                    dtype=hidden.dtype,
                 )
+                grad_logits = _chunk_logits_grad(logits, terms, plan=plan, dtype=hidden.dtype)
             else:  # a rank without vocabulary rows still joins the hidden-gradient sum
                 grad_logits = logits
             del logits

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from vocab_parallel._math import (
+    GradTerms,
     ShardStats,
     chunk_grad,
     scaled_fp32,
@@ -221,23 +222,22 @@ class VocabStats(torch.autograd.Function):
             # The -p part of d log p_y / dz applies on every rank, not only the target's.
             g_all = torch.where(valid, grad_log_p.float(), 0.0) * inv_t
         g_ent = grad_entropy.float() * inv_t if grad_entropy is not None else None
-        g_uni = grad_uniform.float() * inv_t if grad_uniform is not None else None
+        terms = GradTerms(
+            log_normalizer=log_normalizer,
+            grad_all=g_all,
+            entropy=entropy if g_ent is not None else None,
+            grad_entropy=g_ent,
+            grad_uniform=grad_uniform.float() * inv_t if grad_uniform is not None else None,
+            target_index=index,
+            target_grad=g_target,
+        )
+        inv_vocab = 1.0 / plan.layout.vocab_size
 
         if plan.backend == "triton":
             from vocab_parallel import _triton
 
             grad = _triton.logits_grad(
-                logits,
-                inv_temperature=inv_t,
-                inv_vocab=1.0 / plan.layout.vocab_size,
-                log_normalizer=log_normalizer,
-                entropy=entropy if g_ent is not None else None,
-                grad_all=g_all,
-                grad_entropy=g_ent,
-                grad_uniform=g_uni,
-                target_index=index,
-                target_grad=g_target,
-                in_place=plan.in_place,
+                logits, terms, inv_temperature=inv_t, inv_vocab=inv_vocab, in_place=plan.in_place
             )
             if plan.in_place:
                 # Written by a kernel behind autograd's back: bump the version so that any other
@@ -254,17 +254,7 @@ class VocabStats(torch.autograd.Function):
             _, grad_rows = next(grad_chunks)
             span = slice(start, start + chunk_logits.shape[0])
             z = scaled_fp32(chunk_logits, inv_t)
-            chunk = chunk_grad(
-                z,
-                log_normalizer=log_normalizer[span],
-                entropy=entropy[span] if g_ent is not None else None,
-                grad_target=g_all[span] if g_all is not None else None,
-                grad_entropy=g_ent[span] if g_ent is not None else None,
-                grad_uniform=g_uni[span] if g_uni is not None else None,
-                inv_vocab=1.0 / plan.layout.vocab_size,
-                target_index=index[span] if index is not None else None,
-                target_grad=g_target[span] if g_target is not None else None,
-            )
+            chunk = chunk_grad(z, terms.rows(span), inv_vocab=inv_vocab)
             grad_rows.copy_(chunk)
             del z, chunk
         return grad, None, None
