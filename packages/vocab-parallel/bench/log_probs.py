@@ -46,7 +46,6 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,6 +54,7 @@ import torch
 from _variants import IGNORE, Variant, linear_variants, logits_variants, naive_loss
 
 import vocab_parallel as vp
+from train_testing.bench.runtime import sync, times_ms
 
 GIB = 1024**3
 
@@ -77,22 +77,8 @@ class Row:
     grad_rel_err: float | None = None
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return statistics.median(times_ms(fn, device, warmup=warmup, iters=repeats))
 
 
 def _peak_extra(
@@ -101,11 +87,11 @@ def _peak_extra(
     if device.type != "cuda":
         return None
     reset()  # free the previous run's gradients, so that they count in this peak
-    _sync(device)
+    sync(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     fn()
-    _sync(device)
+    sync(device)
     return (torch.cuda.max_memory_allocated(device) - base) / GIB
 
 
