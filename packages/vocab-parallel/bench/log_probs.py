@@ -46,7 +46,6 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,19 +54,22 @@ import torch
 from _variants import IGNORE, Variant, linear_variants, logits_variants, naive_loss
 
 import vocab_parallel as vp
+from train_testing.bench.runtime import sync, times_ms
 
 GIB = 1024**3
 
 
 @dataclass(kw_only=True, slots=True)
 class Row:
+    """One variant's measurements; a variant that did not run keeps the defaults (no numbers)."""
+
     variant: str
     baseline: str
-    median_ms: float | None
-    peak_extra_gib: float | None
-    extra_over_logits: float | None
-    grad_gib: float
-    transient_over_logits: float | None
+    median_ms: float | None = None
+    peak_extra_gib: float | None = None
+    extra_over_logits: float | None = None
+    grad_gib: float = 0.0
+    transient_over_logits: float | None = None
     speedup: float | None = None
     over_floor: float | None = None
     status: str = "ok"
@@ -75,22 +77,8 @@ class Row:
     grad_rel_err: float | None = None
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return statistics.median(times_ms(fn, device, warmup=warmup, iters=repeats))
 
 
 def _peak_extra(
@@ -99,11 +87,11 @@ def _peak_extra(
     if device.type != "cuda":
         return None
     reset()  # free the previous run's gradients, so that they count in this peak
-    _sync(device)
+    sync(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     fn()
-    _sync(device)
+    sync(device)
     return (torch.cuda.max_memory_allocated(device) - base) / GIB
 
 
@@ -158,18 +146,7 @@ def _measure(
     rows = []
     for name, variant in variants.items():
         if variant.status not in ("ok", "bound"):
-            rows.append(
-                Row(
-                    variant=name,
-                    baseline=variant.baseline,
-                    median_ms=None,
-                    peak_extra_gib=None,
-                    extra_over_logits=None,
-                    grad_gib=0.0,
-                    transient_over_logits=None,
-                    status=variant.status,
-                )
-            )
+            rows.append(Row(variant=name, baseline=variant.baseline, status=variant.status))
             continue
         loss_err = grad_err = None
         if variant.status == "ok":

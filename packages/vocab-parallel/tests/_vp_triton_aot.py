@@ -13,12 +13,23 @@ from triton.compiler import ASTSource
 from vocab_parallel import _triton as kernels
 
 TARGET = GPUTarget("cuda", 90, 32)
+# The row kernels' shared compile-time constants (BLOCK: the largest block the library launches).
+ROW_CONSTEXPRS = {"LOG_FLOOR": kernels._LOG_FLOOR, "BLOCK": 8192}
+
+
+def _compile(
+    kernel: object, arguments: dict[str, str], constexprs: dict[str, object], *, num_warps: int
+) -> None:
+    """Compile ``kernel`` for TARGET; the signature is ``arguments`` plus the constexprs."""
+    signature = {**arguments, **dict.fromkeys(constexprs, "constexpr")}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    triton.compile(src, target=TARGET, options={"num_warps": num_warps})
 
 
 def main() -> None:
     for dtype in ("*bf16", "*fp16", "*fp32"):
         for entropy, sum_z in ((True, True), (False, False)):
-            signature = {
+            arguments = {
                 "x_ptr": dtype,
                 "stride_slab": "i64",
                 "stride_row": "i64",
@@ -29,19 +40,9 @@ def main() -> None:
                 "sum_exp_ptr": "*fp32",
                 "sum_exp_z_ptr": "*fp32",
                 "sum_z_ptr": "*fp32",
-                "WANT_ENTROPY": "constexpr",
-                "WANT_SUM_Z": "constexpr",
-                "LOG_FLOOR": "constexpr",
-                "BLOCK": "constexpr",
             }
-            constants = {
-                "WANT_ENTROPY": entropy,
-                "WANT_SUM_Z": sum_z,
-                "LOG_FLOOR": kernels._LOG_FLOOR,
-                "BLOCK": 8192,
-            }
-            src = ASTSource(fn=kernels._stats_kernel, signature=signature, constexprs=constants)
-            triton.compile(src, target=TARGET, options={"num_warps": 8})
+            flags = {"WANT_ENTROPY": entropy, "WANT_SUM_Z": sum_z}
+            _compile(kernels._stats_kernel, arguments, {**flags, **ROW_CONSTEXPRS}, num_warps=8)
     # The gradient kernel: in the logits' dtype, and fp32 logits into a 16-bit gradient (the
     # fused linear loss's exact mode).
     grad_dtypes = [(d, d) for d in ("*bf16", "*fp16", "*fp32")] + [
@@ -50,7 +51,7 @@ def main() -> None:
     ]
     for dtype, grad_dtype in grad_dtypes:
         for has_target, has_entropy, has_uniform in ((True, True, True), (True, False, False)):
-            signature = {
+            arguments = {
                 "x_ptr": dtype,
                 "stride_slab": "i64",
                 "stride_row": "i64",
@@ -68,24 +69,16 @@ def main() -> None:
                 "g_uniform_ptr": "*fp32",
                 "target_col_ptr": "*i64",
                 "g_target_ptr": "*fp32",
-                "HAS_TARGET": "constexpr",
-                "HAS_ENTROPY": "constexpr",
-                "HAS_UNIFORM": "constexpr",
-                "LOG_FLOOR": "constexpr",
-                "BLOCK": "constexpr",
             }
-            constants = {
+            flags = {
                 "HAS_TARGET": has_target,
                 "HAS_ENTROPY": has_entropy,
                 "HAS_UNIFORM": has_uniform,
-                "LOG_FLOOR": kernels._LOG_FLOOR,
-                "BLOCK": 8192,
             }
-            src = ASTSource(fn=kernels._grad_kernel, signature=signature, constexprs=constants)
-            triton.compile(src, target=TARGET, options={"num_warps": 8})
+            _compile(kernels._grad_kernel, arguments, {**flags, **ROW_CONSTEXPRS}, num_warps=8)
     # The grads-in-forward loss's one-kernel chunk step, in place in the chunk logits' dtype.
     for dtype in ("*bf16", "*fp16", "*fp32"):
-        signature = {
+        arguments = {
             "x_ptr": dtype,
             "stride_row": "i64",
             "n_cols": "i32",
@@ -93,16 +86,11 @@ def main() -> None:
             "target_col_ptr": "*i64",
             "g_ptr": "*fp32",
             "log_p_ptr": "*fp32",
-            "BLOCK": "constexpr",
         }
-        src = ASTSource(
-            fn=kernels._loss_grad_kernel, signature=signature, constexprs={"BLOCK": 8192}
-        )
-        triton.compile(src, target=TARGET, options={"num_warps": 8})
+        _compile(kernels._loss_grad_kernel, arguments, {"BLOCK": 8192}, num_warps=8)
         # Backward's scaling of the stored gradients by the upstream gradient.
-        signature = {"x_ptr": dtype, "scale_ptr": "*fp32", "n": "i64", "BLOCK": "constexpr"}
-        src = ASTSource(fn=kernels._scale_kernel, signature=signature, constexprs={"BLOCK": 4096})
-        triton.compile(src, target=TARGET, options={"num_warps": 4})
+        arguments = {"x_ptr": dtype, "scale_ptr": "*fp32", "n": "i64"}
+        _compile(kernels._scale_kernel, arguments, {"BLOCK": 4096}, num_warps=4)
     print("ok")
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from vocab_parallel._linear import _add_matmul_, _chunk_logits_grad
 from vocab_parallel._logits import Plan, locate_targets, raise_invalid
-from vocab_parallel._math import scaled_fp32, scaled_target, shard_stats
+from vocab_parallel._math import GradTerms, scaled_fp32, scaled_target, shard_stats
 from vocab_parallel._reduce import reduce_stats
 
 # Default chunking: one chunk's logits hold at most 1/FUSED_CHUNKS of the full [N, Vl] logits
@@ -133,7 +133,7 @@ class FusedLinearLoss(torch.autograd.Function):
         # gradient in place (no collective to wait for between them).
         one_kernel = (
             plan.backend == "triton"
-            and plan.group is None
+            and plan.layout.group is None
             and not fp32_logits
             and local_vocab > 0
             and (need_hidden or need_weight)
@@ -185,7 +185,9 @@ class FusedLinearLoss(torch.autograd.Function):
                 stats = shard_stats(scaled_fp32(logits, inv_t), entropy=False, sum_z=False)
             # The labels are counted once, with the first chunk's collective.
             invalid = targets.invalid if start == 0 else None
-            glob = reduce_stats(stats, target=target, invalid_labels=invalid, group=plan.group)
+            glob = reduce_stats(
+                stats, target=target, invalid_labels=invalid, group=plan.layout.group
+            )
             if glob.invalid_labels:
                 raise_invalid(labels, plan=plan, count=glob.invalid_labels)
             chunk_log_p = (glob.target - glob.shift) - glob.log_sum_exp
@@ -193,26 +195,24 @@ class FusedLinearLoss(torch.autograd.Function):
             if grad_hidden is None and accumulator is None:
                 continue
             if local_vocab:
-                grad_logits = _chunk_logits_grad(
-                    logits,
+                terms = GradTerms(
                     log_normalizer=glob.log_normalizer,
-                    g_all=g_all[start:stop],
+                    grad_all=g_all[start:stop],
                     target_index=index,
                     target_grad=target_grad[start:stop],
-                    plan=plan,
-                    dtype=hidden.dtype,
                 )
+                grad_logits = _chunk_logits_grad(logits, terms, plan=plan, dtype=hidden.dtype)
             else:  # a rank without vocabulary rows still joins the hidden-gradient sum
                 grad_logits = logits
             del logits
             if grad_hidden is not None:
-                if plan.group is None:
+                if plan.layout.group is None:
                     torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
                 else:
                     # Each rank saw only its vocabulary rows: the chunk's hidden gradient is a
                     # sum over ranks, taken in fp32 ([C, H], independent of V).
                     partial = _mm_fp32(grad_logits, weight)
-                    dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=plan.group)
+                    dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=plan.layout.group)
                     grad_hidden[start:stop].copy_(partial)
                     del partial
             if accumulator is not None:

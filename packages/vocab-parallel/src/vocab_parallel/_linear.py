@@ -19,7 +19,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from vocab_parallel._logits import CHUNK_ELEMENTS, Plan, Targets, locate_targets, raise_invalid
-from vocab_parallel._math import ShardStats, chunk_grad, merge, scaled_target, shard_stats
+from vocab_parallel._math import (
+    GradTerms,
+    ShardStats,
+    chunk_grad,
+    merge,
+    scaled_target,
+    shard_stats,
+)
 from vocab_parallel._reduce import reduce_stats
 
 # 16-bit blocks (Triton backend) hold at least 1/LOW_PRECISION_BLOCKS of the local vocabulary,
@@ -102,76 +109,29 @@ def _add_matmul_(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
         accumulator.add_(a @ b)
 
 
-def _matmul_logits_grad(
-    hidden: Tensor,
-    rows: Tensor,
-    *,
-    start: int,
-    index: Tensor,
-    in_shard: Tensor,
-    log_normalizer: Tensor,
-    g_all: Tensor,
-    plan: Plan,
-) -> Tensor:
-    """[N, B] logits gradient of one block (input dtype), from a cuBLAS recomputation."""
-    logits = hidden @ rows.T
-    in_block, column = _block_targets(index, in_shard, start, start + rows.shape[0])
-    target_grad = torch.where(in_block, g_all, 0.0)
-    return _chunk_logits_grad(
-        logits,
-        log_normalizer=log_normalizer,
-        g_all=g_all,
-        target_index=column,
-        target_grad=target_grad,
-        plan=plan,
-        dtype=hidden.dtype,
-    )
-
-
 def _chunk_logits_grad(
-    logits: Tensor,
-    *,
-    log_normalizer: Tensor,
-    g_all: Tensor,
-    target_index: Tensor,
-    target_grad: Tensor,
-    plan: Plan,
-    dtype: torch.dtype,
+    logits: Tensor, terms: GradTerms, *, plan: Plan, dtype: torch.dtype
 ) -> Tensor:
     """[C, Vl] gradient of sum_t c_t log p_t w.r.t. the chunk's logits, in ``dtype``.
 
-    ``g_all`` is c_t / temperature (0 where ignored), ``target_grad`` the same where the target
-    is in this shard (else 0). When ``logits`` already have ``dtype``, the Triton backend
-    overwrites them with their gradient; fp32 logits of 16-bit inputs get a new buffer.
+    ``terms.grad_all`` is c_t / temperature (0 where ignored), ``terms.target_grad`` the same
+    where the target is in this shard (else 0). When ``logits`` already have ``dtype``, the
+    Triton backend overwrites them with their gradient; fp32 logits of 16-bit inputs get a new
+    buffer.
     """
+    inv_vocab = 1.0 / plan.layout.vocab_size
     if plan.backend == "triton":
         from vocab_parallel import _triton
 
         return _triton.logits_grad(
             logits,
+            terms,
             inv_temperature=plan.inv_temperature,
-            inv_vocab=1.0 / plan.vocab_size,
-            log_normalizer=log_normalizer,
-            entropy=None,
-            grad_all=g_all,
-            grad_entropy=None,
-            grad_uniform=None,
-            target_index=target_index,
-            target_grad=target_grad,
+            inv_vocab=inv_vocab,
             in_place=True,  # the logits are not needed once their gradient exists
             out_dtype=dtype,
         )
-    grad = chunk_grad(
-        _block_fp32(logits, plan.inv_temperature),
-        log_normalizer=log_normalizer,
-        entropy=None,
-        grad_target=g_all,
-        grad_entropy=None,
-        grad_uniform=None,
-        inv_vocab=1.0 / plan.vocab_size,
-        target_index=target_index,
-        target_grad=target_grad,
-    )
+    grad = chunk_grad(_block_fp32(logits, plan.inv_temperature), terms, inv_vocab=inv_vocab)
     return grad.to(dtype)
 
 
@@ -184,7 +144,7 @@ class LinearLogProbs(torch.autograd.Function):
         targets = locate_targets(labels, plan=plan, local_vocab=local_vocab)
         running, target = _blockwise_stats(hidden, weight, targets, plan)
         glob = reduce_stats(
-            running, target=target, invalid_labels=targets.invalid, group=plan.group
+            running, target=target, invalid_labels=targets.invalid, group=plan.layout.group
         )
         if glob.invalid_labels:
             raise_invalid(labels, plan=plan, count=glob.invalid_labels)
@@ -209,25 +169,24 @@ class LinearLogProbs(torch.autograd.Function):
         for start in range(0, local_vocab, plan.chunk_size):
             stop = min(start + plan.chunk_size, local_vocab)
             rows = weight[start:stop]
-            grad_logits = _matmul_logits_grad(
-                hidden,
-                rows,
-                start=start,
-                index=index,
-                in_shard=in_shard,
+            in_block, column = _block_targets(index, in_shard, start, stop)
+            terms = GradTerms(
                 log_normalizer=log_normalizer,
-                g_all=g_all,
-                plan=plan,
+                grad_all=g_all,
+                target_index=column,
+                target_grad=torch.where(in_block, g_all, 0.0),
             )
+            # The block's [N, B] logits, recomputed by cuBLAS, become their gradient.
+            grad_logits = _chunk_logits_grad(hidden @ rows.T, terms, plan=plan, dtype=hidden.dtype)
             if grad_hidden is not None:
                 _add_matmul_(grad_hidden, grad_logits, rows)
             if grad_weight is not None:
                 torch.mm(grad_logits.T, hidden, out=grad_weight[start:stop])
             del grad_logits
-        if grad_hidden is not None and plan.group is not None:
+        if grad_hidden is not None and plan.layout.group is not None:
             # Each rank saw only its vocabulary rows: the hidden gradient is a sum over ranks
             # ([N, H] floats, independent of V).
-            dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=plan.group)
+            dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=plan.layout.group)
         return (
             grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
             grad_weight,

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from vocab_parallel._math import (
+    GradTerms,
     ShardStats,
     chunk_grad,
     scaled_fp32,
@@ -29,6 +29,7 @@ from vocab_parallel._math import (
     shard_stats,
 )
 from vocab_parallel._reduce import reduce_stats
+from vocab_parallel._sharding import VocabLayout
 
 # Auto chunking: fp32 elements per chunk buffer (64 MiB). Two such buffers live at once.
 CHUNK_ELEMENTS = 1 << 24
@@ -39,9 +40,7 @@ class Plan:
     """Everything the autograd function needs besides tensors.
 
     Attributes:
-        group: vocabulary process group, or None when this rank holds all of V.
-        vocab_start: global index of the first local column.
-        vocab_size: global V.
+        layout: the vocabulary layout (process group, first local column, global V).
         inv_temperature: 1 / temperature.
         ignore_index: label value that marks a position without a target.
         chunk_size: tokens (or vocabulary rows, for the linear form) per chunk.
@@ -52,9 +51,7 @@ class Plan:
         in_place: backward writes the logits gradient into the logits' own storage (logits path).
     """
 
-    group: dist.ProcessGroup | None
-    vocab_start: int
-    vocab_size: int
+    layout: VocabLayout
     inv_temperature: float
     ignore_index: int
     chunk_size: int
@@ -85,21 +82,26 @@ class Targets:
 def locate_targets(labels: Tensor, *, plan: Plan, local_vocab: int) -> Targets:
     """Map global labels [N] to local columns without ever indexing out of bounds."""
     valid = labels != plan.ignore_index
-    local = labels - plan.vocab_start
+    local = labels - plan.layout.vocab_start
     in_shard = valid & (local >= 0) & (local < local_vocab)
     index = torch.where(in_shard, local, torch.zeros_like(local))
     invalid = None
     if plan.validate:
-        invalid = (valid & ((labels < 0) | (labels >= plan.vocab_size))).sum().to(torch.float32)
+        invalid = _out_of_range(labels, plan).sum().to(torch.float32)
     return Targets(valid=valid, in_shard=in_shard, index=index, invalid=invalid)
+
+
+def _out_of_range(labels: Tensor, plan: Plan) -> Tensor:
+    """[N] bool: the label is not ignore_index and outside [0, V)."""
+    outside = (labels < 0) | (labels >= plan.layout.vocab_size)
+    return (labels != plan.ignore_index) & outside
 
 
 def raise_invalid(labels: Tensor, *, plan: Plan, count: int) -> None:
     """Raise the out-of-range label error (every rank reaches it after the same collective)."""
-    valid = labels != plan.ignore_index
-    bad = labels[valid & ((labels < 0) | (labels >= plan.vocab_size))]
+    bad = labels[_out_of_range(labels, plan)]
     raise ValueError(
-        f"{count} label(s) are outside [0, {plan.vocab_size}) and are not ignore_index="
+        f"{count} label(s) are outside [0, {plan.layout.vocab_size}) and are not ignore_index="
         f"{plan.ignore_index} (first: {bad[:5].tolist()}); fix the labels or set them to "
         f"ignore_index"
     )
@@ -159,7 +161,7 @@ class VocabStats(torch.autograd.Function):
             targets = locate_targets(labels, plan=plan, local_vocab=local_vocab)
             target = target_logits(logits, targets, plan.inv_temperature)
         invalid = targets.invalid if targets is not None else None
-        glob = reduce_stats(stats, target=target, invalid_labels=invalid, group=plan.group)
+        glob = reduce_stats(stats, target=target, invalid_labels=invalid, group=plan.layout.group)
         if glob.invalid_labels and labels is not None:
             raise_invalid(labels, plan=plan, count=glob.invalid_labels)
 
@@ -173,7 +175,7 @@ class VocabStats(torch.autograd.Function):
         entropy = glob.entropy if glob.entropy is not None else zeros()
         uniform = zeros()
         if glob.sum_z is not None:
-            uniform = glob.sum_z / plan.vocab_size - glob.log_normalizer
+            uniform = glob.sum_z / plan.layout.vocab_size - glob.log_normalizer
 
         ctx.plan = plan
         ctx.has_targets = targets is not None
@@ -220,23 +222,22 @@ class VocabStats(torch.autograd.Function):
             # The -p part of d log p_y / dz applies on every rank, not only the target's.
             g_all = torch.where(valid, grad_log_p.float(), 0.0) * inv_t
         g_ent = grad_entropy.float() * inv_t if grad_entropy is not None else None
-        g_uni = grad_uniform.float() * inv_t if grad_uniform is not None else None
+        terms = GradTerms(
+            log_normalizer=log_normalizer,
+            grad_all=g_all,
+            entropy=entropy if g_ent is not None else None,
+            grad_entropy=g_ent,
+            grad_uniform=grad_uniform.float() * inv_t if grad_uniform is not None else None,
+            target_index=index,
+            target_grad=g_target,
+        )
+        inv_vocab = 1.0 / plan.layout.vocab_size
 
         if plan.backend == "triton":
             from vocab_parallel import _triton
 
             grad = _triton.logits_grad(
-                logits,
-                inv_temperature=inv_t,
-                inv_vocab=1.0 / plan.vocab_size,
-                log_normalizer=log_normalizer,
-                entropy=entropy if g_ent is not None else None,
-                grad_all=g_all,
-                grad_entropy=g_ent,
-                grad_uniform=g_uni,
-                target_index=index,
-                target_grad=g_target,
-                in_place=plan.in_place,
+                logits, terms, inv_temperature=inv_t, inv_vocab=inv_vocab, in_place=plan.in_place
             )
             if plan.in_place:
                 # Written by a kernel behind autograd's back: bump the version so that any other
@@ -253,17 +254,7 @@ class VocabStats(torch.autograd.Function):
             _, grad_rows = next(grad_chunks)
             span = slice(start, start + chunk_logits.shape[0])
             z = scaled_fp32(chunk_logits, inv_t)
-            chunk = chunk_grad(
-                z,
-                log_normalizer=log_normalizer[span],
-                entropy=entropy[span] if g_ent is not None else None,
-                grad_target=g_all[span] if g_all is not None else None,
-                grad_entropy=g_ent[span] if g_ent is not None else None,
-                grad_uniform=g_uni[span] if g_uni is not None else None,
-                inv_vocab=1.0 / plan.vocab_size,
-                target_index=index[span] if index is not None else None,
-                target_grad=g_target[span] if g_target is not None else None,
-            )
+            chunk = chunk_grad(z, terms.rows(span), inv_vocab=inv_vocab)
             grad_rows.copy_(chunk)
             del z, chunk
         return grad, None, None

@@ -37,6 +37,50 @@ class ShardStats:
     sum_z: Tensor | None
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class GradTerms:
+    """The per-token inputs of a logits gradient (:func:`chunk_grad`), all [T].
+
+    The upstream gradients are fp32; the callers multiply them by 1 / temperature beforehand,
+    which makes the result the gradient w.r.t. the unscaled logits.
+
+    Attributes:
+        log_normalizer: global logZ.
+        grad_all: upstream gradient of log p_y (zero at ignored positions), for the -p part
+            that every vocabulary shard gets; None when log p_y is unused.
+        entropy: global entropy H (needed with ``grad_entropy``).
+        grad_entropy: upstream gradient of H, or None.
+        grad_uniform: upstream gradient of mean_v log p_v, or None.
+        target_index: int64 local column of the target (any in-range column where
+            ``target_grad`` is 0), or None when no target lives in this shard.
+        target_grad: the onehot part: ``grad_all`` where the target is in this shard, else 0.
+    """
+
+    log_normalizer: Tensor
+    grad_all: Tensor | None = None
+    entropy: Tensor | None = None
+    grad_entropy: Tensor | None = None
+    grad_uniform: Tensor | None = None
+    target_index: Tensor | None = None
+    target_grad: Tensor | None = None
+
+    def rows(self, span: slice) -> GradTerms:
+        """The terms of the tokens in ``span``."""
+
+        def cut(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[span]
+
+        return GradTerms(
+            log_normalizer=self.log_normalizer[span],
+            grad_all=cut(self.grad_all),
+            entropy=cut(self.entropy),
+            grad_entropy=cut(self.grad_entropy),
+            grad_uniform=cut(self.grad_uniform),
+            target_index=cut(self.target_index),
+            target_grad=cut(self.target_grad),
+        )
+
+
 def scaled_fp32(chunk: Tensor, inv_temperature: float) -> Tensor:
     """A fresh fp32 copy of ``chunk * inv_temperature`` that may be modified in place.
 
@@ -135,18 +179,7 @@ def merge(a: ShardStats, b: ShardStats) -> ShardStats:
     )
 
 
-def chunk_grad(
-    z: Tensor,
-    *,
-    log_normalizer: Tensor,
-    entropy: Tensor | None,
-    grad_target: Tensor | None,
-    grad_entropy: Tensor | None,
-    grad_uniform: Tensor | None,
-    inv_vocab: float,
-    target_index: Tensor | None = None,
-    target_grad: Tensor | None = None,
-) -> Tensor:
+def chunk_grad(z: Tensor, terms: GradTerms, *, inv_vocab: float) -> Tensor:
     """Gradient w.r.t. the scaled logits z of one chunk; consumes ``z`` (modified in place).
 
     With p = softmax(z) over the full vocabulary and log p = z - logZ:
@@ -154,32 +187,23 @@ def chunk_grad(
 
     Args:
         z: [T, V] float32 scaled logits owned by the caller.
-        log_normalizer: [T] global logZ.
-        entropy: [T] global entropy H (needed with ``grad_entropy``).
-        grad_target: [T] upstream gradient of log p_y (zero at ignored positions), for the
-            -p part that every vocabulary shard gets; None when log p_y is unused.
-        grad_entropy: [T] upstream gradient of H, or None.
-        grad_uniform: [T] upstream gradient of mean_v log p_v, or None.
+        terms: the chunk's [T] upstream gradients and global statistics.
         inv_vocab: 1 / (global V).
-        target_index: [T] int64 local column of the target (any in-range column where
-            ``target_grad`` is 0), or None when no target lives in this shard.
-        target_grad: [T] the onehot part: ``grad_target`` where the target is in this shard,
-            else 0.
 
     Returns:
         [T, V] float32 gradient (the ``z`` buffer).
     """
     coef: Tensor | None = None
-    for g in (grad_target, grad_uniform):
+    for g in (terms.grad_all, terms.grad_uniform):
         if g is not None:
             coef = g if coef is None else coef + g
-    log_p = z.sub_(log_normalizer.unsqueeze(-1))
-    if grad_entropy is not None:
-        if entropy is None:
+    log_p = z.sub_(terms.log_normalizer.unsqueeze(-1))
+    if terms.grad_entropy is not None:
+        if terms.entropy is None:
             raise ValueError("chunk_grad needs the entropy to differentiate it")
         log_p.clamp_(min=_LOG_FLOOR)
         p = torch.exp(log_p)
-        w = log_p.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1))
+        w = log_p.add_(terms.entropy.unsqueeze(-1)).mul_(terms.grad_entropy.unsqueeze(-1))
         if coef is not None:
             w.add_(coef.unsqueeze(-1))
         grad = w.mul_(p).neg_()
@@ -187,8 +211,8 @@ def chunk_grad(
         grad = log_p.exp_().mul_(coef.neg().unsqueeze(-1))
     else:
         grad = log_p.zero_()
-    if grad_uniform is not None:
-        grad.add_((grad_uniform * inv_vocab).unsqueeze(-1))
-    if target_index is not None and target_grad is not None:
-        grad.scatter_add_(1, target_index.unsqueeze(-1), target_grad.unsqueeze(-1))
+    if terms.grad_uniform is not None:
+        grad.add_((terms.grad_uniform * inv_vocab).unsqueeze(-1))
+    if terms.target_index is not None and terms.target_grad is not None:
+        grad.scatter_add_(1, terms.target_index.unsqueeze(-1), terms.target_grad.unsqueeze(-1))
     return grad

@@ -10,21 +10,32 @@ from torch import Tensor
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class VocabShard:
-    """The local piece of a tensor with a vocabulary dimension.
+class VocabLayout:
+    """Where this rank's vocabulary entries sit in the global vocabulary.
 
     Attributes:
-        local: the local tensor (``to_local()`` of a DTensor, differentiable).
         group: process group of the mesh dimension that shards the vocabulary; None when
             this rank holds the whole vocabulary (a plain tensor or an all-Replicate DTensor).
         vocab_start: global index of the first local vocabulary entry.
         vocab_size: global vocabulary size V.
     """
 
-    local: Tensor
     group: dist.ProcessGroup | None
     vocab_start: int
     vocab_size: int
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class VocabShard:
+    """The local piece of a tensor with a vocabulary dimension.
+
+    Attributes:
+        local: the local tensor (``to_local()`` of a DTensor, differentiable).
+        layout: where its vocabulary entries sit in the global vocabulary.
+    """
+
+    local: Tensor
+    layout: VocabLayout
 
 
 def _is_dtensor(t: object) -> bool:
@@ -47,7 +58,8 @@ def vocab_shard(t: Tensor, *, vocab_dim: int, name: str, expected: str) -> Vocab
             vocabulary sharded over more than one mesh dimension.
     """
     if not _is_dtensor(t):
-        return VocabShard(local=t, group=None, vocab_start=0, vocab_size=t.shape[vocab_dim])
+        whole = VocabLayout(group=None, vocab_start=0, vocab_size=t.shape[vocab_dim])
+        return VocabShard(local=t, layout=whole)
 
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -75,14 +87,15 @@ def vocab_shard(t: Tensor, *, vocab_dim: int, name: str, expected: str) -> Vocab
         )
     local = t.to_local()  # type: ignore[attr-defined]
     if not vocab_mesh_dims:
-        return VocabShard(local=local, group=None, vocab_start=0, vocab_size=t.shape[dim])
+        whole = VocabLayout(group=None, vocab_start=0, vocab_size=t.shape[dim])
+        return VocabShard(local=local, layout=whole)
     _, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
-    return VocabShard(
-        local=local,
+    layout = VocabLayout(
         group=mesh.get_group(vocab_mesh_dims[0]),
         vocab_start=int(offset[dim]),
         vocab_size=t.shape[dim],
     )
+    return VocabShard(local=local, layout=layout)
 
 
 def replicated_local(t: Tensor, *, name: str) -> Tensor:

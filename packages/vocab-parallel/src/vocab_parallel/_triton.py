@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from vocab_parallel._math import _LOG_FLOOR, ShardStats
+from vocab_parallel._math import _LOG_FLOOR, GradTerms, ShardStats
 
 _MAX_BLOCK = 8192
 
@@ -317,26 +317,19 @@ def shard_stats(
 
 def logits_grad(
     logits: Tensor,
+    terms: GradTerms,
     *,
     inv_temperature: float,
     inv_vocab: float,
-    log_normalizer: Tensor,
-    entropy: Tensor | None,
-    grad_all: Tensor | None,
-    grad_entropy: Tensor | None,
-    grad_uniform: Tensor | None,
-    target_index: Tensor | None,
-    target_grad: Tensor | None,
     in_place: bool = False,
     out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Gradient w.r.t. the logits ([B, R, V] or [N, V]) in their shape.
 
-    See :func:`_math.chunk_grad`; the ``grad_*`` inputs are [N] fp32 already multiplied by
-    ``inv_temperature``. ``in_place`` overwrites the logits with their gradient, in their
-    layout (each program reads a stretch of its row before writing it back), saving one
-    buffer; otherwise the gradient is a new contiguous tensor of ``out_dtype`` (default: the
-    logits' dtype).
+    See :func:`_math.chunk_grad`; ``terms`` are [N]. ``in_place`` overwrites the logits with
+    their gradient, in their layout (each program reads a stretch of its row before writing it
+    back), saving one buffer; otherwise the gradient is a new contiguous tensor of
+    ``out_dtype`` (default: the logits' dtype).
     """
     x = _slabs(logits)
     slabs, rows, v = x.shape
@@ -347,9 +340,17 @@ def logits_grad(
         grad = x.new_empty(x.shape, dtype=out_dtype or x.dtype)
     if n == 0 or v == 0:
         return logits if grad is x else grad.view(logits.shape)
-    dummy = log_normalizer
+    dummy = terms.log_normalizer
+
+    def arg(t: Tensor | None) -> Tensor:
+        return t.contiguous() if t is not None else dummy
+
     block, warps = _launch_config(v)
-    has_target = grad_all is not None and target_index is not None and target_grad is not None
+    has_target = (
+        terms.grad_all is not None
+        and terms.target_index is not None
+        and terms.target_grad is not None
+    )
     with _on_device(x):
         _grad_kernel[(n,)](
             x,
@@ -362,16 +363,16 @@ def logits_grad(
             v,
             inv_temperature,
             inv_vocab,
-            log_normalizer.contiguous(),
-            entropy.contiguous() if entropy is not None else dummy,
-            grad_all.contiguous() if grad_all is not None else dummy,
-            grad_entropy.contiguous() if grad_entropy is not None else dummy,
-            grad_uniform.contiguous() if grad_uniform is not None else dummy,
-            target_index.contiguous() if target_index is not None else dummy,
-            target_grad.contiguous() if target_grad is not None else dummy,
+            arg(terms.log_normalizer),
+            arg(terms.entropy),
+            arg(terms.grad_all),
+            arg(terms.grad_entropy),
+            arg(terms.grad_uniform),
+            arg(terms.target_index),
+            arg(terms.target_grad),
             HAS_TARGET=has_target,
-            HAS_ENTROPY=grad_entropy is not None,
-            HAS_UNIFORM=grad_uniform is not None,
+            HAS_ENTROPY=terms.grad_entropy is not None,
+            HAS_UNIFORM=terms.grad_uniform is not None,
             LOG_FLOOR=_LOG_FLOOR,
             BLOCK=block,
             num_warps=warps,

@@ -85,9 +85,7 @@ def _fused_loss(
     if need_weight and fp32_weight_grad and local_weight.dtype != torch.float32:
         fp32_accumulator_width = local_weight.shape[1]
     plan = Plan(
-        group=shard.group,
-        vocab_start=shard.vocab_start,
-        vocab_size=shard.vocab_size,
+        layout=shard.layout,
         inv_temperature=inv_t,
         ignore_index=ignore_index,
         chunk_size=chunk_size

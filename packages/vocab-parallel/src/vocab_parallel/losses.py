@@ -183,9 +183,7 @@ def _vocab_stats(
     local = shard.local
     slabs = _as_slabs(local)
     plan = Plan(
-        group=shard.group,
-        vocab_start=shard.vocab_start,
-        vocab_size=shard.vocab_size,
+        layout=shard.layout,
         inv_temperature=inv_t,
         ignore_index=ignore_index,
         chunk_size=chunk_size or chunk_size_for(local.shape[-1]),
@@ -450,9 +448,7 @@ def linear_token_log_probs(
     resolved = _resolve_backend(backend, flat_hidden)
     low_precision = resolved == "triton" and flat_hidden.dtype in (torch.bfloat16, torch.float16)
     plan = Plan(
-        group=shard.group,
-        vocab_start=shard.vocab_start,
-        vocab_size=shard.vocab_size,
+        layout=shard.layout,
         inv_temperature=inv_t,
         ignore_index=ignore_index,
         chunk_size=chunk_size

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import Tensor
 
-from vocab_parallel._sharding import VocabShard, _is_dtensor, vocab_shard
+from vocab_parallel._sharding import VocabLayout, VocabShard, _is_dtensor, vocab_shard
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -90,13 +90,13 @@ def plain_vocab_shard(
             f"not fit a vocabulary of vocab_size={size} (need 0 <= vocab_start and "
             f"vocab_start + {local_vocab} <= vocab_size); fix the VocabSplit of rank {rank}"
         )
-    return VocabShard(
-        local=local,
+    layout = VocabLayout(
         # A one-rank group holds all of V: no collective is needed.
         group=group if world > 1 else None,
         vocab_start=start,
         vocab_size=size,
     )
+    return VocabShard(local=local, layout=layout)
 
 
 def resolve_vocab_shard(
