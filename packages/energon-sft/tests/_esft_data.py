@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import io
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from energon_sft.schema import ChatSample
 
 # build_sft_loader's options for a single-process test that reads the dataset in its order: one
 # data-parallel rank, no worker processes, no shuffling.
@@ -121,6 +124,27 @@ def chat_rows(n: int, *, seed: int = 0, image_every: int = 2) -> list[dict[str, 
             }
         )
     return rows
+
+
+def chat_sample(
+    messages: list[dict[str, Any]],
+    media: Sequence[bytes] = (),
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    key: str = "k0",
+    source_id: str = "src-0",
+) -> ChatSample:
+    """A cooked sample of `messages`, as a cooker gives it; `media[i]` is named `m{i}.png`."""
+    from energon_sft.schema import ChatSample, MediaItem
+
+    return ChatSample(
+        __key__=key,
+        __restore_key__=(),
+        messages=messages,
+        media=[MediaItem(name=f"m{i}.png", data=d) for i, d in enumerate(media)],
+        tools=tools,
+        source_id=source_id,
+    )
 
 
 def write_images(root: Path, rows: list[dict[str, Any]], *, seed: int = 0) -> None:

@@ -17,15 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-from _esft_data import ONE_RANK_IN_ORDER, build_processor, build_tokenizer, png_bytes
+from _esft_data import ONE_RANK_IN_ORDER, build_processor, chat_sample, png_bytes
 from energon_sft import SFTTaskEncoder, build_sft_loader
 from energon_sft.cli import main
-from energon_sft.schema import ChatSample, MediaItem
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return build_tokenizer()
+from energon_sft.schema import ChatSample
 
 
 def _write_jsonl(path: Path, rows: list[Any]) -> Path:
@@ -78,17 +73,6 @@ def _assert_batch_encodes(batch: Any, enc: SFTTaskEncoder, sample: ChatSample) -
         assert batch.pixel_values is None or batch.pixel_values.numel() == 0
     else:
         assert torch.equal(batch.pixel_values, want.pixel_values)
-
-
-def _sample(messages: list[dict[str, Any]], media: list[bytes], source_id: str) -> ChatSample:
-    return ChatSample(
-        __key__="k",
-        __restore_key__=(),
-        messages=messages,
-        media=[MediaItem(name=f"m{j}", data=d) for j, d in enumerate(media)],
-        tools=None,
-        source_id=source_id,
-    )
 
 
 SHAREGPT = [
@@ -165,8 +149,10 @@ def test_sharegpt_rejected_without_format_and_converted_with_it(
     enc = SFTTaskEncoder(build_processor(tok), model_family="qwen2_5_vl", max_length=512)
     batches = _loaded(out, enc)
     assert [b.source_ids[0] for b in batches] == ["sg-0", "sg-1"]
-    _assert_batch_encodes(batches[0], enc, _sample(SHAREGPT_AS_MESSAGES[0], [image], "sg-0"))
-    _assert_batch_encodes(batches[1], enc, _sample(SHAREGPT_AS_MESSAGES[1], [], "sg-1"))
+    _assert_batch_encodes(
+        batches[0], enc, chat_sample(SHAREGPT_AS_MESSAGES[0], [image], source_id="sg-0")
+    )
+    _assert_batch_encodes(batches[1], enc, chat_sample(SHAREGPT_AS_MESSAGES[1], source_id="sg-1"))
     assert int(batches[0].image_grid_thw.shape[0]) == 1
 
 
@@ -211,7 +197,7 @@ def test_alpaca_rejected_without_format_and_converted_with_it(
     # Rows without an id are named by their Energon key, as the loader names them.
     assert [b.source_ids[0] for b in batches] == ["000000000", "000000001", "al-2"]
     for batch, messages in zip(batches, ALPACA_AS_MESSAGES, strict=True):
-        _assert_batch_encodes(batch, enc, _sample(messages, [], batch.source_ids[0]))
+        _assert_batch_encodes(batch, enc, chat_sample(messages, source_id=batch.source_ids[0]))
     targets = [t for t in batches[0].labels[0].tolist() if t != -100]
     assert tok.decode(targets) == "42<|im_end|>\n"
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from megatron.energon import Cooker, stateless
 from megatron.energon.task_encoder.base import get_stateless
 
-from _esft_data import ONE_RANK_IN_ORDER, build_dataset, build_tokenizer, chat_rows, png_bytes
+from _esft_data import ONE_RANK_IN_ORDER, build_dataset, chat_rows, png_bytes
 from energon_sft import (
     IGNORE_INDEX,
     SFTTaskEncoder,
@@ -28,11 +28,6 @@ from energon_sft import (
 )
 from energon_sft.batch import greedy_pack
 from energon_sft.dataset import prepare_dataset
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return build_tokenizer()
 
 
 def _crude(row: dict[str, Any], **members: bytes) -> dict[str, Any]:

@@ -16,11 +16,6 @@ from energon_sft.state import StateMismatchError
 
 
 @pytest.fixture(scope="module")
-def tok() -> Any:
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def ds(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_dataset(tmp_path_factory.mktemp("loader"), chat_rows(32, image_every=0))
 
