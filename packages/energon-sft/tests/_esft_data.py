@@ -101,6 +101,11 @@ def png_bytes(width: int, height: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
+def image_question(text: str) -> list[dict[str, Any]]:
+    """A user message's content: image 0, then `text`."""
+    return [{"type": "image", "media_index": 0}, {"type": "text", "text": text}]
+
+
 def chat_rows(n: int, *, seed: int = 0, image_every: int = 2) -> list[dict[str, Any]]:
     """Canonical rows; every `image_every`-th row has an image (media given as file names)."""
     rng = random.Random(seed)
@@ -110,7 +115,7 @@ def chat_rows(n: int, *, seed: int = 0, image_every: int = 2) -> list[dict[str, 
         user: Any = f"Question {i}: {words}?"
         media = []
         if image_every and i % image_every == 0:
-            user = [{"type": "image", "media_index": 0}, {"type": "text", "text": user}]
+            user = image_question(user)
             media = [f"img{i}.png"]
         rows.append(
             {
@@ -124,6 +129,16 @@ def chat_rows(n: int, *, seed: int = 0, image_every: int = 2) -> list[dict[str, 
             }
         )
     return rows
+
+
+def image_chat_row(row_id: str, question: str, answer: str, image: Any) -> dict[str, Any]:
+    """A canonical row: `question` about one image (a file name or an inline media dict)."""
+    user = {"role": "user", "content": image_question(question)}
+    return {
+        "id": row_id,
+        "messages": [user, {"role": "assistant", "content": answer}],
+        "media": [image],
+    }
 
 
 def chat_sample(

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from megatron.energon import Cooker, stateless
 from megatron.energon.task_encoder.base import get_stateless
 
-from _esft_data import ONE_RANK_IN_ORDER, build_dataset, chat_rows, png_bytes
+from _esft_data import ONE_RANK_IN_ORDER, build_dataset, chat_rows, image_chat_row, png_bytes
 from energon_sft import (
     IGNORE_INDEX,
     SFTTaskEncoder,
@@ -120,26 +120,8 @@ def test_subflavor_routes_sharegpt_rows_and_jsonl_rows_load(tok: Any, tmp_path: 
     # JSONL: rows arrive as dicts; media inline as base64.
     img = base64.b64encode(png_bytes(28, 28, 1)).decode()
     jsonl = tmp_path / "rows.jsonl"
-    lines = []
-    for i in range(4):
-        lines.append(
-            json.dumps(
-                {
-                    "id": f"j{i}",
-                    "messages": [
-                        {
-                            "role": "user",
-                            "content": [
-                                {"type": "image", "media_index": 0},
-                                {"type": "text", "text": "Hi"},
-                            ],
-                        },
-                        {"role": "assistant", "content": f"Answer {i}."},
-                    ],
-                    "media": [{"b64": img, "name": "inline.png"}],
-                }
-            )
-        )
+    media = {"b64": img, "name": "inline.png"}
+    lines = [json.dumps(image_chat_row(f"j{i}", "Hi", f"Answer {i}.", media)) for i in range(4)]
     jsonl.write_text("\n".join(lines) + "\n")
     prepare_dataset(jsonl)
     from _esft_data import build_processor
