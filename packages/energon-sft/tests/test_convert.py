@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from _esft_data import ONE_RANK_IN_ORDER, build_processor, chat_sample, png_bytes
+from _esft_data import ONE_RANK_IN_ORDER, build_processor, chat_sample, image_question, png_bytes
 from energon_sft import SFTTaskEncoder, build_sft_loader
 from energon_sft.cli import main
 from energon_sft.schema import ChatSample
@@ -100,13 +100,7 @@ SHAREGPT = [
 SHAREGPT_AS_MESSAGES = [
     [
         {"role": "system", "content": "You are a helpful assistant."},
-        {
-            "role": "user",
-            "content": [
-                {"type": "image", "media_index": 0},
-                {"type": "text", "text": "What is in the picture?"},
-            ],
-        },
+        {"role": "user", "content": image_question("What is in the picture?")},
         {"role": "assistant", "content": "A red square."},
     ],
     [

@@ -15,7 +15,14 @@ from hypothesis import strategies as st
 from megatron.energon import Cooker, stateless
 from megatron.energon.task_encoder.base import get_stateless
 
-from _esft_data import ONE_RANK_IN_ORDER, build_dataset, chat_rows, image_chat_row, png_bytes
+from _esft_data import (
+    ONE_RANK_IN_ORDER,
+    build_dataset,
+    chat_rows,
+    image_chat_row,
+    image_question,
+    png_bytes,
+)
 from energon_sft import (
     IGNORE_INDEX,
     SFTTaskEncoder,
@@ -87,13 +94,7 @@ def test_cook_chat_exact_member_lookup_and_sharegpt() -> None:
     }
     s = cook_sharegpt(_crude(share, **{"m0.png": b"img"}))
     assert s.messages == [
-        {
-            "role": "user",
-            "content": [
-                {"type": "image", "media_index": 0},
-                {"type": "text", "text": "What is this?"},
-            ],
-        },
+        {"role": "user", "content": image_question("What is this?")},
         {"role": "assistant", "content": "A cat."},
     ]
 
