@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import io
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from energon_sft.schema import ChatSample
 
 # build_sft_loader's options for a single-process test that reads the dataset in its order: one
 # data-parallel rank, no worker processes, no shuffling.
@@ -98,6 +101,11 @@ def png_bytes(width: int, height: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
+def image_question(text: str) -> list[dict[str, Any]]:
+    """A user message's content: image 0, then `text`."""
+    return [{"type": "image", "media_index": 0}, {"type": "text", "text": text}]
+
+
 def chat_rows(n: int, *, seed: int = 0, image_every: int = 2) -> list[dict[str, Any]]:
     """Canonical rows; every `image_every`-th row has an image (media given as file names)."""
     rng = random.Random(seed)
@@ -107,7 +115,7 @@ def chat_rows(n: int, *, seed: int = 0, image_every: int = 2) -> list[dict[str, 
         user: Any = f"Question {i}: {words}?"
         media = []
         if image_every and i % image_every == 0:
-            user = [{"type": "image", "media_index": 0}, {"type": "text", "text": user}]
+            user = image_question(user)
             media = [f"img{i}.png"]
         rows.append(
             {
@@ -121,6 +129,37 @@ def chat_rows(n: int, *, seed: int = 0, image_every: int = 2) -> list[dict[str, 
             }
         )
     return rows
+
+
+def image_chat_row(row_id: str, question: str, answer: str, image: Any) -> dict[str, Any]:
+    """A canonical row: `question` about one image (a file name or an inline media dict)."""
+    user = {"role": "user", "content": image_question(question)}
+    return {
+        "id": row_id,
+        "messages": [user, {"role": "assistant", "content": answer}],
+        "media": [image],
+    }
+
+
+def chat_sample(
+    messages: list[dict[str, Any]],
+    media: Sequence[bytes] = (),
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    key: str = "k0",
+    source_id: str = "src-0",
+) -> ChatSample:
+    """A cooked sample of `messages`, as a cooker gives it; `media[i]` is named `m{i}.png`."""
+    from energon_sft.schema import ChatSample, MediaItem
+
+    return ChatSample(
+        __key__=key,
+        __restore_key__=(),
+        messages=messages,
+        media=[MediaItem(name=f"m{i}.png", data=d) for i, d in enumerate(media)],
+        tools=tools,
+        source_id=source_id,
+    )
 
 
 def write_images(root: Path, rows: list[dict[str, Any]], *, seed: int = 0) -> None:

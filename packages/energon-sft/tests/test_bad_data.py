@@ -9,26 +9,13 @@ from typing import Any
 
 import pytest
 
-from _esft_data import ONE_RANK_IN_ORDER, build_processor, png_bytes
+from _esft_data import ONE_RANK_IN_ORDER, build_processor, image_chat_row, png_bytes
 from energon_sft import SFTTaskEncoder, TooManyBadSamplesError, build_sft_loader, write_chat_shards
 from energon_sft.dataset import prepare_dataset
 
 
 def _good(i: int) -> dict[str, Any]:
-    return {
-        "id": f"good-{i}",
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image", "media_index": 0},
-                    {"type": "text", "text": "What is in the picture?"},
-                ],
-            },
-            {"role": "assistant", "content": f"A red square {i}."},
-        ],
-        "media": ["ok.png"],
-    }
+    return image_chat_row(f"good-{i}", "What is in the picture?", f"A red square {i}.", "ok.png")
 
 
 BAD = {

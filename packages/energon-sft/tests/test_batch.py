@@ -16,12 +16,11 @@ from _esft_data import (
     build_processor,
     build_tokenizer,
     chat_rows,
+    chat_sample,
     png_bytes,
 )
 from _esft_docs import hand_made_doc, packed_row
 from energon_sft import (
-    ChatSample,
-    MediaItem,
     SFTTaskEncoder,
     build_sft_loader,
     mrope_position_ids,
@@ -100,16 +99,12 @@ def test_overlong_document_is_reported_with_its_length_and_the_fix(
 ) -> None:
     tok = build_tokenizer()
     enc = SFTTaskEncoder(tok, model_family="text", max_length=12)
-    sample = ChatSample(
-        __key__="long",
-        __restore_key__=(),
-        messages=[
+    sample = chat_sample(
+        [
             {"role": "user", "content": "Hello! How are you?"},
             {"role": "assistant", "content": "I am fine, thank you. " * 4},
         ],
-        media=[],
-        tools=None,
-        source_id="src",
+        key="long",
     )
     with caplog.at_level(logging.WARNING, logger="energon_sft"):
         out = enc.encode_chat(sample)
@@ -123,16 +118,13 @@ def test_overlong_document_is_reported_with_its_length_and_the_fix(
 def test_truncated_vlm_sample_gets_text_mrope_ids() -> None:
     proc = build_processor()
     enc = SFTTaskEncoder(proc, model_family="qwen2_5_vl", max_length=20)
-    sample = ChatSample(
-        __key__="long",
-        __restore_key__=(),
-        messages=[
+    sample = chat_sample(
+        [
             {"role": "user", "content": [{"type": "image", "media_index": 0}]},
             {"role": "assistant", "content": "I am fine, thank you. " * 4},
         ],
-        media=[MediaItem(name="m.png", data=png_bytes(300, 200, 0))],
-        tools=None,
-        source_id="src",
+        [png_bytes(300, 200, 0)],
+        key="long",
     )
     out = enc.encode_chat(sample)
     assert out.mrope_position_ids is not None
@@ -188,16 +180,12 @@ def test_image_tokens_that_do_not_match_the_images_are_refused_with_the_fix() ->
 
     proc = build_processor()
     enc = SFTTaskEncoder(proc, model_family="qwen2_5_vl", max_length=256)
-    literal = ChatSample(
-        __key__="lit",
-        __restore_key__=(),
-        messages=[
+    literal = chat_sample(
+        [
             {"role": "user", "content": "What is <|image_pad|> here?"},
             {"role": "assistant", "content": "Nothing."},
         ],
-        media=[],
-        tools=None,
-        source_id="src",
+        key="lit",
     )
     with pytest.raises(BadSampleError, match=r"more image placeholders than the 0 image\(s\)"):
         enc.encode_chat(literal)

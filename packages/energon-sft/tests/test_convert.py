@@ -11,21 +11,17 @@ import json
 import subprocess
 import sys
 import tarfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from _esft_data import ONE_RANK_IN_ORDER, build_processor, build_tokenizer, png_bytes
+from _esft_data import ONE_RANK_IN_ORDER, build_processor, chat_sample, image_question, png_bytes
 from energon_sft import SFTTaskEncoder, build_sft_loader
 from energon_sft.cli import main
-from energon_sft.schema import ChatSample, MediaItem
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return build_tokenizer()
+from energon_sft.schema import ChatSample
 
 
 def _write_jsonl(path: Path, rows: list[Any]) -> Path:
@@ -80,17 +76,6 @@ def _assert_batch_encodes(batch: Any, enc: SFTTaskEncoder, sample: ChatSample) -
         assert torch.equal(batch.pixel_values, want.pixel_values)
 
 
-def _sample(messages: list[dict[str, Any]], media: list[bytes], source_id: str) -> ChatSample:
-    return ChatSample(
-        __key__="k",
-        __restore_key__=(),
-        messages=messages,
-        media=[MediaItem(name=f"m{j}", data=d) for j, d in enumerate(media)],
-        tools=None,
-        source_id=source_id,
-    )
-
-
 SHAREGPT = [
     {
         "id": "sg-0",
@@ -116,13 +101,7 @@ SHAREGPT = [
 SHAREGPT_AS_MESSAGES = [
     [
         {"role": "system", "content": "You are a helpful assistant."},
-        {
-            "role": "user",
-            "content": [
-                {"type": "image", "media_index": 0},
-                {"type": "text", "text": "What is in the picture?"},
-            ],
-        },
+        {"role": "user", "content": image_question("What is in the picture?")},
         {"role": "assistant", "content": "A red square."},
     ],
     [
@@ -132,42 +111,6 @@ SHAREGPT_AS_MESSAGES = [
         {"role": "assistant", "content": "The weather in Paris is sunny."},
     ],
 ]
-
-
-@pytest.mark.timeout(120)
-def test_sharegpt_rejected_without_format_and_converted_with_it(
-    tmp_path: Path, tok: Any, capsys: pytest.CaptureFixture[str]
-) -> None:
-    image = png_bytes(56, 84, 3)
-    (tmp_path / "a.png").write_bytes(image)
-    jsonl = _write_jsonl(tmp_path / "share.jsonl", SHAREGPT)
-    out = tmp_path / "ds"
-
-    rc, stdout, stderr = _convert(capsys, jsonl, out)
-    assert rc == 1
-    assert stdout[0] == "rows read 2, written 0, rejected 2 (wrong_format 2)"
-    assert stdout[2].startswith("  share.jsonl:1: [wrong_format] ")
-    assert stdout[3].startswith("  share.jsonl:2: [wrong_format] ")
-    assert all("pass --format sharegpt" in line for line in stdout[2:4])
-    assert len(stderr) == 1 and "none of the 2 rows is usable" in stderr[0]
-    assert not out.exists(), "a refused conversion leaves nothing behind"
-
-    rc, stdout, stderr = _convert(capsys, jsonl, out, "--format", "sharegpt")
-    assert rc == 0, stderr
-    assert stdout[0] == "rows read 2, written 2, rejected 0"
-    assert stdout[-1].startswith(f"prepared Energon dataset at {out}: 2 rows in 1 shard(s)")
-    assert (out / ".nv-meta" / "index.sqlite").is_file()
-    written = _tar_rows(out)
-    assert written == [
-        {"id": "sg-0", "messages": SHAREGPT_AS_MESSAGES[0], "media": ["m0.png"]},
-        {"id": "sg-1", "messages": SHAREGPT_AS_MESSAGES[1]},
-    ]
-    enc = SFTTaskEncoder(build_processor(tok), model_family="qwen2_5_vl", max_length=512)
-    batches = _loaded(out, enc)
-    assert [b.source_ids[0] for b in batches] == ["sg-0", "sg-1"]
-    _assert_batch_encodes(batches[0], enc, _sample(SHAREGPT_AS_MESSAGES[0], [image], "sg-0"))
-    _assert_batch_encodes(batches[1], enc, _sample(SHAREGPT_AS_MESSAGES[1], [], "sg-1"))
-    assert int(batches[0].image_grid_thw.shape[0]) == 1
 
 
 ALPACA = [
@@ -192,28 +135,96 @@ ALPACA_AS_MESSAGES = [
 ]
 
 
-@pytest.mark.timeout(120)
-def test_alpaca_rejected_without_format_and_converted_with_it(
-    tmp_path: Path, tok: Any, capsys: pytest.CaptureFixture[str]
-) -> None:
-    jsonl = _write_jsonl(tmp_path / "alpaca.jsonl", ALPACA)
-    out = tmp_path / "ds"
-    rc, stdout, _ = _convert(capsys, jsonl, out)
-    assert rc == 1
-    assert stdout[0] == "rows read 3, written 0, rejected 3 (wrong_format 3)"
-    assert "pass --format alpaca" in stdout[2]
+@dataclass(frozen=True, kw_only=True)
+class _OtherFormat:
+    """A JSONL file of another format: what convert writes for it and how it loads back.
 
-    rc, stdout, stderr = _convert(capsys, jsonl, out, "--format", "alpaca")
+    Attributes:
+        rows: the input rows.
+        written: the rows convert writes (hand-written canonical messages, media renamed).
+        source_ids: the loaded samples' ids (a row without an id is named by its Energon key,
+            as the loader names it).
+        files: media files beside the JSONL.
+        images: the images of each row, in order.
+        family: the model family that encodes the rows.
+        first_target: the trained text of the first row.
+    """
+
+    rows: list[dict[str, Any]]
+    written: list[dict[str, Any]]
+    source_ids: list[str]
+    files: dict[str, bytes] = field(default_factory=dict)
+    images: list[list[bytes]]
+    family: str
+    first_target: str
+
+
+_IMAGE = png_bytes(56, 84, 3)
+OTHER_FORMATS = {
+    "sharegpt": _OtherFormat(
+        rows=SHAREGPT,
+        written=[
+            {"id": "sg-0", "messages": SHAREGPT_AS_MESSAGES[0], "media": ["m0.png"]},
+            {"id": "sg-1", "messages": SHAREGPT_AS_MESSAGES[1]},
+        ],
+        source_ids=["sg-0", "sg-1"],
+        files={"a.png": _IMAGE},
+        images=[[_IMAGE], []],
+        family="qwen2_5_vl",
+        first_target="A red square.<|im_end|>\n",
+    ),
+    "alpaca": _OtherFormat(
+        rows=ALPACA,
+        written=[
+            {"messages": ALPACA_AS_MESSAGES[0]},
+            {"messages": ALPACA_AS_MESSAGES[1]},
+            {"id": "al-2", "messages": ALPACA_AS_MESSAGES[2]},
+        ],
+        source_ids=["000000000", "000000001", "al-2"],
+        images=[[], [], []],
+        family="text",
+        first_target="42<|im_end|>\n",
+    ),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("row_format", sorted(OTHER_FORMATS))
+def test_rows_of_another_format_are_rejected_without_format_and_converted_with_it(
+    row_format: str, tmp_path: Path, tok: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    case = OTHER_FORMATS[row_format]
+    for name, data in case.files.items():
+        (tmp_path / name).write_bytes(data)
+    jsonl = _write_jsonl(tmp_path / f"{row_format}.jsonl", case.rows)
+    out = tmp_path / "ds"
+    n = len(case.rows)
+
+    rc, stdout, stderr = _convert(capsys, jsonl, out)
+    assert rc == 1
+    assert stdout[0] == f"rows read {n}, written 0, rejected {n} (wrong_format {n})"
+    for line_no, line in enumerate(stdout[2 : 2 + n], start=1):
+        assert line.startswith(f"  {jsonl.name}:{line_no}: [wrong_format] "), line
+        assert f"pass --format {row_format}" in line
+    assert len(stderr) == 1 and f"none of the {n} rows is usable" in stderr[0]
+    assert not out.exists(), "a refused conversion leaves nothing behind"
+
+    rc, stdout, stderr = _convert(capsys, jsonl, out, "--format", row_format)
     assert rc == 0, stderr
-    assert [r["messages"] for r in _tar_rows(out)] == ALPACA_AS_MESSAGES
-    enc = SFTTaskEncoder(tok, model_family="text", max_length=256)
+    assert stdout[0] == f"rows read {n}, written {n}, rejected 0"
+    assert stdout[-1].startswith(f"prepared Energon dataset at {out}: {n} rows in 1 shard(s)")
+    assert (out / ".nv-meta" / "index.sqlite").is_file()
+    assert _tar_rows(out) == case.written
+    processor = tok if case.family == "text" else build_processor(tok)
+    enc = SFTTaskEncoder(processor, model_family=case.family, max_length=512)
     batches = _loaded(out, enc)
-    # Rows without an id are named by their Energon key, as the loader names them.
-    assert [b.source_ids[0] for b in batches] == ["000000000", "000000001", "al-2"]
-    for batch, messages in zip(batches, ALPACA_AS_MESSAGES, strict=True):
-        _assert_batch_encodes(batch, enc, _sample(messages, [], batch.source_ids[0]))
+    assert [b.source_ids[0] for b in batches] == case.source_ids
+    for batch, row, images in zip(batches, case.written, case.images, strict=True):
+        sample = chat_sample(row["messages"], images, source_id=batch.source_ids[0])
+        _assert_batch_encodes(batch, enc, sample)
+        assert int(batch.image_grid_thw.shape[0]) == len(images)
     targets = [t for t in batches[0].labels[0].tolist() if t != -100]
-    assert tok.decode(targets) == "42<|im_end|>\n"
+    assert tok.decode(targets) == case.first_target
 
 
 def _good(i: int) -> dict[str, Any]:

@@ -15,7 +15,14 @@ from hypothesis import strategies as st
 from megatron.energon import Cooker, stateless
 from megatron.energon.task_encoder.base import get_stateless
 
-from _esft_data import ONE_RANK_IN_ORDER, build_dataset, build_tokenizer, chat_rows, png_bytes
+from _esft_data import (
+    ONE_RANK_IN_ORDER,
+    build_dataset,
+    chat_rows,
+    image_chat_row,
+    image_question,
+    png_bytes,
+)
 from energon_sft import (
     IGNORE_INDEX,
     SFTTaskEncoder,
@@ -28,11 +35,6 @@ from energon_sft import (
 )
 from energon_sft.batch import greedy_pack
 from energon_sft.dataset import prepare_dataset
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return build_tokenizer()
 
 
 def _crude(row: dict[str, Any], **members: bytes) -> dict[str, Any]:
@@ -92,13 +94,7 @@ def test_cook_chat_exact_member_lookup_and_sharegpt() -> None:
     }
     s = cook_sharegpt(_crude(share, **{"m0.png": b"img"}))
     assert s.messages == [
-        {
-            "role": "user",
-            "content": [
-                {"type": "image", "media_index": 0},
-                {"type": "text", "text": "What is this?"},
-            ],
-        },
+        {"role": "user", "content": image_question("What is this?")},
         {"role": "assistant", "content": "A cat."},
     ]
 
@@ -125,26 +121,8 @@ def test_subflavor_routes_sharegpt_rows_and_jsonl_rows_load(tok: Any, tmp_path: 
     # JSONL: rows arrive as dicts; media inline as base64.
     img = base64.b64encode(png_bytes(28, 28, 1)).decode()
     jsonl = tmp_path / "rows.jsonl"
-    lines = []
-    for i in range(4):
-        lines.append(
-            json.dumps(
-                {
-                    "id": f"j{i}",
-                    "messages": [
-                        {
-                            "role": "user",
-                            "content": [
-                                {"type": "image", "media_index": 0},
-                                {"type": "text", "text": "Hi"},
-                            ],
-                        },
-                        {"role": "assistant", "content": f"Answer {i}."},
-                    ],
-                    "media": [{"b64": img, "name": "inline.png"}],
-                }
-            )
-        )
+    media = {"b64": img, "name": "inline.png"}
+    lines = [json.dumps(image_chat_row(f"j{i}", "Hi", f"Answer {i}.", media)) for i in range(4)]
     jsonl.write_text("\n".join(lines) + "\n")
     prepare_dataset(jsonl)
     from _esft_data import build_processor

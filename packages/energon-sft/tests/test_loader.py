@@ -16,11 +16,6 @@ from energon_sft.state import StateMismatchError
 
 
 @pytest.fixture(scope="module")
-def tok() -> Any:
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def ds(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_dataset(tmp_path_factory.mktemp("loader"), chat_rows(32, image_every=0))
 
@@ -88,6 +83,21 @@ def test_state_roundtrip_weights_only_and_guards(ds: Path, tok: Any) -> None:
     )
     other.load_state_dict(state)
     assert _take(other, 1) == ref[3:4]
+
+
+def test_loader_options_are_keywords_of_get_savable_loader() -> None:
+    """build_sft_loader passes LoaderOptions' fields to Energon by name."""
+    import dataclasses
+    import inspect
+
+    from megatron.energon import get_savable_loader
+
+    from energon_sft import LoaderOptions
+
+    params = inspect.signature(get_savable_loader).parameters
+    for field in dataclasses.fields(LoaderOptions):
+        assert field.name in params, f"get_savable_loader has no keyword {field.name!r}"
+        assert params[field.name].kind is inspect.Parameter.KEYWORD_ONLY, field.name
 
 
 def test_corrupt_or_hostile_payload_is_refused_before_unpickling(ds: Path, tok: Any) -> None:

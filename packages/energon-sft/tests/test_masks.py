@@ -10,31 +10,20 @@ from typing import Any
 import pytest
 import torch
 
-from _esft_data import MAX_PIXELS, MIN_PIXELS, build_processor, build_tokenizer, png_bytes
-from energon_sft import IGNORE_INDEX, ChatSample, MediaItem, SFTTaskEncoder
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return build_tokenizer()
+from _esft_data import (
+    MAX_PIXELS,
+    MIN_PIXELS,
+    build_processor,
+    build_tokenizer,
+    chat_sample,
+    png_bytes,
+)
+from energon_sft import IGNORE_INDEX, SFTTaskEncoder
 
 
 @pytest.fixture(scope="module")
 def proc(tok: Any) -> Any:
     return build_processor(tok)
-
-
-def _sample(
-    messages: list[dict[str, Any]], media: list[bytes] = (), tools: Any = None
-) -> ChatSample:  # type: ignore[assignment]
-    return ChatSample(
-        __key__="k0",
-        __restore_key__=(),
-        messages=messages,
-        media=[MediaItem(name=f"m{i}.png", data=d) for i, d in enumerate(media)],
-        tools=tools,
-        source_id="src-0",
-    )
 
 
 def _reference(
@@ -112,7 +101,7 @@ def test_text_masks_train_exactly_the_assistant_tokens(
         max_length=512,
         train_on="final_assistant" if final_only else "all_assistant",
     )
-    out = enc.encode_chat(_sample(messages, tools=tools))
+    out = enc.encode_chat(chat_sample(messages, tools=tools))
     ref_ids, ref_trained, ref_text = _reference(tok, messages, tools, final_only=final_only)
     assert out.input_ids.tolist() == ref_ids
     assert out.labels.tolist() == _shift(ref_ids, ref_trained)
@@ -165,7 +154,7 @@ def test_vlm_image_tokens_grids_and_masks(tok: Any, proc: Any) -> None:
         },
     ]
     enc = SFTTaskEncoder(proc, model_family="qwen2_5_vl", max_length=4096)
-    out = enc.encode_chat(_sample(messages, images))
+    out = enc.encode_chat(chat_sample(messages, images))
     order = [1, 0, 2, 3, 0]
     expect_grids = []
     for i in order:
@@ -214,7 +203,7 @@ def test_overlong_rows_are_truncated_zero_weight_without_media(tok: Any, proc: A
         {"role": "assistant", "content": "I am fine, thank you. " * 10},
     ]
     enc = SFTTaskEncoder(proc, model_family="qwen2_5_vl", max_length=40)
-    out = enc.encode_chat(_sample(messages, [png_bytes(300, 200, 0)]))
+    out = enc.encode_chat(chat_sample(messages, [png_bytes(300, 200, 0)]))
     assert out.input_ids.numel() == 40
     assert out.pixel_values is None and out.image_grid_thw.shape == (0, 3)
     image_ids = set(
@@ -226,9 +215,9 @@ def test_overlong_rows_are_truncated_zero_weight_without_media(tok: Any, proc: A
     assert enc.error_handler.snapshot()["truncated"] == 1
     # Exactly max_length fits: no truncation.
     fit = SFTTaskEncoder(tok, model_family="text", max_length=512)
-    n = fit.encode_chat(_sample(CONVERSATIONS["single_turn"])).input_ids.numel()
+    n = fit.encode_chat(chat_sample(CONVERSATIONS["single_turn"])).input_ids.numel()
     exact = SFTTaskEncoder(tok, model_family="text", max_length=n)
-    assert exact.encode_chat(_sample(CONVERSATIONS["single_turn"])).sample_weights == [1.0]
+    assert exact.encode_chat(chat_sample(CONVERSATIONS["single_turn"])).sample_weights == [1.0]
 
 
 def test_row_without_target_after_shift_is_masked_and_counted(tok: Any) -> None:
@@ -237,7 +226,7 @@ def test_row_without_target_after_shift_is_masked_and_counted(tok: Any) -> None:
     plain = build_tokenizer()
     plain.chat_template = "{%- for m in messages -%}{{ m['content'] }}{%- endfor -%}"
     enc = SFTTaskEncoder(plain, model_family="text", max_length=64)
-    out = enc.encode_chat(_sample([{"role": "assistant", "content": "Hello"}]))
+    out = enc.encode_chat(chat_sample([{"role": "assistant", "content": "Hello"}]))
     assert out.input_ids.numel() == 1
     assert out.sample_weights == [0.0]
     assert enc.error_handler.snapshot() == {"no_trainable_tokens": 1}
@@ -257,7 +246,7 @@ def test_text_family_rejects_images(tok: Any) -> None:
         {"role": "assistant", "content": "ok"},
     ]
     with pytest.raises(BadSampleError, match="unsupported_media"):
-        enc.encode_chat(_sample(msgs, [png_bytes(28, 28, 0)]))
+        enc.encode_chat(chat_sample(msgs, [png_bytes(28, 28, 0)]))
 
 
 _WORDS = [
@@ -312,7 +301,7 @@ def test_random_conversations_match_the_hand_built_reference(tok: Any) -> None:
                 {"role": "user", "content": user},
                 {"role": "assistant", "content": assistant},
             ]
-        out = encoders[final].encode_chat(_sample(messages))
+        out = encoders[final].encode_chat(chat_sample(messages))
         ids, trained, _ = _reference(tok, messages, None, final_only=final)
         assert out.input_ids.tolist() == ids
         assert out.labels.tolist() == _shift(ids, trained)

@@ -33,6 +33,8 @@ __all__ = ["LoaderOptions", "SFTLoader", "build_sft_loader"]
 class LoaderOptions:
     """Operational Energon loader settings: they may change between save and resume.
 
+    Each field is the `megatron.energon.get_savable_loader` keyword of the same name, passed as is.
+
     Attributes:
         prefetch_factor: batches each worker prepares ahead.
         checkpoint_every_sec: how often workers take an internal checkpoint; a resume replays
@@ -383,16 +385,8 @@ def build_sft_loader(
             task_encoder=encoder,
             **extra,
         )
-        loader = get_savable_loader(
-            ds,
-            checkpoint_every_sec=opts.checkpoint_every_sec,
-            checkpoint_every_min_n_samples=opts.checkpoint_every_min_n_samples,
-            gc_collect_every_n_steps=opts.gc_collect_every_n_steps,
-            prefetch_factor=opts.prefetch_factor,
-            watchdog_timeout_seconds=opts.watchdog_timeout_seconds,
-            watchdog_initial_timeout_seconds=opts.watchdog_initial_timeout_seconds,
-            fail_on_timeout=opts.fail_on_timeout,
-        )
+        # LoaderOptions' fields are get_savable_loader's keywords (test_loader checks the names).
+        loader = get_savable_loader(ds, **asdict(opts))
         loader.pin_memory = pin
         loaders.append(loader)
     return SFTLoader(
