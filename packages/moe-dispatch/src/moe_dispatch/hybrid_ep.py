@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moe_dispatch.equalize import HYBRID_EP_ALIGNMENT, equalize_token_counts
+from moe_dispatch.equalize import HYBRID_EP_ALIGNMENT, _EqualizesTokens
 from moe_dispatch.routing import check_routing_shapes, expert_range
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class HybridEPHandle:
     num_tokens: int
 
 
-class HybridEPDispatcher:
+class HybridEPDispatcher(_EqualizesTokens):
     """Dispatcher over DeepEP's HybridEP kernels, with per-rank token equalization.
 
     Args:
@@ -202,14 +202,7 @@ class HybridEPDispatcher:
                 f"HybridEP moves 16-bit tokens; hidden is {hidden.dtype}: cast it to bfloat16 "
                 "(or use AllToAllDispatcher for float32)"
             )
-        padded = equalize_token_counts(
-            hidden,
-            topk_ids,
-            topk_weights,
-            group=self.group,
-            alignment=self.alignment,
-            padded_size=self.padded_size,
-        )
+        padded = self._equalize(hidden, topk_ids, topk_weights)
         num_padded = padded.padded_size
         ids = padded.topk_ids.long()
         real = ids >= 0
