@@ -7,31 +7,18 @@ path vs torch.nn.utils.clip_grad_norm_, with gradient_as_bucket_view on.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
+from _timing import report_ratios, timing_parser
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from train_engine import DDPConfig, apply_data_parallel, clip_grads_with_norm_, global_grad_norm
-from train_testing.bench import (
-    alternating_medians,
-    environment,
-    init_process_group,
-    report,
-    time_ms,
-)
+from train_testing.bench import alternating_medians, environment, init_process_group, time_ms
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=16)
+    parser = timing_parser(__doc__.splitlines()[0], layers=16)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (CI smoke run)")
-    parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args()
     if args.quick:
         args.hidden, args.layers, args.iters, args.repeats = 32, 4, 3, 2
@@ -69,19 +56,14 @@ def main() -> None:
     medians = alternating_medians(
         variants, repeats=args.repeats, measure=lambda fn: time_ms(fn, device, iters=args.iters)
     )
-    base = medians["Engine fast path (foreach, no collective)"]
     n_params = sum(p.numel() for p in params)
-    rows = [
-        {"variant": name, "median ms": ms, "ratio to fast path": ms / base}
-        for name, ms in medians.items()
-    ]
-    meta = {**environment(device), "parameters": n_params, "tensors": len(params), **vars(args)}
-    report(
+    report_ratios(
         f"Norm + clip of {len(params)} DDP bucket-view gradients ({n_params / 1e6:.1f}M values, {device})",
-        rows,
-        ["variant", "median ms", "ratio to fast path"],
-        args.out,
-        meta,
+        medians,
+        baseline="Engine fast path (foreach, no collective)",
+        columns=("median ms", "ratio to fast path"),
+        out=args.out,
+        meta={**environment(device), "parameters": n_params, "tensors": len(params), **vars(args)},
     )
 
 

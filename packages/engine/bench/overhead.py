@@ -9,13 +9,12 @@ machine noise hits both alike. Goal: ratio <= 1.01.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
+from _timing import report_ratios, timing_parser
 from torch import nn
 
 from train_engine import Engine
-from train_testing.bench import alternating_medians, environment, report, time_ms
+from train_testing.bench import alternating_medians, environment, time_ms
 
 
 def build(
@@ -33,21 +32,15 @@ def build(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
+    parser = timing_parser(__doc__.splitlines()[0], layers=8)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--accum", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per timed block")
-    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
         "--fused",
         action="store_true",
         help="fused AdamW in both loops (the Engine then clips and skips inside the kernel)",
     )
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (CI smoke run)")
-    parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args()
     if args.quick:
         args.hidden, args.layers, args.batch, args.steps, args.repeats = 32, 2, 8, 3, 2
@@ -89,18 +82,14 @@ def main() -> None:
     medians = alternating_medians(
         variants, repeats=args.repeats, measure=lambda fn: time_ms(fn, device, iters=1) / args.steps
     )
-    base = medians["hand-written loop"]
-    rows = [
-        {"variant": name, "median ms/step": ms, "ratio": ms / base} for name, ms in medians.items()
-    ]
-    meta = {**environment(device), **{k: v for k, v in vars(args).items() if k != "out"}}
-    report(
+    report_ratios(
         f"Engine overhead ({device}, hidden={args.hidden}, layers={args.layers}, "
         f"batch={args.batch}, accum={args.accum}, {'fused' if args.fused else 'foreach'} AdamW)",
-        rows,
-        ["variant", "median ms/step", "ratio"],
-        args.out,
-        meta,
+        medians,
+        baseline="hand-written loop",
+        columns=("median ms/step", "ratio"),
+        out=args.out,
+        meta={**environment(device), **{k: v for k, v in vars(args).items() if k != "out"}},
     )
 
 

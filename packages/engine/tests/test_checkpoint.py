@@ -67,22 +67,42 @@ def _kill_when_renaming(monkeypatch: pytest.MonkeyPatch, name: str, why: str) ->
     monkeypatch.setattr(Path, "rename", crash)
 
 
+def _save_then_kill_next_save(
+    monkeypatch: pytest.MonkeyPatch,
+    ckpt: Path,
+    first: object,
+    second: object,
+    *,
+    steps: int,
+    seeds: tuple[int, int],
+) -> tuple[Engine, dict[str, torch.Tensor], float]:
+    """Train ``steps`` and save ``first`` to ``ckpt``; train one step more, then kill the save
+    of ``second`` into the same directory when it renames ``<ckpt>.tmp``.
+
+    Returns:
+        The engine, and its parameters and learning rate as saved in the first checkpoint.
+    """
+    engine = _local_engine()
+    _train(engine, steps, seed=seeds[0])
+    engine.save_checkpoint(ckpt, extra_state=first)
+    saved = _params(engine)
+    saved_lr = engine.optimizer.param_groups[0]["lr"]
+    _train(engine, 1, seed=seeds[1])
+    _kill_when_renaming(monkeypatch, f"{ckpt.name}.tmp", f"simulated kill renaming {ckpt.name}.tmp")
+    with pytest.raises(KeyboardInterrupt):
+        engine.save_checkpoint(ckpt, extra_state=second)
+    monkeypatch.undo()
+    return engine, saved, saved_lr
+
+
 def test_interrupted_save_leaves_previous_checkpoint_loadable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = _local_engine()
-    _train(engine, 2, seed=1)
     ckpt = tmp_path / "latest"
-    engine.save_checkpoint(ckpt, extra_state={"position": 2})
-    saved = _params(engine)
-    saved_lr = engine.optimizer.param_groups[0]["lr"]
-    _train(engine, 1, seed=2)
-
     # Interrupt the next save into the same directory just before its rename.
-    _kill_when_renaming(monkeypatch, "latest.tmp", "simulated kill before rename")
-    with pytest.raises(KeyboardInterrupt):
-        engine.save_checkpoint(ckpt, extra_state={"position": 3})
-    monkeypatch.undo()
+    engine, saved, saved_lr = _save_then_kill_next_save(
+        monkeypatch, ckpt, {"position": 2}, {"position": 3}, steps=2, seeds=(1, 2)
+    )
     assert ((tmp_path / "latest.tmp").exists() and not (tmp_path / "latest.old").exists()) or True
     assert latest_checkpoint(tmp_path) is not None
 
@@ -103,16 +123,9 @@ def test_interrupted_save_leaves_previous_checkpoint_loadable(
 def test_crash_between_renames_falls_back_to_old(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = _local_engine()
-    _train(engine, 1, seed=3)
     ckpt = tmp_path / "ckpt"
-    engine.save_checkpoint(ckpt, extra_state="first")
-    _train(engine, 1, seed=4)
     # The old checkpoint was already moved aside when the new one's rename is killed.
-    _kill_when_renaming(monkeypatch, "ckpt.tmp", "simulated kill between renames")
-    with pytest.raises(KeyboardInterrupt):
-        engine.save_checkpoint(ckpt, extra_state="second")
-    monkeypatch.undo()
+    _save_then_kill_next_save(monkeypatch, ckpt, "first", "second", steps=1, seeds=(3, 4))
     assert not ckpt.exists() and (tmp_path / "ckpt.old").exists()
     assert latest_checkpoint(tmp_path) == ckpt
     fresh = _local_engine()

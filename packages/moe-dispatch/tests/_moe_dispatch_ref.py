@@ -6,22 +6,26 @@ results with a dense [T, E] routing matrix, so it shares no index math with the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moe_dispatch import MoEConfig
 
-@dataclass(kw_only=True, slots=True, frozen=True)
-class Case:
-    hidden: int
-    ffn: int
-    experts: int
-    top_k: int
+
+@dataclass(slots=True, frozen=True)
+class Case(MoEConfig):
+    """A layer's config (the workers pass it to ExpertParallelMoE as is) and its tokens.
+
+    ``Case((0, 23), seed=11, hidden_size=16, ...)``: the tokens of each rank, the seed of the
+    weights and inputs, then the :class:`MoEConfig` fields.
+    """
+
     counts: tuple[int, ...]  # tokens per rank
+    _: KW_ONLY
     seed: int
-    norm_topk_prob: bool = True
 
 
 @dataclass(kw_only=True, slots=True)
@@ -40,12 +44,13 @@ def make_weights(case: Case, dtype: torch.dtype = torch.float32) -> Weights:
     def randn(*shape: int, scale: float = 1.0) -> Tensor:
         return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
 
+    experts, hidden, ffn = case.num_experts, case.hidden_size, case.intermediate_size
     return Weights(
-        router=randn(case.experts, case.hidden, scale=case.hidden**-0.5),
-        gate_up=randn(case.experts, 2 * case.ffn, case.hidden, scale=case.hidden**-0.5),
-        down=randn(case.experts, case.hidden, case.ffn, scale=case.ffn**-0.5),
-        x=randn(total, case.hidden),
-        grad_out=randn(total, case.hidden),
+        router=randn(experts, hidden, scale=hidden**-0.5),
+        gate_up=randn(experts, 2 * ffn, hidden, scale=hidden**-0.5),
+        down=randn(experts, hidden, ffn, scale=ffn**-0.5),
+        x=randn(total, hidden),
+        grad_out=randn(total, hidden),
     )
 
 

@@ -34,16 +34,7 @@ def _run_moe(
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, Tensor]:
     w = make_weights(case)
-    moe = ExpertParallelMoE(
-        MoEConfig(
-            hidden_size=case.hidden,
-            intermediate_size=case.ffn,
-            num_experts=case.experts,
-            top_k=case.top_k,
-            norm_topk_prob=case.norm_topk_prob,
-        ),
-        dispatcher=dispatcher,
-    )
+    moe = ExpertParallelMoE(case, dispatcher=dispatcher)
     with torch.no_grad():
         moe.router.weight.copy_(w.router)
     moe.load_experts(w.gate_up, w.down)
@@ -79,11 +70,11 @@ def check_moe_cases(
     results: list[dict[str, Any]] = []
     for case in cases:
         assert len(case.counts) == world_size
-        plain = _run_moe(case, rank, AllToAllDispatcher(None, case.experts), device)
+        plain = _run_moe(case, rank, AllToAllDispatcher(None, case.num_experts), device)
         padded = _run_moe(
             case,
             rank,
-            EqualizingDispatcher(AllToAllDispatcher(None, case.experts), alignment=4),
+            EqualizingDispatcher(AllToAllDispatcher(None, case.num_experts), alignment=4),
             device,
         )
         stats = _equalize_stats(case, rank, device)
@@ -102,7 +93,7 @@ def _equalize_stats(case: Case, rank: int, device: str) -> dict[str, Any]:
     fixed = equalize_token_counts(
         x, ids, weights, padded_size=padded_token_count(x.shape[0], alignment=8, device=x.device)
     )
-    dispatcher = AllToAllDispatcher(None, case.experts)
+    dispatcher = AllToAllDispatcher(None, case.num_experts)
     # Mark padding rows so any that reached an expert would be visible.
     marked = padded.hidden.clone()
     marked[padded.num_tokens :] = float("nan")
@@ -116,8 +107,8 @@ def _equalize_stats(case: Case, rank: int, device: str) -> dict[str, Any]:
         "nan_rows_at_experts": int(torch.isnan(expert_input).any(dim=1).sum()),
         "rows_at_experts": int(expert_input.shape[0]),
         "counts": counts.cpu(),
-        "load_padded": expert_load(padded.topk_ids, case.experts).cpu(),
-        "load_real": expert_load(ids, case.experts).cpu(),
+        "load_padded": expert_load(padded.topk_ids, case.num_experts).cpu(),
+        "load_real": expert_load(ids, case.num_experts).cpu(),
         "pad_ids": padded.topk_ids[padded.num_tokens :].cpu(),
         "pad_weights": padded.topk_weights[padded.num_tokens :].cpu(),
     }
@@ -152,8 +143,10 @@ def check_hybrid_ep(rank: int, world_size: int, case: Case) -> dict[str, dict[st
     from moe_dispatch import HybridEPDispatcher
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    a2a = _run_moe(case, rank, AllToAllDispatcher(None, case.experts), "cuda", torch.bfloat16)
-    hybrid = _run_moe(case, rank, HybridEPDispatcher(None, case.experts), "cuda", torch.bfloat16)
+    a2a = _run_moe(case, rank, AllToAllDispatcher(None, case.num_experts), "cuda", torch.bfloat16)
+    hybrid = _run_moe(
+        case, rank, HybridEPDispatcher(None, case.num_experts), "cuda", torch.bfloat16
+    )
     return {"a2a": a2a, "hybrid": hybrid}
 
 
@@ -203,7 +196,9 @@ def check_emulated_hybrid_ep(rank: int, world_size: int, cases: list[Case]) -> l
 
     results: list[Any] = []
     for case in cases:
-        dispatcher = HybridEPDispatcher(None, case.experts, buffer_factory=EmulatedHybridEPBuffer)
+        dispatcher = HybridEPDispatcher(
+            None, case.num_experts, buffer_factory=EmulatedHybridEPBuffer
+        )
         got = _run_moe(case, rank, dispatcher, "cpu")
         sizes = dispatcher._buffer.dispatch_sizes
         results.append({"grads": got, "sizes": sizes})

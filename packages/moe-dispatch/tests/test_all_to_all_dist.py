@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -18,12 +20,15 @@ ATOL = 2e-5
 
 CASES = {
     2: [
-        Case(hidden=16, ffn=24, experts=4, top_k=2, counts=(0, 23), seed=11),
-        Case(hidden=8, ffn=12, experts=6, top_k=3, counts=(9, 4), seed=12, norm_topk_prob=False),
+        Case((0, 23), seed=11, hidden_size=16, intermediate_size=24, num_experts=4, top_k=2),
+        replace(
+            Case((9, 4), seed=12, hidden_size=8, intermediate_size=12, num_experts=6, top_k=3),
+            norm_topk_prob=False,
+        ),
     ],
     4: [
-        Case(hidden=16, ffn=24, experts=8, top_k=2, counts=(7, 0, 19, 3), seed=21),
-        Case(hidden=12, ffn=8, experts=4, top_k=1, counts=(1, 6, 0, 0), seed=22),
+        Case((7, 0, 19, 3), seed=21, hidden_size=16, intermediate_size=24, num_experts=8, top_k=2),
+        Case((1, 6, 0, 0), seed=22, hidden_size=12, intermediate_size=8, num_experts=4, top_k=1),
     ],
 }
 

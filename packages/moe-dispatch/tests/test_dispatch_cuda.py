@@ -32,7 +32,7 @@ def test_hybrid_ep_without_deep_ep_names_the_extra_and_build_steps() -> None:
 @pytest.mark.timeout(300)
 @requires_cuda(2)
 def test_nccl_all_to_all_matches_reference() -> None:
-    case = Case(hidden=16, ffn=24, experts=4, top_k=2, counts=(0, 21), seed=31)
+    case = Case((0, 21), seed=31, hidden_size=16, intermediate_size=24, num_experts=4, top_k=2)
     with RankPool(2, backend="nccl") as pool:
         per_rank = pool.run(check_moe_cases, [case], "cuda", timeout_s=240)
     ref = reference_grads(case, make_weights(case))
@@ -54,7 +54,7 @@ def test_nccl_all_to_all_matches_reference() -> None:
 @requires_module("deep_ep", extra="hybridep")
 def test_hybrid_ep_matches_all_to_all_with_uneven_counts() -> None:
     # Unequal counts, one rank empty: HybridEP needs the equalization to run at all.
-    case = Case(hidden=64, ffn=32, experts=8, top_k=2, counts=(0, 37), seed=41)
+    case = Case((0, 37), seed=41, hidden_size=64, intermediate_size=32, num_experts=8, top_k=2)
     with RankPool(2, backend="nccl") as pool:
         per_rank = pool.run(check_hybrid_ep, case, timeout_s=240)
     for r in range(2):

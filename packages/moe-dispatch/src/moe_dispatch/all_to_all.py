@@ -29,6 +29,30 @@ from moe_dispatch.routing import (
 )
 
 
+class _OwnsGroupExperts:
+    """This rank's place in the expert-parallel group and its block of experts.
+
+    Shared by the dispatchers that span a process group (all-to-all, HybridEP).
+    """
+
+    group: dist.ProcessGroup | None
+    ep_size: int
+    ep_rank: int
+    num_experts: int
+    num_local_experts: int
+    local_expert_start: int
+
+    def _own_experts(self, group: dist.ProcessGroup | None, num_experts: int) -> None:
+        """Set the group, this rank's size and rank in it, and its experts (:func:`expert_range`)."""
+        self.group = group
+        self.ep_size = dist.get_world_size(group)
+        self.ep_rank = dist.get_rank(group)
+        start, end = expert_range(num_experts, self.ep_size, self.ep_rank)
+        self.num_experts = num_experts
+        self.num_local_experts = end - start
+        self.local_expert_start = start
+
+
 class _AllToAll(torch.autograd.Function):
     """Uneven all-to-all of rows whose backward is the all-to-all in the other direction."""
 
@@ -111,7 +135,7 @@ class AllToAllHandle:
     num_tokens: int
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(_OwnsGroupExperts):
     """Dispatcher over an uneven all-to-all in the expert-parallel group.
 
     Example::
@@ -132,13 +156,7 @@ class AllToAllDispatcher:
                 "AllToAllDispatcher needs torch.distributed; call "
                 "torch.distributed.init_process_group first, or use LocalDispatcher on one process"
             )
-        self.group = ep_group
-        self.ep_size = dist.get_world_size(ep_group)
-        self.ep_rank = dist.get_rank(ep_group)
-        start, end = expert_range(num_experts, self.ep_size, self.ep_rank)
-        self.num_experts = num_experts
-        self.num_local_experts = end - start
-        self.local_expert_start = start
+        self._own_experts(ep_group, num_experts)
 
     def dispatch(
         self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor

@@ -145,6 +145,31 @@ def equalize_token_counts(
     )
 
 
+class _EqualizesTokens:
+    """What a dispatcher that pads every rank to the same token count holds and does.
+
+    Attributes:
+        group: the expert-parallel group (for the MAX all-reduce).
+        alignment: padded counts are multiples of this.
+        padded_size: a fixed S for every call (skips the all-reduce); None computes it per call.
+    """
+
+    group: dist.ProcessGroup | None
+    alignment: int
+    padded_size: int | None
+
+    def _equalize(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> EqualizedTokens:
+        """:func:`equalize_token_counts` with this dispatcher's group, alignment and size."""
+        return equalize_token_counts(
+            hidden,
+            topk_ids,
+            topk_weights,
+            group=self.group,
+            alignment=self.alignment,
+            padded_size=self.padded_size,
+        )
+
+
 @dataclass(slots=True)
 class EqualizedHandle:
     """State kept between ``EqualizingDispatcher.dispatch`` and ``combine``."""
@@ -153,7 +178,7 @@ class EqualizedHandle:
     num_tokens: int
 
 
-class EqualizingDispatcher:
+class EqualizingDispatcher(_EqualizesTokens):
     """Wraps any dispatcher so that every rank dispatches the same, aligned token count.
 
     Outputs equal those of the wrapped dispatcher without padding: padding rows reach no expert
@@ -188,14 +213,7 @@ class EqualizingDispatcher:
         self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor
     ) -> tuple[Tensor, Tensor, EqualizedHandle]:
         """See :meth:`moe_dispatch.Dispatcher.dispatch`; pads before dispatching."""
-        padded = equalize_token_counts(
-            hidden,
-            topk_ids,
-            topk_weights,
-            group=self.group,
-            alignment=self.alignment,
-            padded_size=self.padded_size,
-        )
+        padded = self._equalize(hidden, topk_ids, topk_weights)
         expert_input, counts, inner = self.inner.dispatch(
             padded.hidden, padded.topk_ids, padded.topk_weights
         )

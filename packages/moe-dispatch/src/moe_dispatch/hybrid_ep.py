@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moe_dispatch.equalize import HYBRID_EP_ALIGNMENT, equalize_token_counts
-from moe_dispatch.routing import check_routing_shapes, expert_range
+from moe_dispatch.all_to_all import _OwnsGroupExperts
+from moe_dispatch.equalize import HYBRID_EP_ALIGNMENT, _EqualizesTokens
+from moe_dispatch.routing import check_routing_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class HybridEPHandle:
     num_tokens: int
 
 
-class HybridEPDispatcher:
+class HybridEPDispatcher(_OwnsGroupExperts, _EqualizesTokens):
     """Dispatcher over DeepEP's HybridEP kernels, with per-rank token equalization.
 
     Args:
@@ -154,18 +155,12 @@ class HybridEPDispatcher:
                 f"alignment={alignment} breaks HybridEP, whose per-rank token count must be a "
                 f"multiple of {HYBRID_EP_ALIGNMENT}; use a multiple of {HYBRID_EP_ALIGNMENT}"
             )
-        self.group = ep_group if ep_group is not None else dist.group.WORLD
-        self.ep_size = dist.get_world_size(self.group)
-        self.ep_rank = dist.get_rank(self.group)
+        self._own_experts(ep_group if ep_group is not None else dist.group.WORLD, num_experts)
         if self.ep_size < 2:
             raise ValueError(
                 f"HybridEP needs an expert-parallel group of at least 2 ranks, got {self.ep_size}; "
                 "use LocalDispatcher on one rank"
             )
-        start, end = expert_range(num_experts, self.ep_size, self.ep_rank)
-        self.num_experts = num_experts
-        self.num_local_experts = end - start
-        self.local_expert_start = start
         self.alignment = alignment
         self.padded_size = padded_size
         self.max_tokens_per_rank = max_tokens_per_rank
@@ -202,14 +197,7 @@ class HybridEPDispatcher:
                 f"HybridEP moves 16-bit tokens; hidden is {hidden.dtype}: cast it to bfloat16 "
                 "(or use AllToAllDispatcher for float32)"
             )
-        padded = equalize_token_counts(
-            hidden,
-            topk_ids,
-            topk_weights,
-            group=self.group,
-            alignment=self.alignment,
-            padded_size=self.padded_size,
-        )
+        padded = self._equalize(hidden, topk_ids, topk_weights)
         num_padded = padded.padded_size
         ids = padded.topk_ids.long()
         real = ids >= 0
