@@ -75,9 +75,10 @@ def _save_then_kill_next_save(
     *,
     steps: int,
     seeds: tuple[int, int],
+    renaming: str,
 ) -> tuple[Engine, dict[str, torch.Tensor], float]:
     """Train ``steps`` and save ``first`` to ``ckpt``; train one step more, then kill the save
-    of ``second`` into the same directory when it renames ``<ckpt>.tmp``.
+    of ``second`` into the same directory when it renames the entry called ``renaming``.
 
     Returns:
         The engine, and its parameters and learning rate as saved in the first checkpoint.
@@ -88,7 +89,7 @@ def _save_then_kill_next_save(
     saved = _params(engine)
     saved_lr = engine.optimizer.param_groups[0]["lr"]
     _train(engine, 1, seed=seeds[1])
-    _kill_when_renaming(monkeypatch, f"{ckpt.name}.tmp", f"simulated kill renaming {ckpt.name}.tmp")
+    _kill_when_renaming(monkeypatch, renaming, f"simulated kill renaming {renaming}")
     with pytest.raises(KeyboardInterrupt):
         engine.save_checkpoint(ckpt, extra_state=second)
     monkeypatch.undo()
@@ -99,11 +100,19 @@ def test_interrupted_save_leaves_previous_checkpoint_loadable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ckpt = tmp_path / "latest"
-    # Interrupt the next save into the same directory just before its rename.
+    # Interrupt the next save into the same directory when the swap starts: its files are all
+    # written to latest.tmp, the previous checkpoint is not yet moved aside.
     engine, saved, saved_lr = _save_then_kill_next_save(
-        monkeypatch, ckpt, {"position": 2}, {"position": 3}, steps=2, seeds=(1, 2)
+        monkeypatch,
+        ckpt,
+        {"position": 2},
+        {"position": 3},
+        steps=2,
+        seeds=(1, 2),
+        renaming="latest",
     )
-    assert ((tmp_path / "latest.tmp").exists() and not (tmp_path / "latest.old").exists()) or True
+    assert (tmp_path / "latest.tmp").exists() and not (tmp_path / "latest.old").exists()
+    assert ckpt.exists()
     assert latest_checkpoint(tmp_path) is not None
 
     fresh = _local_engine(seed=5)
@@ -125,7 +134,9 @@ def test_crash_between_renames_falls_back_to_old(
 ) -> None:
     ckpt = tmp_path / "ckpt"
     # The old checkpoint was already moved aside when the new one's rename is killed.
-    _save_then_kill_next_save(monkeypatch, ckpt, "first", "second", steps=1, seeds=(3, 4))
+    _save_then_kill_next_save(
+        monkeypatch, ckpt, "first", "second", steps=1, seeds=(3, 4), renaming="ckpt.tmp"
+    )
     assert not ckpt.exists() and (tmp_path / "ckpt.old").exists()
     assert latest_checkpoint(tmp_path) == ckpt
     fresh = _local_engine()
