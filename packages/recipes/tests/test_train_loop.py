@@ -296,10 +296,12 @@ def test_missing_tracker_extra_is_a_one_line_config_error(hide: Any, demo_data: 
 def test_missing_matplotlib_and_tensorboard_give_notices(
     hide: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from train_recipes.loop import LoopPlan, RunStart
     from train_recipes.metrics import RunLogger, loss_plot_or_notice, plot_loss
 
     hide("matplotlib", "tensorboard", "torch.utils.tensorboard")
-    log = RunLogger(tmp_path, enabled=True, total_steps=2, tensorboard=True)
+    plan = LoopPlan(total_steps=2, log_every=1)
+    log = RunLogger(RunStart(output_dir=tmp_path, plan=plan, tensorboard=True), enabled=True)
     log.log(1, {"loss": 1.0, "loss_avg_window": 1.0})
     log.close()
     assert loss_plot_or_notice(tmp_path) is None
@@ -330,6 +332,7 @@ class _Recorder:
 def test_wandb_and_mlflow_receive_the_records(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    from train_recipes.loop import LoopPlan, RunStart
     from train_recipes.metrics import RunLogger
 
     calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
@@ -341,14 +344,14 @@ def test_wandb_and_mlflow_receive_the_records(
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("WANDB_PROJECT", raising=False)
     config = {"optim": {"lr": 0.003}, "train": {"steps": 2}}
-    log = RunLogger(
-        tmp_path / "run1",
-        enabled=True,
-        total_steps=2,
+    start = RunStart(
+        output_dir=tmp_path / "run1",
+        plan=LoopPlan(total_steps=2, log_every=1),
         tensorboard=False,
         loggers=("wandb", "mlflow"),
         run_config=config,
     )
+    log = RunLogger(start, enabled=True)
     log.log(1, {"loss": 2.5, "lr": 1e-3, "skipped": [1], "skipped_total": 1, "eval/recall@10": 0.5})
     log.log(2, {"loss": float("nan")})  # nothing finite: not sent
     log.close()
