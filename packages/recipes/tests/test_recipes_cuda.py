@@ -79,18 +79,14 @@ def test_two_gpus_cp2_matches_dp2_on_nccl(demo_data: DemoSplit, tmp_path: Path) 
 def test_sharded_load_onto_cuda_is_bitwise_from_pretrained(tmp_path: Path) -> None:
     """The pinned, cast-on-device staging path gives exactly from_pretrained's fp32 weights."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     from train_recipes.loading import build_on_meta, load_sharded_safetensors
+    from train_testing.tiny_hf import tiny_config
 
-    config = LlamaConfig(
-        hidden_size=96,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=301,
-        tie_word_embeddings=True,
+    # train_testing's 2 layers and 4/2 heads, wider: the bf16 files span several 50 KB shards.
+    config = tiny_config(
+        "llama", hidden_size=96, intermediate_size=160, vocab_size=301, tie_word_embeddings=True
     )
     torch.manual_seed(0)
     # bf16 files, several shards: the load casts on the device and crosses files.
