@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from _recipes_workers import metric_rows
-from conftest import data_overrides
+from conftest import CLI, data_overrides, sft_args
 from train_recipes.demo import DemoSplit
 from train_testing import requires_cuda
 
-CLI = [sys.executable, "-m", "train_recipes.cli"]
-
 
 def _run(split: DemoSplit, out: Path, nproc: int, sets: list[str]) -> dict[int, float]:
-    args = ["sft", "--nproc-per-node", str(nproc), "--output-dir", str(out)]
-    for s in [
+    run = [
         *data_overrides(split),
         "train.steps=40",
         "train.log_every=1",
@@ -30,10 +26,13 @@ def _run(split: DemoSplit, out: Path, nproc: int, sets: list[str]) -> dict[int, 
         "data.num_logical_shards=2",
         "data.shuffle=false",
         *sets,
-    ]:
-        args += ["--set", s]
+    ]
     done = subprocess.run(
-        [*CLI, *args], env=dict(os.environ), capture_output=True, text=True, timeout=600
+        [*CLI, *sft_args(out, run, nproc=nproc)],
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     rows = metric_rows(out)

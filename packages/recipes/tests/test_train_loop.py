@@ -24,7 +24,7 @@ from _train_loop_workers import (
     watchdog_names_a_sleeping_rank,
     watchdog_names_a_stopped_rank,
 )
-from conftest import QUIET_CPU_RUN, data_overrides
+from conftest import CLI, QUIET_CPU_RUN, cli_env, data_overrides, sft_args
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
 from train_recipes.demo import DemoSplit, read_jsonl
 from train_recipes.schedule import (
@@ -33,8 +33,6 @@ from train_recipes.schedule import (
     linear_with_floor,
     total_steps,
 )
-
-CLI = [sys.executable, "-m", "train_recipes.cli"]
 
 
 def _common(split: DemoSplit, out: Path, *extra: str) -> list[str]:
@@ -443,19 +441,9 @@ def test_skip_tracker_names_the_recipe_step_and_aborts() -> None:
     assert said == [2, 4, 5, 6]
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["GLOO_SOCKET_IFNAME"] = env.get("GLOO_SOCKET_IFNAME", "lo")
-    return env
-
-
 def _cli(split: DemoSplit, out: Path, *sets: str, nproc: int = 1) -> list[str]:
-    args = [*CLI, "sft", "--nproc-per-node", str(nproc), "--output-dir", str(out)]
-    for item in _common(split, out, *sets):
-        if not item.startswith("train.output_dir="):
-            args += ["--set", item]
-    return args
+    run = [s for s in _common(split, out, *sets) if not s.startswith("train.output_dir=")]
+    return [*CLI, *sft_args(out, run, nproc=nproc)]
 
 
 @pytest.mark.timeout(200)
@@ -468,7 +456,7 @@ def test_consecutive_skips_abort_with_one_line_after_clean_startup_output(
         _cli(
             demo_data, tmp_path / "abort", "train.steps=40", "optim.lr=1e30", "train.eval_samples=8"
         ),
-        env=_env(),
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=180,
@@ -562,7 +550,7 @@ def test_a_stopped_rank_fails_the_run_naming_it(demo_data: DemoSplit, tmp_path: 
     out = tmp_path / "hang"
     proc = subprocess.Popen(
         _cli(demo_data, out, "train.steps=100000", "train.collective_timeout_s=8", nproc=2),
-        env=_env(),
+        env=cli_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
