@@ -8,8 +8,9 @@ has. Importing this package imports torch, never pytest; the ``--quick`` runner 
 - output: :func:`fmt`, :func:`format_table`, :func:`print_table`, :func:`print_lines`,
   :func:`write_json`, :func:`report`, :func:`device_name`, :func:`versions`,
   :func:`environment`.
-- runtime: :func:`add_device_argument`, :func:`init_process_group`, :func:`sync`, :func:`free_memory`, :func:`peak_gib`,
-  :func:`time_ms`, :func:`times_ms`, :func:`alternating_medians`.
+- runtime: :func:`add_device_argument`, :func:`init_process_group`, :func:`sync`,
+  :func:`free_memory`, :func:`peak_gib`, :func:`time_ms`, :func:`times_ms`,
+  :func:`alternating_medians`.
 - the SFT-step model: :data:`LLAMA_1P5B`, :data:`LLAMA_TINY`, :func:`llama_dims`,
   :func:`llama_config`, :func:`flops_per_token`, :func:`add_sft_step_arguments`,
   :func:`resolve_sft_step_sizes`.
