@@ -57,6 +57,11 @@ def _uv_env(session: nox.Session) -> dict[str, str]:
     }
 
 
+def _uv_sync(session: nox.Session, *selection: str) -> None:
+    """`uv sync --exact` of ``selection`` (packages, groups) into the session's environment."""
+    session.run_install("uv", "sync", "--exact", *selection, env=_uv_env(session), external=True)
+
+
 def _pytest(session: nox.Session, folder: str, *extra: str) -> None:
     session.run(
         "python",
@@ -114,17 +119,7 @@ def _make_tests_session(folder: str) -> None:
 
     @nox.session(name=f"tests-{folder}", python=PYTHON, tags=[folder, "tests"])
     def tests(session: nox.Session) -> None:
-        session.run_install(
-            "uv",
-            "sync",
-            "--exact",
-            "--package",
-            dist,
-            "--group",
-            "test",
-            env=_uv_env(session),
-            external=True,
-        )
+        _uv_sync(session, "--package", dist, "--group", "test")
         _pytest(session, folder)
 
 
@@ -179,32 +174,14 @@ for _folder in PUBLISHED:
 
 @nox.session(python=PYTHON, tags=["checks"])
 def lint(session: nox.Session) -> None:
-    session.run_install(
-        "uv",
-        "sync",
-        "--exact",
-        "--no-install-workspace",
-        "--only-group",
-        "lint",
-        env=_uv_env(session),
-        external=True,
-    )
+    _uv_sync(session, "--no-install-workspace", "--only-group", "lint")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
 
 @nox.session(python=PYTHON, tags=["checks"])
 def typecheck(session: nox.Session) -> None:
-    session.run_install(
-        "uv",
-        "sync",
-        "--exact",
-        "--all-packages",
-        "--group",
-        "lint",
-        env=_uv_env(session),
-        external=True,
-    )
+    _uv_sync(session, "--all-packages", "--group", "lint")
     sources = [f"packages/{folder}/src" for folder in PACKAGES]
     session.run("mypy", *sources)
 

@@ -50,6 +50,7 @@ import torch
 from _vlm_data import build_processor, write_dataset
 
 from train_testing.bench import (
+    add_device_argument,
     device_name,
     free_memory,
     init_process_group,
@@ -367,7 +368,7 @@ def environment(device: torch.device, num_workers: int) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(parser)
     parser.add_argument("--model", choices=sorted(PRESETS), default=None, help="model preset")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument(

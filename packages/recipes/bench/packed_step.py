@@ -63,6 +63,7 @@ from sft_step import FULL, TINY, device_name, free_memory, init_process_group, s
 from train_engine import Engine, FSDP2Config, apply_data_parallel, param_groups
 from train_recipes.attention import CausalFastPath
 from train_recipes.sft import token_sum_loss
+from train_testing.bench import add_device_argument
 
 # Name of the bench's own attention (torch's varlen_attn, called directly).
 VARLEN_DIRECT = "packed_step_varlen_direct"
@@ -377,7 +378,7 @@ def versions() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(parser)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--min-doc", type=int, default=256)

@@ -74,6 +74,17 @@ def token_sum_loss_of(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Te
     return -token_log_probs(logits, labels).sum()
 
 
+def reference_token_sum_loss(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    """The single-process reference: plain PyTorch token-sum cross-entropy on the model's
+    materialised logits (``labels`` pre-shifted, -100 ignored), not vocab-parallel."""
+    inputs = dict(batch)
+    labels = inputs.pop("labels")
+    logits = model(**inputs, use_cache=False).logits
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
+
+
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's gradient as a full plain tensor (DTensors gathered: collective)."""
     out = {}

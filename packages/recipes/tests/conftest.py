@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
+from collections.abc import Iterable, Sequence
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,30 @@ QUIET_CPU_RUN = (
     "train.tensorboard=false",
     "train.device=cpu",
 )
+
+
+# The `train-recipes` CLI in a fresh process (as the console script runs it).
+CLI = [sys.executable, "-m", "train_recipes.cli"]
+
+
+def cli_env() -> dict[str, str]:
+    """This process's environment for a CLI run: one OpenMP thread per rank and gloo on the
+    loopback interface, unless the environment sets them."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
+def sft_args(
+    out: Path, sets: Iterable[str], *, nproc: int = 1, flags: Sequence[str] = ()
+) -> list[str]:
+    """The arguments of ``train-recipes sft`` on ``nproc`` ranks into ``out``: ``flags``, then
+    one ``--set`` per override."""
+    args = ["sft", "--nproc-per-node", str(nproc), "--output-dir", str(out), *flags]
+    for item in sets:
+        args += ["--set", item]
+    return args
 
 
 # The configs as installed (package data): the same files in a clone and in the wheel.

@@ -8,18 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from _scale_workers import ac_under_fsdp2, batch_for, tiny_hf_model
+from _scale_workers import ac_under_fsdp2, batch_for, reference_token_sum_loss, tiny_hf_model
 from train_recipes.checkpointing import apply_activation_checkpointing
-
-
-def _reference_loss(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-    """Float64 token-sum cross-entropy computed with plain PyTorch (not vocab-parallel)."""
-    inputs = dict(batch)
-    labels = inputs.pop("labels")
-    logits = model(**inputs, use_cache=False).logits
-    return torch.nn.functional.cross_entropy(
-        logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
-    )
 
 
 def _run(every: int | None) -> tuple[float, dict[str, torch.Tensor], int, list[str]]:
@@ -36,7 +26,7 @@ def _run(every: int | None) -> tuple[float, dict[str, torch.Tensor], int, list[s
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = _reference_loss(model, batch_for("llama"))
+        loss = reference_token_sum_loss(model, batch_for("llama"))
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return float(loss.detach()), grads, saved, list(model.state_dict())
@@ -71,7 +61,7 @@ def test_checkpointed_compiled_layers_under_fsdp2_match_float64_reference(
         assert result["checkpointed"] == 2 and result["names_unchanged"], rank
         torch.manual_seed(0)
         model = tiny_hf_model("llama")
-        loss = _reference_loss(model, batch_for("llama", seed=10 + rank))
+        loss = reference_token_sum_loss(model, batch_for("llama", seed=10 + rank))
         loss.backward()
         assert result["loss"] == pytest.approx(float(loss.detach()), rel=1e-6), rank
         references.append({n: p.grad for n, p in model.named_parameters()})

@@ -95,6 +95,10 @@ def test_overrides_are_typed() -> None:
         (["data.demo=shapes"], 2, "data.model_family"),
         (["data.model_family=no_such_family"], 2, "data.model_family"),
         (["data.num_logical_shards=3"], 2, "data.num_logical_shards"),
+        (["train.steps=0"], 2, "train.steps"),
+        (["train.checkpoint_every=-1"], 2, "train.checkpoint_every"),
+        (["data.micro_batch_size=0"], 2, "data.micro_batch_size"),
+        (["data.max_length=1"], 2, "data.max_length"),
     ],
 )
 def test_bad_sft_config_names_the_key(overrides: list[str], world: int, key: str) -> None:

@@ -133,13 +133,30 @@ def test_a_save_interrupted_in_the_swap_leaves_the_previous_checkpoint_loadable(
             assert torch.equal(value, saved[name]), name
 
 
+def _publish_killed_at_rename(
+    monkeypatch: pytest.MonkeyPatch, staging: Path, target: Path, why: str
+) -> None:
+    """``publish_dir(staging, target)`` killed (KeyboardInterrupt) when it renames ``staging``:
+    the renames before that one happen."""
+    real_rename = Path.rename
+
+    def rename(self: Path, dest: Path) -> Path:
+        if self == staging:
+            raise KeyboardInterrupt(why)
+        return real_rename(self, dest)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        publish_dir(staging, target)
+    monkeypatch.undo()
+
+
 def test_publish_dir_keeps_the_only_copy_after_a_crash_between_renames(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A crash between publish_dir's renames leaves ``<dir>.old`` as the only copy; the next
     publish must not delete it before the new folder is in place."""
     target = tmp_path / "tokenizer"
-    real_rename = Path.rename
     for version in ("v1", "v2"):
         staging = tmp_path / f"stage-{version}"
         staging.mkdir()
@@ -147,16 +164,7 @@ def test_publish_dir_keeps_the_only_copy_after_a_crash_between_renames(
         if version == "v1":
             publish_dir(staging, target)
             continue
-
-        def rename(self: Path, dest: Path) -> Path:
-            if self.name.startswith("stage-"):
-                raise KeyboardInterrupt("killed between the renames")
-            return real_rename(self, dest)
-
-        monkeypatch.setattr(Path, "rename", rename)
-        with pytest.raises(KeyboardInterrupt):
-            publish_dir(staging, target)
-        monkeypatch.undo()
+        _publish_killed_at_rename(monkeypatch, staging, target, "killed between the renames")
     old = tmp_path / "tokenizer.old"
     assert not target.exists() and (old / "version").read_text() == "v1"
 
@@ -164,16 +172,7 @@ def test_publish_dir_keeps_the_only_copy_after_a_crash_between_renames(
     staging = tmp_path / "stage-v3"
     staging.mkdir()
     (staging / "version").write_text("v3")
-
-    def crash(self: Path, dest: Path) -> Path:
-        if self == staging:
-            raise KeyboardInterrupt("killed before the rename")
-        return real_rename(self, dest)
-
-    monkeypatch.setattr(Path, "rename", crash)
-    with pytest.raises(KeyboardInterrupt):
-        publish_dir(staging, target)
-    monkeypatch.undo()
+    _publish_killed_at_rename(monkeypatch, staging, target, "killed before the rename")
     assert (old / "version").read_text() == "v1", "the only copy was deleted"
     publish_dir(staging, target)
     assert (target / "version").read_text() == "v3" and not old.exists()

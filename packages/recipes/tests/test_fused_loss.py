@@ -14,18 +14,13 @@ import torch
 from torch import nn
 
 from _fused_loss_workers import fused_loss, fused_under_fsdp2, fused_under_tp
-from _scale_workers import batch_for, save_tiny, tiny_hf_model
+from _scale_workers import batch_for, reference_token_sum_loss, save_tiny, tiny_hf_model
 from train_recipes.fused_loss import fused_head, token_sum_loss_of
 
 
 def _reference(model: nn.Module, batch: dict[str, Any]) -> tuple[float, dict[str, torch.Tensor]]:
     """Float64 F.cross_entropy (sum) on the model's logits, and every parameter's gradient."""
-    inputs = dict(batch)
-    labels = inputs.pop("labels")
-    logits = model(**inputs, use_cache=False).logits
-    loss = nn.functional.cross_entropy(
-        logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
-    )
+    loss = reference_token_sum_loss(model, batch)
     loss.backward()
     return float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}
 

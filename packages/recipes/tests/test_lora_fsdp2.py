@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from _scale_workers import lora_fsdp2_on_rank
 from conftest import check_lora_run, merged_lora_run
@@ -48,16 +47,16 @@ def test_lora_at_tp2_matches_single_process_gradients(
     """Adapters on column- and row-parallel projections: the loss and every adapter gradient
     at tp=2 equal the single-process float64 model's, with sequence-parallel norms too (the
     row-parallel adapters' B then sees only each rank's tokens)."""
-    from _scale_workers import batch_for, lora_model, lora_tp_loss_and_grads
+    from _scale_workers import (
+        batch_for,
+        lora_model,
+        lora_tp_loss_and_grads,
+        reference_token_sum_loss,
+    )
 
     results = rank_pool.run(2, lora_tp_loss_and_grads, sequence_parallel, timeout_s=240)
     reference = lora_model()
-    batch = dict(batch_for("llama"))
-    labels = batch.pop("labels")
-    logits = reference(**batch, use_cache=False).logits
-    loss = torch.nn.functional.cross_entropy(
-        logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
-    )
+    loss = reference_token_sum_loss(reference, batch_for("llama"))
     loss.backward()
     ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
     assert len(ref_grads) == 2 * 7 * 2  # A and B, 7 projections, 2 layers

@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from train_recipes.config_sft import MoELossConfig
 from train_recipes.moe import MoEGroups, RouterLosses, convert_model
 from train_testing.tiny_hf import tiny_model
 
@@ -51,9 +52,8 @@ def test_router_loss_term_matches_hand_computed_scaling() -> None:
     assert convert_model(model, MoEGroups(ep=1, ep_group=None, replica_group=None)) is None
     micro = [torch.randint(0, 50, (2, 5)), torch.randint(0, 50, (1, 7))]
     grad_ranks, window, num_tokens = 2, len(micro), 23.0
-    losses = RouterLosses(
-        model, aux_loss_coef=0.1, z_loss_coef=0.01, grad_ranks=grad_ranks, window=window
-    )
+    weights = MoELossConfig(aux_loss_coef=0.1, z_loss_coef=0.01)
+    losses = RouterLosses(model, weights, grad_ranks=grad_ranks, window=window)
     want_load = torch.zeros(2, 4, dtype=torch.float64)
     for ids in micro:
         with losses.collect():
@@ -78,12 +78,12 @@ def test_router_loss_term_matches_hand_computed_scaling() -> None:
 def test_no_losses_without_coefficients_or_moe() -> None:
     model = _tiny_qwen3_moe()
     convert_model(model, MoEGroups(ep=1, ep_group=None, replica_group=None))
-    losses = RouterLosses(model, aux_loss_coef=0.0, z_loss_coef=0.0, grad_ranks=1, window=1)
+    losses = RouterLosses(model, MoELossConfig(), grad_ranks=1, window=1)
     with losses.collect():
         model(torch.randint(0, 50, (1, 4)))
     assert losses.term(4.0) == 0.0
     dense = RouterLosses(
-        torch.nn.Linear(2, 2), aux_loss_coef=1.0, z_loss_coef=0.0, grad_ranks=1, window=1
+        torch.nn.Linear(2, 2), MoELossConfig(aux_loss_coef=1.0), grad_ranks=1, window=1
     )
     assert not dense.active and dense.metrics(torch.device("cpu")) == {}
 
@@ -92,8 +92,8 @@ def test_deepseek_bias_update_after_step_follows_the_window_load() -> None:
     # 8 routed experts in 4 groups (2 kept), a shared expert, MoE from layer 1 on.
     model = tiny_model("deepseek_v3", vocab_size=50, init_std=0.3)
     convert_model(model, MoEGroups(ep=1, ep_group=None, replica_group=None))
-    no_losses = {"aux_loss_coef": 0.0, "z_loss_coef": 0.0}
-    losses = RouterLosses(model, **no_losses, grad_ranks=1, window=2, bias_update_rate=0.01)
+    bias_only = MoELossConfig(bias_update_rate=0.01)  # no aux or z-loss
+    losses = RouterLosses(model, bias_only, grad_ranks=1, window=2)
     router = losses.layers[0].router
     before = router.score_correction_bias.clone()
     load = torch.zeros(8)

@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from _recipes_workers import metric_rows
-from conftest import data_overrides
+from conftest import CLI, data_overrides, sft_args
 from train_recipes.demo import DemoSplit
 from train_testing import requires_cuda
 
-CLI = [sys.executable, "-m", "train_recipes.cli"]
-
 
 def _run(split: DemoSplit, out: Path, nproc: int, sets: list[str]) -> dict[int, float]:
-    args = ["sft", "--nproc-per-node", str(nproc), "--output-dir", str(out)]
-    for s in [
+    run = [
         *data_overrides(split),
         "train.steps=40",
         "train.log_every=1",
@@ -30,10 +26,13 @@ def _run(split: DemoSplit, out: Path, nproc: int, sets: list[str]) -> dict[int, 
         "data.num_logical_shards=2",
         "data.shuffle=false",
         *sets,
-    ]:
-        args += ["--set", s]
+    ]
     done = subprocess.run(
-        [*CLI, *args], env=dict(os.environ), capture_output=True, text=True, timeout=600
+        [*CLI, *sft_args(out, run, nproc=nproc)],
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     rows = metric_rows(out)
@@ -79,18 +78,14 @@ def test_two_gpus_cp2_matches_dp2_on_nccl(demo_data: DemoSplit, tmp_path: Path) 
 def test_sharded_load_onto_cuda_is_bitwise_from_pretrained(tmp_path: Path) -> None:
     """The pinned, cast-on-device staging path gives exactly from_pretrained's fp32 weights."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     from train_recipes.loading import build_on_meta, load_sharded_safetensors
+    from train_testing.tiny_hf import tiny_config
 
-    config = LlamaConfig(
-        hidden_size=96,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=301,
-        tie_word_embeddings=True,
+    # train_testing's 2 layers and 4/2 heads, wider: the bf16 files span several 50 KB shards.
+    config = tiny_config(
+        "llama", hidden_size=96, intermediate_size=160, vocab_size=301, tie_word_embeddings=True
     )
     torch.manual_seed(0)
     # bf16 files, several shards: the load casts on the device and crosses files.

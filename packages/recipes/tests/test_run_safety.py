@@ -20,10 +20,9 @@ import torch
 import yaml
 
 from _recipes_workers import metric_rows
-from conftest import data_overrides
+from conftest import CLI, cli_env, data_overrides, sft_args
 from train_recipes.demo import DemoSplit
 
-CLI = [sys.executable, "-m", "train_recipes.cli"]
 # 7 steps of a hidden-32 model: the import of torch and transformers is most of a run's time.
 TINY = [
     "train.steps=7",
@@ -39,27 +38,17 @@ TINY = [
 ]
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["GLOO_SOCKET_IFNAME"] = env.get("GLOO_SOCKET_IFNAME", "lo")
-    return env
-
-
 def _cmd(
     split: DemoSplit, out: Path, *sets: str, nproc: int = 1, flags: tuple[str, ...] = ()
 ) -> list[str]:
     """The arguments of ``train-recipes sft`` on the tiny run."""
-    args = ["sft", "--nproc-per-node", str(nproc), "--output-dir", str(out), *flags]
-    for item in [*data_overrides(split), *TINY, *sets]:
-        args += ["--set", item]
-    return args
+    return sft_args(out, [*data_overrides(split), *TINY, *sets], nproc=nproc, flags=flags)
 
 
 def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """The CLI in a fresh process."""
     return subprocess.run(
-        [*CLI, *args], env=_env(), capture_output=True, text=True, timeout=timeout
+        [*CLI, *args], env=cli_env(), capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -308,7 +297,7 @@ def test_ranks_die_with_their_launcher_and_a_live_run_folder_is_locked(
     run = tmp_path / "run"
     launcher = subprocess.Popen(
         [*CLI, *_cmd(demo_data, run, "train.steps=100000", "train.checkpoint_every=0", nproc=2)],
-        env=_env(),
+        env=cli_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -398,7 +387,11 @@ def _kill_when(
     """Start ``cmd``, freeze it (SIGSTOP) the moment ``trigger()`` holds, then SIGKILL it."""
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [*CLI, *cmd], env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            [*CLI, *cmd],
+            env=cli_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     try:
         deadline = time.monotonic() + timeout

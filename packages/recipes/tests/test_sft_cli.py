@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,17 +12,8 @@ import pytest
 import torch
 
 from _recipes_workers import metric_rows
-from conftest import data_overrides
+from conftest import CLI, cli_env, data_overrides, sft_args
 from train_recipes.demo import DemoSplit
-
-CLI = [sys.executable, "-m", "train_recipes.cli"]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["GLOO_SOCKET_IFNAME"] = env.get("GLOO_SOCKET_IFNAME", "lo")
-    return env
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -43,10 +33,7 @@ def _args(split: DemoSplit, out: Path) -> list[str]:
         "train.export=true",
         "data.micro_batch_size=16",
     ]
-    args = ["sft", "--nproc-per-node", "2", "--output-dir", str(out)]
-    for s in sets:
-        args += ["--set", s]
-    return args
+    return sft_args(out, sets, nproc=2)
 
 
 @pytest.mark.timeout(400)
@@ -56,7 +43,7 @@ def test_two_ranks_loss_decreases_and_sigkill_resume_is_exact(
     # 1. The uninterrupted run: the loss goes down.
     ref = tmp_path / "ref"
     done = subprocess.run(
-        [*CLI, *_args(demo_data, ref)], env=_env(), capture_output=True, text=True, timeout=300
+        [*CLI, *_args(demo_data, ref)], env=cli_env(), capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-4000:]
     ref_losses = _losses(ref)
@@ -71,7 +58,7 @@ def test_two_ranks_loss_decreases_and_sigkill_resume_is_exact(
     run = tmp_path / "killed"
     proc = subprocess.Popen(
         [*CLI, *_args(demo_data, run)],
-        env=_env(),
+        env=cli_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -88,7 +75,7 @@ def test_two_ranks_loss_decreases_and_sigkill_resume_is_exact(
     #    the uninterrupted run's.
     resumed = subprocess.run(
         [*CLI, *_args(demo_data, run), "--resume"],
-        env=_env(),
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -114,7 +101,7 @@ def test_two_ranks_loss_decreases_and_sigkill_resume_is_exact(
     out = tmp_path / "export-step20"
     exp = subprocess.run(
         [*CLI, "export", str(ref / "checkpoints" / "step_000020"), "--out", str(out)],
-        env=_env(),
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=300,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import CLI
 
 
 @pytest.mark.slow
@@ -17,7 +18,7 @@ def test_embedded_default_learns_addition(tmp_path: Path) -> None:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     done = subprocess.run(
-        [sys.executable, "-m", "train_recipes.cli", "sft", "--output-dir", str(tmp_path / "run")],
+        [*CLI, "sft", "--output-dir", str(tmp_path / "run")],
         env=env,
         capture_output=True,
         text=True,

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from _scale_workers import batch_for, save_tiny, tp_loss_and_grads
+from _scale_workers import batch_for, reference_token_sum_loss, save_tiny, tp_loss_and_grads
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
 from train_recipes.tensor_parallel import SUPPORTED_ARCHITECTURES, plan_for
 
@@ -54,13 +54,7 @@ def test_tp2_loss_and_gradients_equal_single_process(
 
     # Reference: the same folder in one process, float64, plain cross-entropy.
     reference = _auto(kind).from_pretrained(model_dir, dtype=torch.float64)
-    batch = batch_for(kind)
-    inputs = dict(batch)
-    labels = inputs.pop("labels")
-    logits = reference(**inputs, use_cache=False).logits
-    loss = torch.nn.functional.cross_entropy(
-        logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
-    )
+    loss = reference_token_sum_loss(reference, batch_for(kind))
     loss.backward()
     heads_rows = 4 * 16  # 4 query heads of 16
     for rank, result in enumerate(results):

@@ -24,7 +24,7 @@ from _train_loop_workers import (
     watchdog_names_a_sleeping_rank,
     watchdog_names_a_stopped_rank,
 )
-from conftest import QUIET_CPU_RUN, data_overrides
+from conftest import CLI, QUIET_CPU_RUN, cli_env, data_overrides, sft_args
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
 from train_recipes.demo import DemoSplit, read_jsonl
 from train_recipes.schedule import (
@@ -33,8 +33,6 @@ from train_recipes.schedule import (
     linear_with_floor,
     total_steps,
 )
-
-CLI = [sys.executable, "-m", "train_recipes.cli"]
 
 
 def _common(split: DemoSplit, out: Path, *extra: str) -> list[str]:
@@ -296,10 +294,12 @@ def test_missing_tracker_extra_is_a_one_line_config_error(hide: Any, demo_data: 
 def test_missing_matplotlib_and_tensorboard_give_notices(
     hide: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from train_recipes.loop import LoopPlan, RunStart
     from train_recipes.metrics import RunLogger, loss_plot_or_notice, plot_loss
 
     hide("matplotlib", "tensorboard", "torch.utils.tensorboard")
-    log = RunLogger(tmp_path, enabled=True, total_steps=2, tensorboard=True)
+    plan = LoopPlan(total_steps=2, log_every=1)
+    log = RunLogger(RunStart(output_dir=tmp_path, plan=plan, tensorboard=True), enabled=True)
     log.log(1, {"loss": 1.0, "loss_avg_window": 1.0})
     log.close()
     assert loss_plot_or_notice(tmp_path) is None
@@ -330,6 +330,7 @@ class _Recorder:
 def test_wandb_and_mlflow_receive_the_records(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    from train_recipes.loop import LoopPlan, RunStart
     from train_recipes.metrics import RunLogger
 
     calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
@@ -341,14 +342,14 @@ def test_wandb_and_mlflow_receive_the_records(
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("WANDB_PROJECT", raising=False)
     config = {"optim": {"lr": 0.003}, "train": {"steps": 2}}
-    log = RunLogger(
-        tmp_path / "run1",
-        enabled=True,
-        total_steps=2,
+    start = RunStart(
+        output_dir=tmp_path / "run1",
+        plan=LoopPlan(total_steps=2, log_every=1),
         tensorboard=False,
         loggers=("wandb", "mlflow"),
         run_config=config,
     )
+    log = RunLogger(start, enabled=True)
     log.log(1, {"loss": 2.5, "lr": 1e-3, "skipped": [1], "skipped_total": 1, "eval/recall@10": 0.5})
     log.log(2, {"loss": float("nan")})  # nothing finite: not sent
     log.close()
@@ -440,19 +441,9 @@ def test_skip_tracker_names_the_recipe_step_and_aborts() -> None:
     assert said == [2, 4, 5, 6]
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["GLOO_SOCKET_IFNAME"] = env.get("GLOO_SOCKET_IFNAME", "lo")
-    return env
-
-
 def _cli(split: DemoSplit, out: Path, *sets: str, nproc: int = 1) -> list[str]:
-    args = [*CLI, "sft", "--nproc-per-node", str(nproc), "--output-dir", str(out)]
-    for item in _common(split, out, *sets):
-        if not item.startswith("train.output_dir="):
-            args += ["--set", item]
-    return args
+    run = [s for s in _common(split, out, *sets) if not s.startswith("train.output_dir=")]
+    return [*CLI, *sft_args(out, run, nproc=nproc)]
 
 
 @pytest.mark.timeout(200)
@@ -465,7 +456,7 @@ def test_consecutive_skips_abort_with_one_line_after_clean_startup_output(
         _cli(
             demo_data, tmp_path / "abort", "train.steps=40", "optim.lr=1e30", "train.eval_samples=8"
         ),
-        env=_env(),
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=180,
@@ -559,7 +550,7 @@ def test_a_stopped_rank_fails_the_run_naming_it(demo_data: DemoSplit, tmp_path: 
     out = tmp_path / "hang"
     proc = subprocess.Popen(
         _cli(demo_data, out, "train.steps=100000", "train.collective_timeout_s=8", nproc=2),
-        env=_env(),
+        env=cli_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

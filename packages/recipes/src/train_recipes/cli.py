@@ -362,6 +362,30 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_recipe_command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    schema: type,
+    *,
+    help: str,
+) -> argparse.ArgumentParser:
+    """A recipe's command with the run arguments and every key of ``schema`` in its help.
+
+    It has no handler: ``main`` launches the recipe.
+    """
+    from train_recipes.config_help import keys_help
+
+    recipe = commands.add_parser(
+        name,
+        help=help,
+        epilog=keys_help(schema),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_train_args(recipe)
+    recipe.set_defaults(handler=None)
+    return recipe
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``train-recipes`` argument parser with every command."""
     parser = argparse.ArgumentParser(prog="train-recipes", description=__doc__)
@@ -372,17 +396,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show.set_defaults(handler=_versions)
 
-    from train_recipes.config_help import keys_help
     from train_recipes.config_retrieval import RetrievalConfig
     from train_recipes.config_sft import SFTConfig
 
-    sft = commands.add_parser(
-        "sft",
-        help="supervised fine-tuning (no --config: the embedded demo)",
-        epilog=keys_help(SFTConfig),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    sft = _add_recipe_command(
+        commands, "sft", SFTConfig, help="supervised fine-tuning (no --config: the embedded demo)"
     )
-    _add_train_args(sft)
     sft.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     sft.add_argument(
         "--controller",
@@ -397,16 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --controller ray: join this Ray cluster (e.g. 'auto' after `ray start "
         "--head`, or HEAD:6379) instead of starting a local one",
     )
-    sft.set_defaults(handler=None)
-
-    ret = commands.add_parser(
-        "retrieval",
-        help="bi-encoder contrastive fine-tuning (InfoNCE)",
-        epilog=keys_help(RetrievalConfig),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    _add_recipe_command(
+        commands, "retrieval", RetrievalConfig, help="bi-encoder contrastive fine-tuning (InfoNCE)"
     )
-    _add_train_args(ret)
-    ret.set_defaults(handler=None)
 
     demo = commands.add_parser(
         "demo-data", help="write the embedded demo dataset in Energon format"

@@ -68,6 +68,8 @@ def check_sft_ranges(config: SFTConfig) -> None:
     check_optim(config.optim)
     train, data, tiny = config.train, config.data, config.model.tiny
     check_loop(train)
+    _at_least("train.steps", train.steps, 1)
+    _at_least("train.checkpoint_every", train.checkpoint_every, 0)
     _at_least("train.keep_checkpoints", train.keep_checkpoints, 0, "0 keeps every checkpoint")
     _at_least("train.eval_samples", train.eval_samples, 0, "0 disables the accuracy measurement")
     _at_least("train.eval_max_new_tokens", train.eval_max_new_tokens, 1)
@@ -75,6 +77,8 @@ def check_sft_ranges(config: SFTConfig) -> None:
         _at_least(f"model.tiny.{name}", getattr(tiny, name), 1)
     if tiny.intermediate_size is not None:
         _at_least("model.tiny.intermediate_size", tiny.intermediate_size, 1, "null means 3*H")
+    _at_least("data.micro_batch_size", data.micro_batch_size, 1)
+    _at_least("data.max_length", data.max_length, 2)
     _at_least("data.num_workers", data.num_workers, 0, "0 loads in the training process")
     _at_least("data.demo_train_size", data.demo_train_size, 1)
     _at_least("data.demo_eval_size", data.demo_eval_size, 0)

@@ -46,6 +46,11 @@ def _check_common(parallel: ParallelConfig, accumulation: int, world_size: int) 
         )
 
 
+def _dp_size(parallel: ParallelConfig, world_size: int) -> int:
+    """The data-parallel size: the ranks left over by cp and tp (1 when they take them all)."""
+    return world_size // (parallel.cp * parallel.tp) or 1
+
+
 def _family_takes_images(model_family: str) -> bool:
     """Ask energon-sft's family adapter (text needs no import: it keeps validation fast)."""
     if model_family == "text":
@@ -67,20 +72,13 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
     train, data, model = config.train, config.data, config.model
     _check_common(config.parallel, train.gradient_accumulation_steps, world_size)
     check_sft_ranges(config)
-    if train.steps < 1:
-        raise ConfigError("train.steps", f"must be >= 1, got {train.steps}")
-    if data.micro_batch_size < 1:
-        raise ConfigError("data.micro_batch_size", f"must be >= 1, got {data.micro_batch_size}")
-    if data.num_logical_shards is not None and data.num_logical_shards % (
-        world_size // (config.parallel.cp * config.parallel.tp) or 1
-    ):
+    dp = _dp_size(config.parallel, world_size)
+    if data.num_logical_shards is not None and data.num_logical_shards % dp:
         raise ConfigError(
             "data.num_logical_shards",
             f"{data.num_logical_shards} logical shards cannot be split evenly over "
-            f"dp={world_size // (config.parallel.cp * config.parallel.tp)} replicas",
+            f"dp={dp} replicas",
         )
-    if data.max_length < 2:
-        raise ConfigError("data.max_length", f"must be >= 2, got {data.max_length}")
     if model.sdpa_backends is not None and not model.sdpa_backends:
         raise ConfigError(
             "model.sdpa_backends", "an empty list allows no attention backend; use null instead"
@@ -135,8 +133,6 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
         check_megatron_config(config)
     elif config.parallel.tp > 1:  # the megatron backend shards Megatron's own layers
         _check_tensor_parallel(config)
-    if train.checkpoint_every < 0:
-        raise ConfigError("train.checkpoint_every", f"must be >= 0, got {train.checkpoint_every}")
     _check_loop(config, world_size)
     from train_recipes.moe import check_moe_config
 
@@ -157,9 +153,8 @@ def _check_loop(config: SFTConfig, world_size: int) -> None:
                 "a packed row holds a varying number of samples, so an epoch has no fixed "
                 "number of steps; use train.steps with data.packing=true",
             )
-        dp = world_size // (config.parallel.cp * config.parallel.tp) or 1
         try:
-            derived = total_steps(config, dp=dp)
+            derived = total_steps(config, dp=_dp_size(config.parallel, world_size))
         except (ValueError, FileNotFoundError) as err:
             raise ConfigError("train.epochs", str(err)) from None
         # A run's config.yaml records the derived count, so that value is accepted too.

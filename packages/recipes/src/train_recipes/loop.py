@@ -199,16 +199,7 @@ def drive(
     if start.finished:
         return LoopOutcome(start=start, end=None)
     plan = start.plan
-    run_log = RunLogger(
-        start.output_dir,
-        enabled=is_main,
-        total_steps=plan.total_steps,
-        start_step=start.start_step,
-        tensorboard=start.tensorboard,
-        desc=start.desc,
-        loggers=start.loggers,
-        run_config=start.run_config,
-    )
+    run_log = RunLogger(start, enabled=is_main)
     try:
         for line in start.lines:
             run_log.write(line)

@@ -9,14 +9,16 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from train_recipes.trackers import Tracker, finite_scalars, open_trackers
+
+if TYPE_CHECKING:
+    from train_recipes.loop import RunStart
 
 logger = logging.getLogger(__name__)
 
@@ -43,34 +45,26 @@ class RunLogger:
     step (start-up phases, held-out accuracy) stand on their own, never inside a bar.
 
     Args:
-        out_dir: the run directory.
+        start: what the recipe's ``setup()`` reported: the run directory (``output_dir``), the
+            bar's length (``plan.total_steps``), label (``desc``) and first step
+            (``start_step``, after a resume), and the trackers: TensorBoard event files under
+            ``output_dir/tensorboard`` (``tensorboard``; skipped with a one-line notice when
+            tensorboard is not installed), "wandb" and/or "mlflow" (``loggers``, see
+            ``train_recipes.trackers``) and the config they record (``run_config``).
         enabled: True on rank 0 only.
-        total_steps: optimizer steps of the whole run (for the bar and the ETA).
-        start_step: first step of this process (after a resume).
-        tensorboard: also write TensorBoard event files under ``out_dir/tensorboard`` (skipped
-            with a one-line notice when tensorboard is not installed).
-        desc: progress-bar label.
-        loggers: further trackers, "wandb" and/or "mlflow" (see ``train_recipes.trackers``).
-        run_config: the run's config as plain data, for the trackers.
     """
 
-    def __init__(
-        self,
-        out_dir: Path,
-        *,
-        enabled: bool,
-        total_steps: int,
-        start_step: int = 0,
-        tensorboard: bool = True,
-        desc: str = "sft",
-        loggers: Sequence[str] = (),
-        run_config: Mapping[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, start: RunStart, *, enabled: bool) -> None:
+        out_dir, start_step = start.output_dir, start.start_step
         self.enabled = enabled
         self.path = out_dir / METRICS_FILE
         self._trackers: list[Tracker] = []
         self._bar: Any = None
-        self._bar_args = {"total": total_steps, "initial": start_step, "desc": desc}
+        self._bar_args = {
+            "total": start.plan.total_steps,
+            "initial": start_step,
+            "desc": start.desc,
+        }
         if not enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -85,10 +79,10 @@ class RunLogger:
             self.path.write_text("".join(line + "\n" for line in kept))
         self._trackers = open_trackers(
             out_dir,
-            tensorboard=tensorboard,
-            loggers=loggers,
+            tensorboard=start.tensorboard,
+            loggers=start.loggers,
             run_name=out_dir.name,
-            config=run_config or {},
+            config=start.run_config or {},
             start_step=start_step,
             notice=self.write,
         )

@@ -26,7 +26,7 @@ from torch import nn
 if TYPE_CHECKING:
     from train_engine import Engine, ExpertShards
     from train_recipes._dist import RankContext
-    from train_recipes.config_sft import SFTConfig
+    from train_recipes.config_sft import MoELossConfig, SFTConfig
 
 logger = logging.getLogger(__name__)
 
@@ -249,36 +249,31 @@ class RouterLosses:
 
     Args:
         model: the converted model (possibly wrapped).
-        aux_loss_coef: weight of the load-balancing loss.
-        z_loss_coef: weight of the router z-loss.
+        moe: the config's ``moe`` section: the load-balancing and z-loss weights, and the rate
+            of :meth:`after_step`'s score-correction bias update.
         grad_ranks: G, the Engine's ``grad_average_size``.
         window: micro-batches per optimizer step.
         duplicates: ranks holding the same tokens (tp); the metrics sum over all ranks and
             divide by it.
-        bias_update_rate: the rate of :meth:`after_step`'s score-correction bias update.
     """
 
     def __init__(
         self,
         model: nn.Module,
+        moe: MoELossConfig,
         *,
-        aux_loss_coef: float,
-        z_loss_coef: float,
         grad_ranks: int | float,
         window: int,
         duplicates: int = 1,
-        bias_update_rate: float = 0.0,
     ) -> None:
         from moe_dispatch import ExpertParallelMoE
 
         self.layers = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
         self.model = model
-        self.aux_loss_coef = aux_loss_coef
-        self.z_loss_coef = z_loss_coef
+        self.moe = moe
         self.grad_ranks = grad_ranks
         self.window = window
         self.duplicates = duplicates
-        self.bias_update_rate = bias_update_rate
         self._routing: list[Any] = []
         num_experts = self.layers[0].config.num_experts if self.layers else 0
         # [L, E] routed (token, expert) pairs and [2] (expected pairs, routed pairs) since the
@@ -324,15 +319,16 @@ class RouterLosses:
             self._pairs += torch.tensor(
                 [float(sum(r.topk_ids.numel() for r in routing)), float(real)]
             )
-        if self.aux_loss_coef == 0 and self.z_loss_coef == 0:
+        aux_coef, z_coef = self.moe.aux_loss_coef, self.moe.z_loss_coef
+        if aux_coef == 0 and z_coef == 0:
             return 0.0
         total: torch.Tensor | float = 0.0
-        if self.aux_loss_coef:
+        if aux_coef:
             aux = sum(load_balancing_loss(r.probs, r.topk_ids) for r in routing) / len(routing)
-            total = total + self.aux_loss_coef * aux
-        if self.z_loss_coef:
+            total = total + aux_coef * aux
+        if z_coef:
             z = sum(router_z_loss(r.logits, r.topk_ids) for r in routing) / len(routing)
-            total = total + self.z_loss_coef * z
+            total = total + z_coef * z
         assert isinstance(total, torch.Tensor)
         scale = num_tokens / (self.grad_ranks * self.window)
         if isinstance(scale, torch.Tensor):
@@ -345,7 +341,7 @@ class RouterLosses:
         Collective when the rate is set: every rank calls it, and all apply the same update.
         """
         load, self._window_load = self._window_load, torch.zeros_like(self._window_load)
-        if not self.active or self.bias_update_rate == 0:
+        if not self.active or self.moe.bias_update_rate == 0:
             return
         from moe_dispatch import update_score_correction_bias
 
@@ -354,7 +350,9 @@ class RouterLosses:
             dist.all_reduce(load)
         for layer, layer_load in zip(self.layers, load.cpu(), strict=True):
             if layer.router.score_correction_bias is not None:
-                update_score_correction_bias(layer.router, layer_load, rate=self.bias_update_rate)
+                update_score_correction_bias(
+                    layer.router, layer_load, rate=self.moe.bias_update_rate
+                )
 
     def metrics(self, device: torch.device) -> dict[str, float]:
         """Tokens per expert (min, max, coefficient of variation) and dropped tokens.
@@ -388,10 +386,8 @@ def router_losses(
     """The run's :class:`RouterLosses` (inactive for models without converted MoE layers)."""
     return RouterLosses(
         model,
-        aux_loss_coef=config.moe.aux_loss_coef,
-        z_loss_coef=config.moe.z_loss_coef,
+        config.moe,
         grad_ranks=engine.grad_average_size,
         window=config.train.gradient_accumulation_steps,
         duplicates=ctx.tp_size,
-        bias_update_rate=config.moe.bias_update_rate,
     )

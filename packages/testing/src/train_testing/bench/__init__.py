@@ -8,8 +8,9 @@ has. Importing this package imports torch, never pytest; the ``--quick`` runner 
 - output: :func:`fmt`, :func:`format_table`, :func:`print_table`, :func:`print_lines`,
   :func:`write_json`, :func:`report`, :func:`device_name`, :func:`versions`,
   :func:`environment`.
-- runtime: :func:`init_process_group`, :func:`sync`, :func:`free_memory`, :func:`peak_gib`,
-  :func:`time_ms`, :func:`times_ms`, :func:`alternating_medians`.
+- runtime: :func:`add_device_argument`, :func:`init_process_group`, :func:`sync`,
+  :func:`free_memory`, :func:`peak_gib`, :func:`time_ms`, :func:`times_ms`,
+  :func:`alternating_medians`.
 - the SFT-step model: :data:`LLAMA_1P5B`, :data:`LLAMA_TINY`, :func:`llama_dims`,
   :func:`llama_config`, :func:`flops_per_token`, :func:`add_sft_step_arguments`,
   :func:`resolve_sft_step_sizes`.
@@ -37,6 +38,7 @@ from train_testing.bench.output import (
 )
 from train_testing.bench.runtime import (
     GIB,
+    add_device_argument,
     alternating_medians,
     free_memory,
     init_process_group,
@@ -50,6 +52,7 @@ __all__ = [
     "GIB",
     "LLAMA_1P5B",
     "LLAMA_TINY",
+    "add_device_argument",
     "add_sft_step_arguments",
     "alternating_medians",
     "device_name",

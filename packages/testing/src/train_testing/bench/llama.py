@@ -73,9 +73,9 @@ def flops_per_token(n_params: int, config: Any, seq: int) -> float:
 
 def add_sft_step_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every SFT-step benchmark shares: device, batch x sequence, steps, warm-up."""
-    import torch
+    from train_testing.bench.runtime import add_device_argument
 
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(parser)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import datetime
 import gc
@@ -18,6 +19,11 @@ import torch
 import torch.distributed as dist
 
 GIB = 2**30
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    """``--device``: where the benchmark runs; CUDA when this machine has it, else the CPU."""
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def init_process_group(device: str | torch.device, *, timeout_s: float | None = None) -> None:
