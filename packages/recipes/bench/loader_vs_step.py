@@ -263,6 +263,7 @@ def measure_step(
         param_groups(model, weight_decay=config.optim.weight_decay),
         lr=config.optim.lr,
         betas=config.optim.betas,
+        eps=config.optim.eps,
     )
     engine = Engine(model, optimizer, max_grad_norm=config.optim.max_grad_norm)
 

@@ -208,6 +208,8 @@ BAD_SFT_VALUES = [
     ("optim.max_grad_norm", "0"),
     ("optim.max_grad_norm", "-1"),
     ("optim.weight_decay", "-0.1"),
+    ("optim.eps", "-1e-8"),
+    ("optim.eps", ".nan"),
     ("optim.warmup_steps", "-1"),
     ("optim.min_lr_ratio", "1.5"),
     ("model.tiny.num_heads", "0"),
@@ -280,6 +282,7 @@ def test_boundary_values_are_accepted() -> None:
         [
             "optim.max_grad_norm=null",
             "optim.betas=[0.0, 0.999]",
+            "optim.eps=0",
             "optim.warmup_steps=0",
             "optim.min_lr_ratio=1.0",
             "train.keep_checkpoints=0",

@@ -143,6 +143,18 @@ def test_retrieval_and_sft_share_the_schedule() -> None:
         assert "build_optimizer(" in source and "LambdaLR" not in source, module.__name__
 
 
+def test_build_optimizer_takes_the_configs_adamw_values() -> None:
+    from train_recipes.config import OptimConfig
+    from train_recipes.runtime import build_optimizer
+
+    optim = OptimConfig(betas=(0.8, 0.9), eps=1e-12, weight_decay=0.1, fused=False)
+    model = torch.nn.Linear(3, 2)
+    optimizer, _ = build_optimizer(model, optim, device=torch.device("cpu"), total_steps=4)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    for group in optimizer.param_groups:
+        assert (group["betas"], group["eps"]) == ((0.8, 0.9), 1e-12), group
+
+
 # ----------------------------------------------------------------------------- held-out loss
 
 

@@ -32,13 +32,17 @@ def _finite_above_zero(key: str, value: float, fix: str = "") -> None:
 
 
 def check_optim(optim: OptimConfig) -> None:
-    """AdamW and schedule values: a finite positive lr, betas in [0, 1), clipping > 0 or None."""
+    """AdamW and schedule values: finite lr > 0, betas in [0, 1), eps >= 0, clipping > 0 or None."""
     _finite_above_zero("optim.lr", optim.lr, "e.g. optim.lr=2e-5")
     for i, beta in enumerate(optim.betas):
         if not 0.0 <= beta < 1.0:
             raise ConfigError(
                 f"optim.betas[{i}]", f"must be in [0, 1), got {beta}; AdamW's usual is [0.9, 0.95]"
             )
+    if not (math.isfinite(optim.eps) and optim.eps >= 0):
+        raise ConfigError(
+            "optim.eps", f"must be a finite number >= 0, got {optim.eps}; AdamW's usual is 1e-8"
+        )
     if not (math.isfinite(optim.weight_decay) and optim.weight_decay >= 0):
         raise ConfigError(
             "optim.weight_decay", f"must be a finite number >= 0, got {optim.weight_decay}"

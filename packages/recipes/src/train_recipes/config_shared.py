@@ -23,6 +23,9 @@ class OptimConfig:
         lr: peak learning rate.
         weight_decay: applied to matrices only (biases and norms are excluded).
         betas: AdamW betas.
+        eps: AdamW's epsilon, added to the root of the second moment (PyTorch's default).
+            An update divides each gradient entry by its magnitude plus ``eps``, so entries
+            near ``eps`` move by a fraction of ``lr`` that their rounding decides.
         warmup_steps: linear warm-up optimizer steps.
         min_lr_ratio: the learning rate at the last step, as a fraction of ``lr``.
         max_grad_norm: global gradient clipping threshold (> 0); None disables clipping (as in
@@ -39,6 +42,7 @@ class OptimConfig:
     lr: float = 3e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
     warmup_steps: int = 30
     min_lr_ratio: float = 0.05
     max_grad_norm: float | None = 1.0

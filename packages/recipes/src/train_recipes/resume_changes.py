@@ -44,6 +44,7 @@ CHANGEABLE = frozenset(
         "optim.lr",
         "optim.weight_decay",
         "optim.betas",
+        "optim.eps",
         "optim.warmup_steps",
         "optim.schedule",
         "optim.nonfinite",

@@ -47,7 +47,7 @@ def build_optimizer(
 
     Args:
         model: the wrapped model (DDP or FSDP2).
-        optim: lr, betas, weight decay (matrices only), fused (None: on CUDA), schedule.
+        optim: lr, betas, eps, weight decay (matrices only), fused (None: on CUDA), schedule.
         device: the rank's device (decides ``fused`` when it is None).
         total_steps: optimizer updates of the whole run.
 
@@ -60,6 +60,7 @@ def build_optimizer(
         param_groups(model, weight_decay=optim.weight_decay),
         lr=optim.lr,
         betas=optim.betas,
+        eps=optim.eps,
         fused=device.type == "cuda" if optim.fused is None else optim.fused,
     )
     return optimizer, build_lr_scheduler(optimizer, optim, total_steps=total_steps)
