@@ -14,6 +14,7 @@ from moe_dispatch import (
     Dispatcher,
     EqualizingDispatcher,
     ExpertParallelMoE,
+    HybridEPDispatcher,
     MoEConfig,
     equalize_token_counts,
     expert_load,
@@ -140,7 +141,6 @@ def check_hf_conversion(rank: int, world_size: int, seed: int) -> dict[str, Tens
 
 def check_hybrid_ep(rank: int, world_size: int, case: Case) -> dict[str, dict[str, Tensor]]:
     """bf16 MoE through HybridEP and through the NCCL all-to-all, same weights and tokens."""
-    from moe_dispatch import HybridEPDispatcher
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     a2a = _run_moe(case, rank, AllToAllDispatcher(None, case.num_experts), "cuda", torch.bfloat16)
@@ -166,23 +166,31 @@ def check_failures_are_agreed(rank: int, world_size: int) -> list[Any]:
         messages.append(None)
     except ValueError as err:
         messages.append(str(err))
-    moe = ExpertParallelMoE(
-        MoEConfig(
-            hidden_size=hidden, intermediate_size=5, num_experts=experts, top_k=2, layer_id=0
-        ),
-        dispatcher=EqualizingDispatcher(AllToAllDispatcher(None, experts)),
-    )
-    replay = RouterReplay()
-    replay.bind(moe)
-    routes = torch.tensor([[0, 1]] * 5)
-    if rank == 0:
-        routes = torch.full((5, 2), 99)  # an invalid recording on rank 0 only
-    try:
-        with replay.replay({0: routes}):
-            moe(torch.randn(5, hidden))
-        messages.append(None)
-    except ValueError as err:
-        messages.append(str(err))
+    from _moe_dispatch_emulated_hybrid import EmulatedHybridEPBuffer
+
+    # The router fails on rank 0 only: its dispatcher's abort_dispatch tells the peers, which
+    # raise in the padding exchange (both dispatchers pad before their first own collective).
+    for dispatcher in (
+        EqualizingDispatcher(AllToAllDispatcher(None, experts)),
+        HybridEPDispatcher(None, experts, buffer_factory=EmulatedHybridEPBuffer),
+    ):
+        moe = ExpertParallelMoE(
+            MoEConfig(
+                hidden_size=hidden, intermediate_size=5, num_experts=experts, top_k=2, layer_id=0
+            ),
+            dispatcher=dispatcher,
+        )
+        replay = RouterReplay()
+        replay.bind(moe)
+        routes = torch.tensor([[0, 1]] * 5)
+        if rank == 0:
+            routes = torch.full((5, 2), 99)  # an invalid recording on rank 0 only
+        try:
+            with replay.replay({0: routes}):
+                moe(torch.randn(5, hidden))
+            messages.append(None)
+        except ValueError as err:
+            messages.append(str(err))
     check = torch.ones(1)
     dist.all_reduce(check)
     messages.append(int(check.item()))
@@ -192,7 +200,6 @@ def check_failures_are_agreed(rank: int, world_size: int) -> list[Any]:
 def check_emulated_hybrid_ep(rank: int, world_size: int, cases: list[Case]) -> list[Any]:
     """HybridEPDispatcher's wrapper logic over the emulated buffer (fp32, CPU)."""
     from _moe_dispatch_emulated_hybrid import EmulatedHybridEPBuffer
-    from moe_dispatch import HybridEPDispatcher
 
     results: list[Any] = []
     for case in cases:

@@ -51,17 +51,49 @@ def padded_token_count(
 
     Returns:
         S, identical on every rank; at least ``alignment`` so no rank passes an empty batch.
+
+    Raises:
+        ValueError: a peer could not dispatch (it entered this exchange through a dispatcher's
+            ``abort_dispatch``): every rank stops instead of waiting in the next collective.
+    """
+    padded, failed = _exchange_padded_count(
+        num_tokens, failed=False, group=group, alignment=alignment, device=device
+    )
+    if failed:
+        raise ValueError(
+            f"expert-parallel ranks {failed} could not dispatch (see their errors); every rank "
+            "stops so that none waits in a collective"
+        )
+    return padded
+
+
+def _exchange_padded_count(
+    num_tokens: int,
+    *,
+    failed: bool,
+    group: dist.ProcessGroup | None,
+    alignment: int,
+    device: torch.device | None,
+) -> tuple[int, list[int]]:
+    """S and the group ranks that flagged a failure, from one MAX all-reduce.
+
+    The reduced vector is ``[T, flag of group rank 0, ..., flag of group rank W-1]``: each
+    rank sets only its own flag, so the MAX names every failed rank.
     """
     if alignment < 1:
         raise ValueError(f"alignment must be >= 1, got {alignment}")
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-    longest = num_tokens
+    longest, failed_ranks = num_tokens, [0] if failed else []
     if dist.is_initialized():
-        value = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+        value = torch.zeros(1 + dist.get_world_size(group), dtype=torch.int64, device=device)
+        value[0] = num_tokens
+        value[1 + dist.get_rank(group)] = int(failed)
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-        longest = int(value.item())
-    return max(_round_up(longest, alignment), alignment)
+        host = value.tolist()
+        longest = host[0]
+        failed_ranks = [rank for rank, bad in enumerate(host[1:]) if bad]
+    return max(_round_up(longest, alignment), alignment), failed_ranks
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -158,6 +190,20 @@ class _EqualizesTokens:
     alignment: int
     padded_size: int | None
 
+    def _abort_padding(self, device: torch.device) -> bool:
+        """Enter the padding exchange flagged as failed, so that the peers raise there.
+
+        Returns:
+            Whether the peers were told: False with a fixed ``padded_size``, where dispatch
+            starts without that exchange.
+        """
+        if self.padded_size is not None:
+            return False
+        _exchange_padded_count(
+            0, failed=True, group=self.group, alignment=self.alignment, device=device
+        )
+        return True
+
     def _equalize(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> EqualizedTokens:
         """:func:`equalize_token_counts` with this dispatcher's group, alignment and size."""
         return equalize_token_counts(
@@ -220,9 +266,12 @@ class EqualizingDispatcher(_EqualizesTokens):
         return expert_input, counts, EqualizedHandle(inner=inner, num_tokens=padded.num_tokens)
 
     def abort_dispatch(self, device: torch.device) -> None:
-        """Run dispatch's collectives flagged as failed (see AllToAllDispatcher.abort_dispatch)."""
-        if self.padded_size is None:
-            padded_token_count(0, group=self.group, alignment=self.alignment, device=device)
+        """Flag dispatch's first collective as failed (see AllToAllDispatcher.abort_dispatch).
+
+        That is the padding exchange, or with a fixed ``padded_size`` the inner dispatcher's.
+        """
+        if self._abort_padding(device):
+            return
         abort = getattr(self.inner, "abort_dispatch", None)
         if abort is not None:
             abort(device)

@@ -228,6 +228,20 @@ class HybridEPDispatcher(_OwnsGroupExperts, _EqualizesTokens):
         counts = tokens_per_expert.to(device=hidden.device, dtype=torch.long)
         return expert_input, counts, handle
 
+    def abort_dispatch(self, device: torch.device) -> None:
+        """Enter dispatch's padding exchange flagged as failed, so peers raise instead of waiting.
+
+        Call it when this rank cannot dispatch (e.g. its router raised), then raise locally.
+        With a fixed ``padded_size`` no collective precedes HybridEP's kernels, so the peers
+        cannot be told: they wait in the kernels until the job is stopped (a warning says so).
+        """
+        if not self._abort_padding(device):
+            logger.warning(
+                "HybridEPDispatcher with a fixed padded_size cannot tell its peers that this "
+                "rank failed before dispatch; they wait in HybridEP's kernels until the job is "
+                "stopped (leave padded_size=None to have every rank raise)"
+            )
+
     def combine(self, expert_output: Tensor, handle: HybridEPHandle) -> Tensor:
         """See :meth:`moe_dispatch.Dispatcher.combine`."""
         weights = handle.dispatched_probs.to(torch.float32).unsqueeze(1)
