@@ -188,7 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         payload = {
             "device": device,
             "versions": versions("ray", "train-recipes"),
-            "argv": sys.argv[1:] if argv is None else argv,
+            "config": {
+                "steps": args.steps,
+                "repeats": args.repeats,
+                "ranks": args.ranks,
+                "config": args.config,
+                "set": args.set,
+            },
             "summary": summary,
             "rows": rows,
         }
