@@ -74,8 +74,13 @@ def check_owner_failure_reaches_peers(rank: int, world_size: int) -> dict[str, A
         broadcast_next(ended, mapper=mapper, group=group)
     except StopIteration:
         stopped = True
+    no_iterator = ""  # the owner passes None by mistake: every rank raises, none waits
+    try:
+        broadcast_next(None, mapper=mapper, group=group)
+    except RuntimeError as exc:
+        no_iterator = str(exc)
     dist.destroy_process_group(group)
-    return {"first": first, "error": error, "stopped": stopped}
+    return {"first": first, "error": error, "stopped": stopped, "no_iterator": no_iterator}
 
 
 def check_restore_refusal_is_agreed(rank: int, world_size: int, ds: str) -> dict[str, Any]:

@@ -69,6 +69,10 @@ def test_owner_failure_and_end_reach_every_peer(rank_pool: Any) -> None:
         assert r["first"] == {"step": 0}
         assert r["error"] == "the loader on rank 0 failed: ValueError: disk on fire"
         assert r["stopped"]
+        assert r["no_iterator"] == (
+            "the loader on rank 0 failed: ValueError: rank 0 owns the replica's loader but "
+            "has no iterator"
+        )
 
 
 def test_a_refused_restore_on_one_rank_raises_on_all(rank_pool: Any, text_ds: Path) -> None:

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 __all__ = ["TopologyMapper", "broadcast_batch", "broadcast_next", "logical_shards_for"]
 
 _AXES = ("tp", "cp", "dp", "pp")
+#: What a replica's loader yields (an SFTBatch in the recipes); the broadcast keeps its type.
+_Batch = TypeVar("_Batch")
 
 
 def logical_shards_for(dp_rank: int, dp_world_size: int, num_logical_shards: int) -> list[int]:
@@ -129,7 +134,7 @@ class TopologyMapper:
         }
         return hashlib.sha256(json.dumps(placement, sort_keys=True).encode()).hexdigest()
 
-    def new_replica_group(self) -> Any:
+    def new_replica_group(self) -> dist.ProcessGroup | None:
         """Create every replica's process group and return this rank's, for `broadcast_batch`.
 
         Collective: all ranks call it.
@@ -140,12 +145,14 @@ class TopologyMapper:
         for d in range(self.sizes["dp"]):
             ranks = sorted(self.replica_ranks(d))
             group = dist.new_group(ranks)
-            if dist.get_rank() in ranks:
+            if dist.get_rank() in ranks and isinstance(group, dist.ProcessGroup):
                 mine = group
         return mine
 
 
-def broadcast_batch(batch: Any, *, mapper: TopologyMapper, group: Any) -> Any:
+def broadcast_batch(
+    batch: _Batch | None, *, mapper: TopologyMapper, group: dist.ProcessGroup | None
+) -> _Batch:
     """Send the owner's batch to its replica peers; every replica rank returns the batch.
 
     Args:
@@ -159,10 +166,12 @@ def broadcast_batch(batch: Any, *, mapper: TopologyMapper, group: Any) -> Any:
     owner = mapper.loader_owner(mapper.dp_rank(rank))
     box = [batch if rank == owner else None]
     dist.broadcast_object_list(box, src=owner, group=group)
-    return box[0]
+    return cast("_Batch", box[0])
 
 
-def broadcast_next(iterator: Any, *, mapper: TopologyMapper, group: Any) -> Any:
+def broadcast_next(
+    iterator: Iterator[_Batch] | None, *, mapper: TopologyMapper, group: dist.ProcessGroup | None
+) -> _Batch:
     """`next(iterator)` on the replica's loader owner, delivered to every rank of the replica.
 
     The outcome is agreed before anyone acts: when the owner's loader ends, every rank raises
@@ -182,6 +191,8 @@ def broadcast_next(iterator: Any, *, mapper: TopologyMapper, group: Any) -> Any:
     error: BaseException | None = None
     if rank == owner:
         try:
+            if iterator is None:
+                raise ValueError(f"rank {rank} owns the replica's loader but has no iterator")
             box[0] = ("ok", next(iterator))
         except StopIteration:
             box[0] = ("stop", None)

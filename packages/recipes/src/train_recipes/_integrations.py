@@ -7,7 +7,7 @@ there is a change here only.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Required, TypedDict, cast
 
@@ -15,7 +15,9 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from energon_sft import SFTBatch, SFTLoader, SFTTaskEncoder
+    import torch.distributed as dist
+
+    from energon_sft import SFTBatch, SFTLoader, SFTTaskEncoder, TopologyMapper
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +138,7 @@ def build_loader(
     )
 
 
-def topology_mapper(*, dp: int, cp: int, tp: int, num_logical_shards: int | None) -> Any:
+def topology_mapper(*, dp: int, cp: int, tp: int, num_logical_shards: int | None) -> TopologyMapper:
     """Build energon-sft's ``TopologyMapper`` of the recipe's (dp, cp, tp) mesh.
 
     tp varies fastest, then cp, then dp: the order of ``_dist.init_distributed``'s mesh.
@@ -146,7 +148,12 @@ def topology_mapper(*, dp: int, cp: int, tp: int, num_logical_shards: int | None
     return TopologyMapper(dp=dp, cp=cp, tp=tp, num_logical_shards=num_logical_shards)
 
 
-def broadcast_next(iterator: Any, *, mapper: Any, group: Any) -> Any:
+def broadcast_next(
+    iterator: Iterator[SFTBatch] | None,
+    *,
+    mapper: TopologyMapper,
+    group: dist.ProcessGroup | None,
+) -> SFTBatch:
     """Give every replica rank the replica owner's next batch (energon-sft's ``broadcast_next``).
 
     StopIteration, or the owner's error, reaches all of them alike.

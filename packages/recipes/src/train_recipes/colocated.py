@@ -18,6 +18,7 @@ from train_recipes import _integrations as data_api
 from train_recipes._dist import RankContext
 
 if TYPE_CHECKING:
+    from energon_sft import SFTBatch, SFTLoader
     from train_recipes.config_sft import SFTConfig
 
 __all__ = ["ColocatedLoader", "replica_loader"]
@@ -44,7 +45,7 @@ class ColocatedLoader:
 
     def __init__(
         self,
-        build: Callable[[], Any],
+        build: Callable[[], SFTLoader],
         *,
         ctx: RankContext,
         num_logical_shards: int | None = None,
@@ -65,7 +66,7 @@ class ColocatedLoader:
         self.loader = build() if self.is_owner else None
         self.loaders_built = 1 if self.is_owner else 0
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[SFTBatch]:
         """One pass of the owner's loader, delivered to every rank of the replica."""
         inner = iter(self.loader) if self.loader is not None else None
         if self._group is None:  # a replica of one rank: nothing to broadcast

@@ -14,7 +14,10 @@ bookkeeping, no process group.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from energon_sft import SFTBatch
 
 __all__ = ["DataPlane", "PlaneMismatchError", "sample_ids_of"]
 
@@ -25,7 +28,7 @@ class PlaneMismatchError(ValueError):
     """Two reports of one (step, replica) disagree, or a state is not a data plane's."""
 
 
-def sample_ids_of(batch: Any) -> list[str]:
+def sample_ids_of(batch: SFTBatch | Mapping[str, Any]) -> list[str]:
     """The sample ids of an energon-sft batch (``source_ids``), in the batch's sample order.
 
     Raises:

@@ -7,9 +7,12 @@ training stream; both are collective (every rank calls them together).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from energon_sft import SFTTaskEncoder
 
 from train_recipes._dist import RankContext
 from train_recipes._integrations import ModelBatch
@@ -40,7 +43,7 @@ class SFTEvaluation:
         ctx: RankContext,
         *,
         eval_path: Path | None,
-        encoder: Any,
+        encoder: SFTTaskEncoder,
         processor: Any,
         vlm: bool,
         loss_sum: LossSum,
