@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from train_testing.bench import add_device_argument
+
 
 def _documents(args: argparse.Namespace) -> list[list[int]]:
     """Per row, document lengths that fill the row (the last one is cut to fit)."""
@@ -138,7 +140,7 @@ def _sync(device: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes on CPU (CI)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(parser)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)

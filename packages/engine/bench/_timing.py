@@ -10,9 +10,7 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from train_testing.bench import report
+from train_testing.bench import add_device_argument, report
 
 
 def timing_parser(description: str, *, layers: int) -> argparse.ArgumentParser:
@@ -26,7 +24,7 @@ def timing_parser(description: str, *, layers: int) -> argparse.ArgumentParser:
         The parser; each script adds its own options before parsing.
     """
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(parser)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=layers)
     parser.add_argument("--repeats", type=int, default=7)

@@ -54,7 +54,7 @@ import torch
 from _variants import IGNORE, Variant, linear_variants, logits_variants, naive_loss
 
 import vocab_parallel as vp
-from train_testing.bench.runtime import sync, times_ms
+from train_testing.bench.runtime import add_device_argument, sync, times_ms
 
 GIB = 1024**3
 
@@ -183,7 +183,7 @@ def _ints(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(parser)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--hidden", type=int, default=4096, help="H of the fused linear forms")
