@@ -9,8 +9,8 @@ stages when the driver calls them; the driver runs the loop.
 
 What the controller costs shows in the run's own metrics: each logged step's record from rank
 0 carries ``controller/wait_ms`` (the mean time this actor waited between the end of one
-``train_step`` call and the start of the next: the driver's round trip, its logging and Ray's
-call overhead) and ``controller/step_ms`` (the mean time inside ``train_step``), both averaged
+``train_step`` call, or of an evaluation or checkpoint the driver ran between them, and the
+start of the next: the driver's round trip, its logging and Ray's call overhead) and ``controller/step_ms`` (the mean time inside ``train_step``), both averaged
 over the steps since the previous logged record.
 """
 
@@ -100,11 +100,14 @@ class RankActor:
 
     def evaluate(self, step: int) -> StepRecord:
         """The recipe's evaluations due at ``step``."""
-        return self.recipe.evaluate(step)
+        record = self.recipe.evaluate(step)
+        self._clock.other_call_ended()
+        return record
 
     def checkpoint(self, step: int) -> None:
         """Save a checkpoint of ``step`` (collective over the actors)."""
         self.recipe.checkpoint(step)
+        self._clock.other_call_ended()
 
     def finish(self) -> RunEnd:
         """Final evaluation and export; the summary."""
@@ -143,6 +146,11 @@ class _StepClock:
         self._last_end = time.perf_counter()
         self._busy_s += self._last_end - self._began
         self._steps += 1
+
+    def other_call_ended(self) -> None:
+        """A stage other than a step ended: the wait for the next step starts now, not earlier."""
+        if self._last_end is not None:
+            self._last_end = time.perf_counter()
 
     def read(self) -> dict[str, float]:
         """``controller/step_ms`` and ``controller/wait_ms`` (when measured), then reset."""
