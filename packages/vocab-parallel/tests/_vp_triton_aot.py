@@ -76,11 +76,13 @@ def main() -> None:
                 "HAS_UNIFORM": has_uniform,
             }
             _compile(kernels._grad_kernel, arguments, {**flags, **ROW_CONSTEXPRS}, num_warps=8)
-    # The grads-in-forward loss's one-kernel chunk step, in place in the chunk logits' dtype.
+    # The grads-in-forward losses' one-kernel step (a linear chunk, or in-place logits).
     for dtype in ("*bf16", "*fp16", "*fp32"):
         arguments = {
             "x_ptr": dtype,
+            "stride_slab": "i64",
             "stride_row": "i64",
+            "rows_per_slab": "i64",
             "n_cols": "i32",
             "inv_t": "fp32",
             "target_col_ptr": "*i64",

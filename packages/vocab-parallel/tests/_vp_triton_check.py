@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
 import torch
 
 import _vp_reference as reference
@@ -183,6 +184,55 @@ def check_in_place(device: str, dtype: torch.dtype) -> None:
             assert x.grad.data_ptr() == x.data_ptr()
 
 
+def check_cross_entropy_in_forward(device: str, dtype: torch.dtype, vocab: int) -> None:
+    """cross_entropy(in_place=True) forms the gradient in forward (one kernel per row) and
+    backward only scales it: loss and gradient against float64 F.cross_entropy, for "sum" and
+    "mean", contiguous and sliced logits, upstream gradients 1 and 0.37."""
+    shape = (3, 7)
+    logits = reference.make_logits(shape, vocab, seed=41).to(dtype).to(device)
+    labels = reference.make_labels(shape, vocab, seed=41).to(device)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 2e-2}
+    for reduction in ("sum", "mean"):
+        for sliced in (False, True):
+            for upstream in (1.0, 0.37):
+                x = logits.clone().requires_grad_()
+                view = x[:, :-1] if sliced else x
+                target = labels[:, :-1] if sliced else labels
+                loss = vp.cross_entropy(
+                    view, target, reduction=reduction, backend="triton", in_place=True
+                )
+                ref_x = logits.double().requires_grad_()
+                ref_view = ref_x[:, :-1] if sliced else ref_x
+                ref = torch.nn.functional.cross_entropy(
+                    ref_view.reshape(-1, vocab),
+                    target.reshape(-1),
+                    ignore_index=IGNORE,
+                    reduction=reduction,
+                )
+                what = f"{device} {dtype} V={vocab} {reduction} {sliced=} {upstream=}"
+                # Formed in forward: the logits already hold the (unscaled) gradient.
+                assert not torch.equal(x.detach(), logits), what
+                assert abs(loss.item() - ref.item()) <= 1e-4 * max(1.0, abs(ref.item())), what
+                (loss * upstream).backward()
+                (ref * upstream).backward()
+                assert x.grad is not None and ref_x.grad is not None
+                torch.testing.assert_close(
+                    x.grad.double(), ref_x.grad, **tol, msg=lambda m, w=what: f"{w}: {m}"
+                )
+                if not sliced:
+                    assert x.grad.data_ptr() == x.data_ptr(), what  # no logits-sized buffer
+                with pytest.raises(RuntimeError, match=r"second time|backward ran twice"):
+                    loss.backward()
+    # A mean over no trained token is nan, as in PyTorch; the gradient is zero.
+    x = logits.clone().requires_grad_()
+    loss = vp.cross_entropy(
+        x, torch.full_like(labels, IGNORE), reduction="mean", backend="triton", in_place=True
+    )
+    assert torch.isnan(loss)
+    loss.backward()
+    assert x.grad is not None and not x.grad.any()
+
+
 def check_fused_float64(
     device: str, *, tokens: int, vocab: int, hidden_dim: int, dtype: torch.dtype, chunk: int | None
 ) -> None:
@@ -275,6 +325,8 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         check_in_place(args.device, dtype)
         check_fused_upstream_scale(args.device, dtype)
+        for vocab in (37, 300) if args.device == "cpu" else (37, 151936):
+            check_cross_entropy_in_forward(args.device, dtype, vocab)
     if args.device == "cpu":
         fused = [(37, 101, 24, 8)]
     else:

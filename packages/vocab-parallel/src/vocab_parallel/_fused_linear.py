@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from vocab_parallel._linear import _add_matmul_, _chunk_logits_grad
-from vocab_parallel._logits import Plan, locate_targets, raise_invalid
+from vocab_parallel._logits import Plan, locate_targets, raise_invalid, unchecked_labels
 from vocab_parallel._math import GradTerms, scaled_fp32, scaled_target, shard_stats
 from vocab_parallel._reduce import reduce_stats
 
@@ -146,9 +146,9 @@ class FusedLinearLoss(torch.autograd.Function):
             else:
                 accumulator = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
         log_p = hidden.new_zeros(n, dtype=torch.float32)
+        # Counted once: here without a vocabulary group, else with the first chunk's collective.
+        unreduced = unchecked_labels(targets, labels, plan=plan)
         if one_kernel:
-            if targets.invalid is not None and int(targets.invalid):
-                raise_invalid(labels, plan=plan, count=int(targets.invalid))
             target_col = torch.where(targets.in_shard, targets.index, -1)
         for start in range(0, n, plan.chunk_size):
             if one_kernel:
@@ -183,8 +183,7 @@ class FusedLinearLoss(torch.autograd.Function):
                 )
             else:  # a copy: the logits are still needed for the gradient
                 stats = shard_stats(scaled_fp32(logits, inv_t), entropy=False, sum_z=False)
-            # The labels are counted once, with the first chunk's collective.
-            invalid = targets.invalid if start == 0 else None
+            invalid = unreduced if start == 0 else None
             glob = reduce_stats(
                 stats, target=target, invalid_labels=invalid, group=plan.layout.group
             )

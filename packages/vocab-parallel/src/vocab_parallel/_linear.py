@@ -18,7 +18,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from vocab_parallel._logits import CHUNK_ELEMENTS, Plan, Targets, locate_targets, raise_invalid
+from vocab_parallel._logits import (
+    CHUNK_ELEMENTS,
+    Plan,
+    Targets,
+    locate_targets,
+    raise_invalid,
+    unchecked_labels,
+)
 from vocab_parallel._math import (
     GradTerms,
     ShardStats,
@@ -142,10 +149,9 @@ class LinearLogProbs(torch.autograd.Function):
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, plan: Plan) -> Tensor:
         local_vocab = weight.shape[0]
         targets = locate_targets(labels, plan=plan, local_vocab=local_vocab)
+        invalid = unchecked_labels(targets, labels, plan=plan)
         running, target = _blockwise_stats(hidden, weight, targets, plan)
-        glob = reduce_stats(
-            running, target=target, invalid_labels=targets.invalid, group=plan.layout.group
-        )
+        glob = reduce_stats(running, target=target, invalid_labels=invalid, group=plan.layout.group)
         if glob.invalid_labels:
             raise_invalid(labels, plan=plan, count=glob.invalid_labels)
         log_p = (glob.target - glob.shift) - glob.log_sum_exp

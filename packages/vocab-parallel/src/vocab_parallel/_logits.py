@@ -107,6 +107,26 @@ def raise_invalid(labels: Tensor, *, plan: Plan, count: int) -> None:
     )
 
 
+def unchecked_labels(targets: Targets, labels: Tensor, *, plan: Plan) -> Tensor | None:
+    """Check the labels now where no collective is needed; return the count still to reduce.
+
+    Without a vocabulary group the out-of-range count is read here, before the logits-sized
+    kernels are launched: the host then waits only for the few small label ops, and the
+    device queue fills again right after, instead of idling through everything launched after
+    a read that waits for the whole softmax. With a group the count rides on the statistics'
+    SUM all-reduce (every rank must decide together), so it is returned for that.
+
+    Raises:
+        ValueError: a label outside [0, V) that is not ``ignore_index`` (no group).
+    """
+    if targets.invalid is None or plan.layout.group is not None:
+        return targets.invalid
+    count = int(targets.invalid.item())
+    if count:
+        raise_invalid(labels, plan=plan, count=count)
+    return None
+
+
 def chunk_size_for(local_vocab: int) -> int:
     """Default tokens per chunk so that one fp32 chunk holds about CHUNK_ELEMENTS entries."""
     return max(1, CHUNK_ELEMENTS // max(local_vocab, 1))
@@ -138,6 +158,11 @@ class VocabStats(torch.autograd.Function):
     def forward(ctx: Any, logits: Tensor, labels: Tensor | None, plan: Plan) -> Any:
         slabs, rows, local_vocab = logits.shape
         n = slabs * rows
+        targets = None
+        invalid = None
+        if labels is not None:
+            targets = locate_targets(labels, plan=plan, local_vocab=local_vocab)
+            invalid = unchecked_labels(targets, labels, plan=plan)
         if plan.backend == "triton":
             from vocab_parallel import _triton
 
@@ -155,12 +180,9 @@ class VocabStats(torch.autograd.Function):
                 del z
             stats = _concat(parts, n=n, like=logits, plan=plan)
 
-        targets = None
         target = logits.new_zeros(n, dtype=torch.float32)
-        if labels is not None:
-            targets = locate_targets(labels, plan=plan, local_vocab=local_vocab)
+        if targets is not None:
             target = target_logits(logits, targets, plan.inv_temperature)
-        invalid = targets.invalid if targets is not None else None
         glob = reduce_stats(stats, target=target, invalid_labels=invalid, group=plan.layout.group)
         if glob.invalid_labels and labels is not None:
             raise_invalid(labels, plan=plan, count=glob.invalid_labels)

@@ -148,7 +148,9 @@ def _grad_kernel(
 @triton.jit
 def _loss_grad_kernel(
     x_ptr,
+    stride_slab,
     stride_row,
+    rows_per_slab,
     n_cols,
     inv_t,
     target_col_ptr,
@@ -156,12 +158,14 @@ def _loss_grad_kernel(
     log_p_ptr,
     BLOCK: tl.constexpr,
 ):
-    # One token row of a whole-vocabulary chunk, everything the grads-in-forward loss needs in
+    # One token row of whole-vocabulary logits, everything a grads-in-forward loss needs in
     # one launch: pass 1 the online softmax normalizer (as _stats_kernel), then log p(target),
     # pass 2 the gradient g * (onehot - p) written over the logits (each stretch is read
-    # before it is written). target_col < 0 marks an ignored token (log p = 0; g is 0 there).
+    # before it is written; the row was read just before, so part of it is still in L2).
+    # target_col < 0 marks an ignored token (log p = 0; g is 0 there).
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_row
+    slab = row // rows_per_slab
+    x_row = x_ptr + slab * stride_slab + (row - slab * rows_per_slab) * stride_row
     offsets = tl.arange(0, BLOCK)
     m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
     s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
@@ -189,11 +193,12 @@ def _loss_grad_kernel(
 def loss_grad_(
     logits: Tensor, *, inv_temperature: float, target_col: Tensor, grad_scale: Tensor
 ) -> Tensor:
-    """Overwrite whole-vocabulary chunk logits with the gradient of sum_t g_t * T * log p_t.
+    """Overwrite whole-vocabulary logits with the gradient of sum_t g_t * T * log p_t.
 
     Args:
-        logits: [C, V] with unit stride along V, every column of the vocabulary (no shard);
-            overwritten by ``g_t * (onehot(target_t) - softmax(logits_t / T))``.
+        logits: [C, V] or [B, R, V] (C = B * R tokens) with unit stride along V, every column
+            of the vocabulary (no shard); overwritten through its own strides by
+            ``g_t * (onehot(target_t) - softmax(logits_t / T))``.
         inv_temperature: 1 / T.
         target_col: [C] int64 target column, negative for an ignored token.
         grad_scale: [C] fp32 g_t = c_t / T (0 for an ignored token).
@@ -201,15 +206,20 @@ def loss_grad_(
     Returns:
         log p(target) [C] fp32 (0 for an ignored token).
     """
-    rows, v = logits.shape
-    log_p = torch.zeros(rows, device=logits.device, dtype=torch.float32)
-    if rows == 0 or v == 0:
+    x = logits if logits.ndim == 3 else logits.unsqueeze(0)
+    if x.stride(-1) != 1:
+        raise ValueError("loss_grad_ writes through the logits' strides: the last must be 1")
+    slabs, rows, v = x.shape
+    log_p = torch.zeros(slabs * rows, device=logits.device, dtype=torch.float32)
+    if slabs * rows == 0 or v == 0:
         return log_p
     block, warps = _launch_config(v)
     with _on_device(logits):
-        _loss_grad_kernel[(rows,)](
-            logits,
-            logits.stride(0),
+        _loss_grad_kernel[(slabs * rows,)](
+            x,
+            x.stride(0),
+            x.stride(1),
+            rows,
             v,
             inv_temperature,
             target_col.contiguous(),
@@ -225,10 +235,12 @@ def loss_grad_(
 def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
     # x *= scale for a contiguous 16- or 32-bit tensor and an fp32 scalar held on the device,
     # in fp32 then rounded (as mul_ computes it, which for a bf16 tensor times an fp32 0-dim
-    # tensor runs PyTorch's unvectorized mixed-dtype kernel).
+    # tensor runs PyTorch's unvectorized mixed-dtype kernel). A scale of exactly 1 leaves x as
+    # it is: every access is masked off, so the pass costs no memory traffic and the host
+    # never has to read the scale to skip it.
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
     scale = tl.load(scale_ptr)
+    mask = offsets < tl.where(scale != 1.0, n, 0)
     x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
     tl.store(x_ptr + offsets, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)
 

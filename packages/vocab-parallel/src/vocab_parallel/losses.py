@@ -22,6 +22,7 @@ from torch import Tensor
 
 from vocab_parallel._linear import LinearLogProbs, block_size_for
 from vocab_parallel._logits import Plan, VocabStats, chunk_size_for
+from vocab_parallel._logits_loss import LogitsLossInPlace
 from vocab_parallel._sharding import VocabShard, check_labels, replicated_local
 from vocab_parallel.plain_shard import VocabGroup, resolve_vocab_shard
 
@@ -161,6 +162,43 @@ def _vocab_stats(
     vocab_group: VocabGroup | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Run :class:`VocabStats` on any logits; returns (log_p, entropy, uniform), each [...]."""
+    slabs, flat_labels, plan, batch_shape = _logits_operands(
+        logits,
+        labels,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
+        entropy=entropy,
+        uniform=uniform,
+        validate=validate,
+        backend=backend,
+        in_place=in_place,
+        vocab_group=vocab_group,
+    )
+    log_p, ent, uni = VocabStats.apply(slabs, flat_labels, plan)
+    return log_p.view(batch_shape), ent.view(batch_shape), uni.view(batch_shape)
+
+
+def _logits_operands(
+    logits: Tensor,
+    labels: Tensor | None,
+    *,
+    temperature: float,
+    ignore_index: int,
+    chunk_size: int | None,
+    entropy: bool,
+    uniform: bool,
+    validate: bool,
+    backend: str,
+    in_place: bool,
+    vocab_group: VocabGroup | None,
+) -> tuple[Tensor, Tensor | None, Plan, torch.Size]:
+    """The checked operands of the logits functions.
+
+    Returns:
+        (the local logits as [B, R, Vl] slabs, labels [N] local or None, the plan, the batch
+        shape [...]).
+    """
     inv_t = _check_temperature(temperature)
     _check_chunk(chunk_size)
     if logits.ndim < 1:
@@ -193,8 +231,7 @@ def _vocab_stats(
         backend=_resolve_backend(backend, local),
         in_place=in_place,
     )
-    log_p, ent, uni = VocabStats.apply(slabs, flat_labels, plan)
-    return log_p.view(batch_shape), ent.view(batch_shape), uni.view(batch_shape)
+    return slabs, flat_labels, plan, batch_shape
 
 
 def token_log_probs(
@@ -355,7 +392,11 @@ def cross_entropy(
         chunk_size: tokens per fp32 working chunk; None = automatic.
         validate: check the label range (one device-to-host sync).
         backend: "auto", "torch" or "triton" (see :func:`token_log_probs`).
-        in_place: write the gradient into the logits (see :func:`token_log_probs`).
+        in_place: write the gradient into the logits (see :func:`token_log_probs`). With a
+            "sum" or "mean" reduction, no label smoothing, the Triton backend and the whole
+            vocabulary on this rank, the gradient is formed in forward by one kernel (the
+            weight of every token is known then): the logits hold their gradient as soon as
+            this returns, so read nothing else from them afterwards.
         vocab_group: a plain shard's group or split (see :func:`token_log_probs`).
 
     Returns:
@@ -366,6 +407,27 @@ def cross_entropy(
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     smooth = label_smoothing > 0.0
+    if in_place and reduction != "none" and not smooth:
+        slabs, flat_labels, plan, _ = _logits_operands(
+            logits,
+            labels,
+            temperature=1.0,
+            ignore_index=ignore_index,
+            chunk_size=chunk_size,
+            entropy=False,
+            uniform=False,
+            validate=validate,
+            backend=backend,
+            in_place=True,
+            vocab_group=vocab_group,
+        )
+        if plan.backend == "triton" and plan.layout.group is None and flat_labels is not None:
+            # Every token's weight in the loss is known now: the gradient is formed in forward.
+            coefficient = torch.full((), -1.0, device=slabs.device)
+            if reduction == "mean":
+                coefficient = coefficient / (flat_labels != ignore_index).sum()
+            loss, _ = LogitsLossInPlace.apply(slabs, flat_labels, coefficient, plan)
+            return loss
     log_p, _, uniform = _vocab_stats(
         logits,
         labels,
