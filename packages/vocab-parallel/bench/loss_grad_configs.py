@@ -62,6 +62,28 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         rows.append({"form": f"kernel BLOCK={block} warps={warps}", "ms": ms,
                      "TB/s (3 passes)": 3 * nbytes / ms / 1e9})  # fmt: skip
 
+    # The out-of-place form's two kernels: statistics (one read) and gradient (read + write).
+    stats = torch.empty(4, t, device=device, dtype=torch.float32)
+    grad = torch.empty_like(logits)
+    for block, warps in CONFIGS:
+
+        def two_kernels(block: int = block, warps: int = warps) -> None:
+            _triton._stats_kernel[(t,)](
+                logits, 0, logits.stride(0), t, v, 1.0, stats[0], stats[1], stats[2], stats[3],
+                WANT_ENTROPY=False, WANT_SUM_Z=False, LOG_FLOOR=_triton._LOG_FLOOR,
+                BLOCK=block, num_warps=warps,
+            )  # fmt: skip
+            _triton._grad_kernel[(t,)](
+                logits, 0, logits.stride(0), t, grad, 0, grad.stride(0), v, 1.0, 1.0 / v,
+                stats[1], stats[2], scale, scale, scale, labels, scale,
+                HAS_TARGET=True, HAS_ENTROPY=False, HAS_UNIFORM=False,
+                LOG_FLOOR=_triton._LOG_FLOOR, BLOCK=block, num_warps=warps,
+            )  # fmt: skip
+
+        ms = median(two_kernels)
+        rows.append({"form": f"stats+grad kernels BLOCK={block} warps={warps}", "ms": ms,
+                     "TB/s (3 passes)": 3 * nbytes / ms / 1e9})  # fmt: skip
+
     buffer = logits.clone().requires_grad_()
 
     def step(fn: object) -> None:

@@ -89,7 +89,7 @@ def main() -> None:
             "g_ptr": "*fp32",
             "log_p_ptr": "*fp32",
         }
-        _compile(kernels._loss_grad_kernel, arguments, {"BLOCK": 8192}, num_warps=8)
+        _compile(kernels._loss_grad_kernel, arguments, {"BLOCK": 4096}, num_warps=4)
         # Backward's scaling of the stored gradients by the upstream gradient.
         arguments = {"x_ptr": dtype, "scale_ptr": "*fp32", "n": "i64"}
         _compile(kernels._scale_kernel, arguments, {"BLOCK": 4096}, num_warps=4)

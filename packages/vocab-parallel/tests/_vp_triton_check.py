@@ -184,6 +184,27 @@ def check_in_place(device: str, dtype: torch.dtype) -> None:
             assert x.grad.data_ptr() == x.data_ptr()
 
 
+def check_scale_strides(device: str) -> None:
+    """The grid-stride scaling kernel: every element scaled once when programs stride over
+    several blocks (to one rounding of the dtype: the interpreter may truncate), and a scale of
+    1 changes nothing."""
+    from vocab_parallel import _triton
+
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3 * 4096 + 77, generator=gen).to(dtype).to(device)
+        for value, programs in ((0.37, 2), (0.37, None), (1.0, 2)):
+            got = x.clone()
+            scale = torch.tensor([value], device=device, dtype=torch.float32)
+            _triton.scale_(got, scale, max_programs=programs)
+            if value == 1.0:
+                assert torch.equal(got, x), (dtype, programs)
+                continue
+            want = x.double() * value
+            ulp = {torch.float32: 1e-6, torch.bfloat16: 2**-7}[dtype]
+            assert ((got.double() - want).abs() <= ulp * want.abs()).all(), (dtype, programs)
+
+
 def check_cross_entropy_in_forward(device: str, dtype: torch.dtype, vocab: int) -> None:
     """cross_entropy(in_place=True) forms the gradient in forward (one kernel per row) and
     backward only scales it: loss and gradient against float64 F.cross_entropy, for "sum" and
@@ -322,6 +343,7 @@ def main() -> None:
         linear = [(37, 101, 24, 40), (20, 70, 32, None)]
     else:  # many blocks with a ragged tail; a realistic vocabulary in default blocks
         linear = [(300, 20011, 200, 5000), (256, 151936, 256, None), (1000, 4096, 1024, 1024)]
+    check_scale_strides(args.device)
     for dtype in (torch.float32, torch.bfloat16):
         check_in_place(args.device, dtype)
         check_fused_upstream_scale(args.device, dtype)
