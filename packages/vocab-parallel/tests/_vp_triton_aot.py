@@ -14,7 +14,7 @@ from vocab_parallel import _triton as kernels
 
 TARGET = GPUTarget("cuda", 90, 32)
 # The row kernels' shared compile-time constants (BLOCK: the largest block the library launches).
-ROW_CONSTEXPRS = {"LOG_FLOOR": kernels._LOG_FLOOR, "BLOCK": 8192}
+ROW_CONSTEXPRS = {"LOG_FLOOR": kernels._LOG_FLOOR, "BLOCK": kernels._MAX_BLOCK}
 
 
 def _compile(
@@ -42,7 +42,7 @@ def main() -> None:
                 "sum_z_ptr": "*fp32",
             }
             flags = {"WANT_ENTROPY": entropy, "WANT_SUM_Z": sum_z}
-            _compile(kernels._stats_kernel, arguments, {**flags, **ROW_CONSTEXPRS}, num_warps=8)
+            _compile(kernels._stats_kernel, arguments, {**flags, **ROW_CONSTEXPRS}, num_warps=4)
     # The gradient kernel: in the logits' dtype, and fp32 logits into a 16-bit gradient (the
     # fused linear loss's exact mode).
     grad_dtypes = [(d, d) for d in ("*bf16", "*fp16", "*fp32")] + [
@@ -75,7 +75,7 @@ def main() -> None:
                 "HAS_ENTROPY": has_entropy,
                 "HAS_UNIFORM": has_uniform,
             }
-            _compile(kernels._grad_kernel, arguments, {**flags, **ROW_CONSTEXPRS}, num_warps=8)
+            _compile(kernels._grad_kernel, arguments, {**flags, **ROW_CONSTEXPRS}, num_warps=4)
     # The grads-in-forward losses' one-kernel step (a linear chunk, or in-place logits).
     for dtype in ("*bf16", "*fp16", "*fp32"):
         arguments = {
@@ -89,7 +89,7 @@ def main() -> None:
             "g_ptr": "*fp32",
             "log_p_ptr": "*fp32",
         }
-        _compile(kernels._loss_grad_kernel, arguments, {"BLOCK": 4096}, num_warps=4)
+        _compile(kernels._loss_grad_kernel, arguments, {"BLOCK": kernels._MAX_BLOCK}, num_warps=4)
         # Backward's scaling of the stored gradients by the upstream gradient.
         arguments = {"x_ptr": dtype, "scale_ptr": "*fp32", "n": "i64"}
         _compile(kernels._scale_kernel, arguments, {"BLOCK": 4096}, num_warps=4)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from vocab_parallel._math import _LOG_FLOOR, GradTerms, ShardStats
 
-_MAX_BLOCK = 8192
+_MAX_BLOCK = 4096
 
 
 def interpreting() -> bool:
@@ -213,7 +213,7 @@ def loss_grad_(
     log_p = torch.zeros(slabs * rows, device=logits.device, dtype=torch.float32)
     if slabs * rows == 0 or v == 0:
         return log_p
-    block, warps = _loss_grad_launch_config(v)
+    block, warps = _launch_config(v)
     with _on_device(logits):
         _loss_grad_kernel[(slabs * rows,)](
             x,
@@ -276,20 +276,15 @@ def scale_(x: Tensor, scale: Tensor, *, max_programs: int | None = None) -> None
         _scale_kernel[(programs,)](x, scale, n, BLOCK=block, num_warps=4)
 
 
-def _loss_grad_launch_config(n_cols: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) of the loss-and-gradient kernel: smaller blocks than the row kernels.
-
-    On an H200 over [16384, 151936] bf16 logits, (4096, 4) ran at 4.11 TB/s of its three
-    passes against 4.00 for (8192, 8) and 3.73 for (32768, 32)
-    (benchmarks/results/loss_grad_configs_h200_T16384.json).
-    """
-    block = min(4096, triton.next_power_of_2(max(n_cols, 16)))
-    return block, 4
-
-
 def _launch_config(n_cols: int) -> tuple[int, int]:
-    block = min(_MAX_BLOCK, triton.next_power_of_2(max(n_cols, 16)))
-    return block, (8 if block >= 4096 else 4)
+    """(BLOCK, num_warps) of the row kernels: 4096-column blocks, 4 warps, one row a program.
+
+    On an H200 over [16384, 151936] bf16 logits, (4096, 4) was the fastest of seven configs
+    for each kernel: the loss-and-gradient kernel ran its three passes at 4.05-4.11 TB/s
+    against 3.99-4.00 for (8192, 8) and 3.73 for (32768, 32), and the statistics + gradient
+    pair 3.90 against 3.82 TB/s (benchmarks/results/loss_grad_configs_h200_T*.json).
+    """
+    return min(_MAX_BLOCK, triton.next_power_of_2(max(n_cols, 16))), 4
 
 
 def _slabs(logits: Tensor) -> Tensor:
