@@ -15,6 +15,10 @@ AdamW and clipping at 1.0, and runs in the same process one after the other:
   SDPA backend order of ``--sdpa`` (cuDNN first by default).
 - ``recipes-*``: ablations, each undoing one of these; ``recipes-cp1`` runs ``recipes-hf-mask``
   through cp-sharder at cp=1 (compare the two for the sharder's cost).
+- ``recipes-lean``: ``recipes`` with the compiled layers under the activation memory budget
+  ``--lean-budget`` (the recipe's ``model.compile_memory_budget``; 0.9 recomputes the norms'
+  outputs and the SwiGLU product in backward instead of saving them, see
+  ``saved_activations.py``); ``recipes-lean-reshard``: the same with ``recipes-reshard``.
 - ``fsdp2+liger``: the ``fsdp2`` loop with Liger-Kernel patched into transformers' Llama
   (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy); needs ``liger-kernel`` (the bench
   group) and always runs last, because the patches stay for the rest of the process.
@@ -91,6 +95,7 @@ class Variant:
     fast_path: bool = False  # the recipe's CausalFastPath for unpacked batches
     cp1: bool = False  # through cp-sharder's ContextParallelSharder on a 1-rank cp mesh
     liger: bool = False  # Liger-Kernel patched into transformers' Llama (a peer; runs last)
+    memory_budget: float | None = None  # the compiled layers' activation memory budget
 
 
 def variants(args: argparse.Namespace) -> dict[str, Variant]:
@@ -119,6 +124,14 @@ def variants(args: argparse.Namespace) -> dict[str, Variant]:
         replace(recipes, name="recipes-cp1", fast_path=False, cp1=True),
         replace(recipes, name="recipes-default-sdpa", sdpa=None),
         replace(recipes, name="recipes-eager", compile=False),
+        # Fewer saved activations: the compiled layers recompute cheap ops in backward.
+        replace(recipes, name="recipes-lean", memory_budget=args.lean_budget),
+        replace(
+            recipes,
+            name="recipes-lean-reshard",
+            memory_budget=args.lean_budget,
+            reshard_after_forward=True,
+        ),
         # Liger's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy, patched into the
         # transformers classes for the rest of the process: always run last.
         replace(plain, name="fsdp2+liger", liger=True),
@@ -168,7 +181,7 @@ def setup(variant: Variant, args: argparse.Namespace) -> tuple[Callable[[dict], 
     fast_path = CausalFastPath(model)
     attention = partial(fast_path.selected, packed=not variant.fast_path)
     if variant.compile:
-        compile_decoder_layers(model)
+        compile_decoder_layers(model, memory_budget=variant.memory_budget)
     bf16 = torch.bfloat16 if args.device == "cuda" else torch.float32
     mesh = init_device_mesh(args.device, (1,))
     fused = args.device == "cuda"
@@ -387,6 +400,12 @@ def main() -> None:
     )
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument(
+        "--lean-budget",
+        type=float,
+        default=0.9,
+        help="activation memory budget of the recipes-lean* variants' compiled layers",
+    )
+    parser.add_argument(
         "--profile",
         default=None,
         help="variants to profile, comma-separated (tables in --out's folder)",
@@ -404,12 +423,13 @@ def main() -> None:
         chosen = [replace(v, compile=False) for v in chosen]
     out_dir = Path(args.out).parent if args.out else None
     rows = []
-    traced_sdpa: object = "none yet"
+    traced: object = "none yet"
     for variant in chosen:
-        if variant.compile and variant.sdpa != traced_sdpa:
-            # The SDPA backend is fixed while tracing: retrace when the backend order changes.
+        if variant.compile and (variant.sdpa, variant.memory_budget) != traced:
+            # The SDPA backend and the saved activations are fixed while tracing: retrace when
+            # the backend order or the memory budget changes.
             torch._dynamo.reset()
-            traced_sdpa = variant.sdpa
+            traced = (variant.sdpa, variant.memory_budget)
         rows.append(run_variant(variant, args, out_dir))
         free_memory(args.device)
         print(json.dumps(rows[-1]), flush=True)

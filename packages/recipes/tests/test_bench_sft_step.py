@@ -13,7 +13,9 @@ BENCH = Path(__file__).parents[1] / "bench" / "sft_step.py"
 
 @pytest.mark.timeout(300)
 def test_sft_step_quick(tmp_path: Path) -> None:
-    variants = "fsdp2,fsdp2+compile,recipes,recipes-logits-loss,recipes-hf-mask,recipes-cp1"
+    variants = (
+        "fsdp2,fsdp2+compile,recipes,recipes-logits-loss,recipes-hf-mask,recipes-cp1,recipes-lean"
+    )
     options = ["--variants", variants, "--sdpa", "flash,math", "--profile", "recipes"]
     result = run_quick(BENCH, tmp_path, *options, timeout_s=280).report
     assert [r["variant"] for r in result["rows"]] == variants.split(",")

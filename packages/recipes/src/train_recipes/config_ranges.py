@@ -81,6 +81,14 @@ def check_sft_ranges(config: SFTConfig) -> None:
         _at_least(f"model.tiny.{name}", getattr(tiny, name), 1)
     if tiny.intermediate_size is not None:
         _at_least("model.tiny.intermediate_size", tiny.intermediate_size, 1, "null means 3*H")
+    budget = config.model.compile_memory_budget
+    if budget is not None and not 0.0 <= budget <= 1.0:
+        raise ConfigError(
+            "model.compile_memory_budget",
+            f"must be in [0, 1] (1: save what runs fastest, 0: recompute everything), got "
+            f"{budget}; e.g. 0.9 recomputes only the norms and the SwiGLU product, null keeps "
+            "torch's setting",
+        )
     _at_least("data.micro_batch_size", data.micro_batch_size, 1)
     _at_least("data.max_length", data.max_length, 2)
     _at_least("data.num_workers", data.num_workers, 0, "0 loads in the training process")

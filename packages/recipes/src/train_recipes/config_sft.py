@@ -55,6 +55,14 @@ class ModelConfig:
         attn_implementation: passed to ``from_pretrained``/``from_config`` ("sdpa", "eager").
         compile: compile each decoder layer's forward with torch.compile (before DDP/FSDP2
             wrapping; parameter names and checkpoints are unchanged). Pays off on GPUs.
+        compile_memory_budget: the activation memory budget of the compiled decoder layers
+            (torch's ``activation_memory_budget``, applied while these layers compile and to
+            nothing else), in [0, 1]: 1 saves for backward what runs fastest, 0 what full
+            recomputation would; in between, the partitioner recomputes the cheapest ops in
+            backward until the saved activations fit. Values just under 1 recompute the
+            norms' outputs and the SwiGLU product from their inputs (no matmul or attention
+            recomputed: ``bench/saved_activations.py`` lists what each value saves). None
+            keeps torch's setting. Needs ``compile``.
         sdpa_backends: scaled_dot_product_attention backends to allow, in priority order
             ("cudnn", "flash", "efficient", "math"); None leaves torch's choice.
         activation_checkpointing: recompute each checkpointed decoder layer's activations in
@@ -73,6 +81,7 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     attn_implementation: str = "sdpa"
     compile: bool = False
+    compile_memory_budget: float | None = None
     sdpa_backends: tuple[Literal["cudnn", "flash", "efficient", "math"], ...] | None = None
     activation_checkpointing: bool = False
     activation_checkpointing_every: int = 1

@@ -115,6 +115,13 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
             f"{'a vision model_family (qwen2_5_vl)' if data.demo == 'shapes' else 'model_family text'}"
             f", got {data.model_family!r}",
         )
+    if model.compile_memory_budget is not None and not model.compile:
+        raise ConfigError(
+            "model.compile_memory_budget",
+            f"is {model.compile_memory_budget} but model.compile=false: the budget applies to "
+            "the compiled decoder layers only; set model.compile=true or "
+            "model.compile_memory_budget=null",
+        )
     if model.activation_checkpointing_every < 1:
         raise ConfigError(
             "model.activation_checkpointing_every",

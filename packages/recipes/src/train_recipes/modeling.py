@@ -77,7 +77,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def compile_decoder_layers(model: nn.Module, *, backend: str = "inductor") -> int:
+def compile_decoder_layers(
+    model: nn.Module, *, backend: str = "inductor", memory_budget: float | None = None
+) -> int:
     """Compile the forward of every decoder layer in place; call before FSDP2 wrapping.
 
     The layer's ``forward`` is compiled, not the module: parameter names stay unchanged (no
@@ -88,14 +90,45 @@ def compile_decoder_layers(model: nn.Module, *, backend: str = "inductor") -> in
     Args:
         model: a transformers model (plain, not yet wrapped).
         backend: the torch.compile backend ("aot_eager" makes tests fast on the CPU).
+        memory_budget: the partitioner's activation memory budget for these layers only
+            (``torch._functorch.config.activation_memory_budget`` while they compile): 1.0 saves
+            what runs fastest, 0.0 what full recomputation would, values between trade
+            recomputation in backward for fewer saved activations. None keeps torch's setting.
+            It needs a backend that partitions with the min-cut partitioner ("inductor",
+            "aot_eager_decomp_partition"); "aot_eager" ignores it.
 
     Returns:
         The number of layers compiled.
     """
     layers = decoder_layers(model)
+    compiler: Any = backend if memory_budget is None else _BudgetedBackend(backend, memory_budget)
     for layer in layers:
-        layer.forward = torch.compile(layer.forward, backend=backend)
+        # One backend object for all layers: dynamo reuses a graph only for the backend that
+        # compiled it.
+        layer.forward = torch.compile(layer.forward, backend=compiler)
     return len(layers)
+
+
+class _BudgetedBackend:
+    """A torch.compile backend that compiles with ``backend`` under an activation memory budget.
+
+    The joint graph is split into forward and backward (the choice of what to save) while the
+    backend compiles the forward, so the setting is patched around that call only: nothing
+    outside these graphs sees it. AOTAutograd's cache key includes the functorch config, so a
+    cached graph of another budget is not reused.
+    """
+
+    def __init__(self, backend: str, memory_budget: float) -> None:
+        from torch._dynamo import lookup_backend
+
+        self._compile = lookup_backend(backend)
+        self.memory_budget = memory_budget
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        import torch._functorch.config as functorch_config
+
+        with functorch_config.patch(activation_memory_budget=self.memory_budget):
+            return self._compile(graph, example_inputs)
 
 
 def _build_vlm(config: SFTConfig, tokenizer: Any, dtype: torch.dtype) -> nn.Module:

@@ -107,7 +107,7 @@ def build_parallel_model(
     if config.model.activation_checkpointing:
         apply_activation_checkpointing(model, every=config.model.activation_checkpointing_every)
     if config.model.compile:
-        compile_decoder_layers(model)
+        compile_decoder_layers(model, memory_budget=config.model.compile_memory_budget)
     model = apply_data_parallel(
         model,
         mesh=ctx.grad_mesh(),

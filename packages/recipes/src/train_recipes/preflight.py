@@ -208,6 +208,8 @@ def _attention(config: SFTConfig | RetrievalConfig, device_type: str) -> str:
         text += f"; SDPA backends {', '.join(model.sdpa_backends)}"
     if model.compile:
         text += "; compiled decoder layers"
+        if model.compile_memory_budget is not None:
+            text += f" (activation memory budget {model.compile_memory_budget})"
     return text
 
 

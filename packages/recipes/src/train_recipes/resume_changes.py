@@ -53,6 +53,7 @@ CHANGEABLE = frozenset(
         "optim.fused",
         # speed knobs with the same parameters and checkpoints
         "model.compile",
+        "model.compile_memory_budget",
         "model.sdpa_backends",
         "model.attn_implementation",
         "parallel.fsdp.reshard_after_forward",
