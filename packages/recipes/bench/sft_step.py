@@ -18,7 +18,10 @@ AdamW and clipping at 1.0, and runs in the same process one after the other:
 - ``recipes-lean``: ``recipes`` with the compiled layers under the activation memory budget
   ``--lean-budget`` (the recipe's ``model.compile_memory_budget``; 0.9 recomputes the norms'
   outputs and the SwiGLU product in backward instead of saving them, see
-  ``saved_activations.py``); ``recipes-lean-reshard``: the same with ``recipes-reshard``.
+  ``saved_activations.py``); ``recipes-lean-reshard``: the same with ``recipes-reshard``;
+  ``recipes-lean-chunk``: ``recipes-lean`` with ``--lean-loss-chunk`` tokens per chunk of the
+  fused loss (the recipe's ``model.fused_loss_chunk_tokens``: fewer passes over the head's
+  gradient for a larger transient at the end of forward).
 - ``fsdp2+liger``: the ``fsdp2`` loop with Liger-Kernel patched into transformers' Llama
   (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy); needs ``liger-kernel`` (the bench
   group) and always runs last, because the patches stay for the rest of the process.
@@ -96,6 +99,7 @@ class Variant:
     cp1: bool = False  # through cp-sharder's ContextParallelSharder on a 1-rank cp mesh
     liger: bool = False  # Liger-Kernel patched into transformers' Llama (a peer; runs last)
     memory_budget: float | None = None  # the compiled layers' activation memory budget
+    loss_chunk: int | None = None  # tokens per chunk of the fused loss (None: its default)
 
 
 def variants(args: argparse.Namespace) -> dict[str, Variant]:
@@ -131,6 +135,12 @@ def variants(args: argparse.Namespace) -> dict[str, Variant]:
             name="recipes-lean-reshard",
             memory_budget=args.lean_budget,
             reshard_after_forward=True,
+        ),
+        replace(
+            recipes,
+            name="recipes-lean-chunk",
+            memory_budget=args.lean_budget,
+            loss_chunk=args.lean_loss_chunk,
         ),
         # Liger's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy, patched into the
         # transformers classes for the rest of the process: always run last.
@@ -215,7 +225,9 @@ def setup(variant: Variant, args: argparse.Namespace) -> tuple[Callable[[dict], 
                         logits = engine(**inputs, use_cache=False).logits
                         loss = -token_log_probs(logits, labels).sum()
                     else:
-                        loss = token_sum_loss(engine, inputs, sharder=sharder)
+                        loss = token_sum_loss(
+                            engine, inputs, sharder=sharder, chunk_tokens=variant.loss_chunk
+                        )
                 engine.backward(loss, num_tokens=args.batch * (args.seq - 1))
             engine.step()
 
@@ -404,6 +416,12 @@ def main() -> None:
         type=float,
         default=0.9,
         help="activation memory budget of the recipes-lean* variants' compiled layers",
+    )
+    parser.add_argument(
+        "--lean-loss-chunk",
+        type=int,
+        default=4096,
+        help="tokens per chunk of the recipes-lean-chunk variant's fused loss",
     )
     parser.add_argument(
         "--profile",

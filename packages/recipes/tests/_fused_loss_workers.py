@@ -10,14 +10,16 @@ import torch
 from _scale_workers import batch_for, full_grads, tiny_hf_model
 
 
-def fused_loss(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+def fused_loss(
+    model: Any, batch: dict[str, Any], *, chunk_tokens: int | None = None
+) -> torch.Tensor:
     """The recipe's loss hook; asserts that it took the fused path (no logits built)."""
     from train_recipes.fused_loss import fused_head, token_sum_loss_of
 
     assert fused_head(model) is not None, "the fused path was not taken"
     inputs = dict(batch)
     labels = inputs.pop("labels")
-    return token_sum_loss_of(model, inputs, labels)
+    return token_sum_loss_of(model, inputs, labels, chunk_tokens=chunk_tokens)
 
 
 def fused_under_fsdp2(rank: int, world_size: int, reshard: bool | None) -> dict[str, Any]:

@@ -217,6 +217,7 @@ BAD_SFT_VALUES = [
     ("model.tiny.hidden_size", "0"),
     ("model.tiny.num_layers", "0"),
     ("model.tiny.intermediate_size", "0"),
+    ("model.fused_loss_chunk_tokens", "0"),
     ("train.log_every", "0"),
     ("train.loss_window", "0"),
     ("train.keep_checkpoints", "-1"),

@@ -53,6 +53,33 @@ def test_fused_loss_equals_float64_cross_entropy_on_logits(kind: str) -> None:
     assert head(x).shape == (3, head.out_features)
 
 
+def test_chunk_tokens_reach_the_fused_loss_and_keep_its_results(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``model.fused_loss_chunk_tokens`` is the loss's chunk size; the loss and gradients stay
+    those of the float64 reference whatever the chunking (a chunk of 3 tokens: many chunks)."""
+    import vocab_parallel as vp
+
+    seen: list[int | None] = []
+    original = vp.linear_cross_entropy
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(kwargs.get("chunk_size"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(vp, "linear_cross_entropy", spy)
+    torch.manual_seed(0)
+    model = tiny_hf_model("llama")
+    reference = tiny_hf_model("llama")
+    reference.load_state_dict(model.state_dict())
+    batch = batch_for("llama")
+    loss = fused_loss(model, batch, chunk_tokens=3)
+    loss.backward()
+    assert seen == [3]
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    _assert_close(float(loss.detach()), grads, *_reference(reference, batch))
+
+
 def test_logits_path_where_the_head_cannot_be_replaced() -> None:
     """A head with a bias, logit soft-capping (Gemma 2) and grad-free evaluation use the logits."""
     from transformers import Gemma2Config, Gemma2ForCausalLM

@@ -89,6 +89,13 @@ def check_sft_ranges(config: SFTConfig) -> None:
             f"{budget}; e.g. 0.9 recomputes only the norms and the SwiGLU product, null keeps "
             "torch's setting",
         )
+    if config.model.fused_loss_chunk_tokens is not None:
+        _at_least(
+            "model.fused_loss_chunk_tokens",
+            config.model.fused_loss_chunk_tokens,
+            1,
+            "null picks 1/20 of the micro batch's logits",
+        )
     _at_least("data.micro_batch_size", data.micro_batch_size, 1)
     _at_least("data.max_length", data.max_length, 2)
     _at_least("data.num_workers", data.num_workers, 0, "0 loads in the training process")

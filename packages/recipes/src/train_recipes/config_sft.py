@@ -63,6 +63,12 @@ class ModelConfig:
             norms' outputs and the SwiGLU product from their inputs (no matmul or attention
             recomputed: ``bench/saved_activations.py`` lists what each value saves). None
             keeps torch's setting. Needs ``compile``.
+        fused_loss_chunk_tokens: tokens per chunk of the fused linear loss (the loss without
+            logits, used where the head allows it). One chunk's [C, V] logits are the loss's
+            transient memory, alive at the end of forward with every activation (the step's
+            usual peak); each chunk also reads and writes the head's whole weight gradient
+            once, so fewer, larger chunks run faster. None: vocab-parallel's default, 1/20 of
+            the micro batch's logits.
         sdpa_backends: scaled_dot_product_attention backends to allow, in priority order
             ("cudnn", "flash", "efficient", "math"); None leaves torch's choice.
         activation_checkpointing: recompute each checkpointed decoder layer's activations in
@@ -82,6 +88,7 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     compile: bool = False
     compile_memory_budget: float | None = None
+    fused_loss_chunk_tokens: int | None = None
     sdpa_backends: tuple[Literal["cudnn", "flash", "efficient", "math"], ...] | None = None
     activation_checkpointing: bool = False
     activation_checkpointing_every: int = 1

@@ -83,7 +83,12 @@ def _keep_root_unsharded_after_forward(model: Any) -> None:
 
 
 def fused_token_sum_loss(
-    model: Any, head: nn.Linear, inputs: dict[str, Any], labels: Tensor
+    model: Any,
+    head: nn.Linear,
+    inputs: dict[str, Any],
+    labels: Tensor,
+    *,
+    chunk_tokens: int | None = None,
 ) -> Tensor:
     """Sum over the trained tokens of -log p(label), from the hidden states and ``head.weight``.
 
@@ -92,6 +97,8 @@ def fused_token_sum_loss(
         head: :func:`fused_head` of it.
         inputs: the model's keyword inputs (no labels).
         labels: [B, S] already shifted, -100 where nothing is trained.
+        chunk_tokens: tokens per chunk of the loss (``model.fused_loss_chunk_tokens``); None:
+            vocab-parallel's default.
 
     Returns:
         0-dim float32 tensor; its gradients were formed in forward (backward scales them).
@@ -130,14 +137,26 @@ def fused_token_sum_loss(
     # forward, with every activation: the peak. Its error stays at the bf16 rounding floor
     # (1.71e-3 against 1.67e-3 at T=16384, V=151936 in BENCHMARKS.md), and FSDP2 reduces it
     # into fp32 as before.
-    return vp.linear_cross_entropy(hidden, weight, labels, reduction="sum", fp32_weight_grad=False)
+    return vp.linear_cross_entropy(
+        hidden,
+        weight,
+        labels,
+        reduction="sum",
+        chunk_size=chunk_tokens,
+        fp32_weight_grad=False,
+    )
 
 
-def token_sum_loss_of(model: Any, inputs: dict[str, Any], labels: Tensor) -> Tensor:
-    """The recipe's token-sum loss: fused where :func:`fused_head` allows, else on the logits."""
+def token_sum_loss_of(
+    model: Any, inputs: dict[str, Any], labels: Tensor, *, chunk_tokens: int | None = None
+) -> Tensor:
+    """The recipe's token-sum loss: fused where :func:`fused_head` allows, else on the logits.
+
+    ``chunk_tokens``: tokens per chunk of the fused loss (None: vocab-parallel's default).
+    """
     head = fused_head(model)
     if head is not None and torch.is_grad_enabled():
-        return fused_token_sum_loss(model, head, inputs, labels)
+        return fused_token_sum_loss(model, head, inputs, labels, chunk_tokens=chunk_tokens)
     from vocab_parallel import token_log_probs
 
     logits = model(**inputs, use_cache=False).logits  # [B, S, V]

@@ -54,6 +54,7 @@ CHANGEABLE = frozenset(
         # speed knobs with the same parameters and checkpoints
         "model.compile",
         "model.compile_memory_budget",
+        "model.fused_loss_chunk_tokens",
         "model.sdpa_backends",
         "model.attn_implementation",
         "parallel.fsdp.reshard_after_forward",

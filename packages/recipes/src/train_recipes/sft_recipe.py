@@ -312,7 +312,13 @@ class SFTRecipe:
             for batch, host_batch in zip(micro, host, strict=True):
                 self._tokens.add_inputs(host_batch["attention_mask"])
                 with self._forward_attention(host_batch), router_losses.collect():
-                    loss_sum = token_sum_loss(engine, batch, sharder=self.sharder, vlm=self.vlm)
+                    loss_sum = token_sum_loss(
+                        engine,
+                        batch,
+                        sharder=self.sharder,
+                        vlm=self.vlm,
+                        chunk_tokens=self.config.model.fused_loss_chunk_tokens,
+                    )
                 extra = router_losses.term(num_tokens)  # MoE aux/z losses (0.0 otherwise)
                 engine.backward(loss_sum + extra, num_tokens=num_tokens)
                 step_loss += loss_sum.detach().to(torch.float64)

@@ -37,6 +37,7 @@ def token_sum_loss(
     *,
     sharder: ContextParallelSharder | None = None,
     vlm: bool = False,
+    chunk_tokens: int | None = None,
 ) -> Tensor:
     """The sum over this rank's trained tokens of -log p(label): the loss of contract (b).
 
@@ -60,6 +61,8 @@ def token_sum_loss(
             [P, D] and ``image_grid_thw`` [N, 3] (see ``_integrations.batch_tensors``).
         sharder: cp-sharder's ``ContextParallelSharder``; required for packed batches.
         vlm: the batch is an image-text batch (it must carry M-RoPE ids).
+        chunk_tokens: tokens per chunk of the fused linear loss (the recipe's
+            ``model.fused_loss_chunk_tokens``); None: vocab-parallel's default.
 
     Returns:
         0-dim float32 tensor.
@@ -97,8 +100,8 @@ def token_sum_loss(
     # fused_loss: the hidden states and the head's weight make the loss, without the logits.
     if sharder is None:
         labels = inputs.pop("labels")
-        return token_sum_loss_of(model, inputs, labels)
+        return token_sum_loss_of(model, inputs, labels, chunk_tokens=chunk_tokens)
     train_ctx, local = sharder.shard(inputs)
     labels = local.pop("labels")
     with train_ctx():
-        return token_sum_loss_of(model, local, labels)
+        return token_sum_loss_of(model, local, labels, chunk_tokens=chunk_tokens)
