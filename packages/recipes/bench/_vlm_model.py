@@ -1,0 +1,85 @@
+"""The loader-vs-step benchmark's model: the recipe's Qwen2.5-VL at a preset's sizes, step variants.
+
+``build_vlm`` makes the model the recipe's builder describes, with the preset's vision tower and
+vocabulary; ``StepVariant`` names one way of running the step. Used by ``loader_vs_step.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class _PaddedVocab:
+    """The tokenizer as the model builder sees it, with ``len()`` = the preset's vocabulary."""
+
+    def __init__(self, tokenizer: Any, size: int) -> None:
+        self._tokenizer = tokenizer
+        self._size = max(size, len(tokenizer))
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
+def build_vlm(
+    config: Any, tokenizer: Any, preset: dict[str, Any], device: torch.device, dtype: str
+) -> Any:
+    """The recipe's ``build_model`` with the preset's vision tower and vocabulary size.
+
+    The builder runs on the meta device (no weights) to get its Qwen2.5-VL config; the vision
+    fields are set on it and the model is made on ``device`` from that config, with transformers'
+    stock vision attention (the variants switch it).
+    """
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from train_recipes.modeling import build_model
+
+    if preset["vocab_size"] is not None:
+        tokenizer = _PaddedVocab(tokenizer, preset["vocab_size"])
+    with torch.device("meta"):
+        skeleton = build_model(config, tokenizer)
+    hf_config: Any = skeleton.config
+    del skeleton
+    for key, value in preset["vision"].items():
+        setattr(hf_config.vision_config, key, value)
+    hf_config.vision_config._attn_implementation = config.model.attn_implementation
+    model_class: Any = Qwen2_5_VLForConditionalGeneration
+    with torch.device(device):
+        model = model_class(hf_config)
+    return model.to(dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StepVariant:
+    """One way of running the step; named by its parts joined with "+" (e.g. "varlen+compile").
+
+    Attributes:
+        name: as given on the command line.
+        varlen: the vision tower through ``train_recipes.vision_attention`` (one varlen call
+            per block); "stock" is transformers' per-window attention.
+        compile: every decoder layer and vision block compiled (``compile_decoder_layers``).
+        fsdp2: fp32 weights under a 1-rank FSDP2 with bf16 compute (else ``--wrap``).
+    """
+
+    name: str
+    varlen: bool
+    compile: bool
+    fsdp2: bool
+
+    @classmethod
+    def parse(cls, name: str) -> StepVariant:
+        base, *extras = name.split("+")
+        unknown = [e for e in extras if e not in ("compile", "fsdp2")]
+        if base not in ("stock", "varlen") or unknown or len(set(extras)) != len(extras):
+            raise SystemExit(
+                f"unknown step variant {name!r}: stock or varlen, then +compile and/or +fsdp2 "
+                "(e.g. stock,varlen,varlen+compile,varlen+fsdp2)"
+            )
+        return cls(
+            name=name, varlen=base == "varlen", compile="compile" in extras, fsdp2="fsdp2" in extras
+        )
