@@ -1,7 +1,8 @@
 """The loader-vs-step benchmark's model: the recipe's Qwen2.5-VL at a preset's sizes, step variants.
 
-``build_vlm`` makes the model the recipe's builder describes, with the preset's vision tower and
-vocabulary; ``StepVariant`` names one way of running the step. Used by ``loader_vs_step.py``.
+``PRESETS`` holds the model shapes; ``build_vlm`` makes the model the recipe's builder
+describes, with the preset's vision tower and vocabulary; ``StepVariant`` names one way of running
+the step. Used by ``loader_vs_step.py``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,40 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+# Qwen2.5-VL-3B's shapes; "tiny" is the quick/CPU preset.
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen2.5-vl-3b": {
+        "text": {
+            "hidden_size": 2048,
+            "num_layers": 36,
+            "num_heads": 16,
+            "num_kv_heads": 2,
+            "intermediate_size": 11008,
+        },
+        "vision": {
+            "depth": 32,
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "num_heads": 16,
+            "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+        },
+        "vocab_size": 151936,
+    },
+    "tiny": {
+        "text": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2},
+        "vision": {
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+        },
+        "vocab_size": None,  # the tokenizer's own size
+    },
+}
 
 
 class _PaddedVocab:

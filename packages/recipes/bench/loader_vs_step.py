@@ -63,7 +63,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import torch
 from _vlm_data import build_processor, write_dataset
 from _vlm_flops import batch_flops, check_windows, model_counts
-from _vlm_model import StepVariant, build_vlm
+from _vlm_model import PRESETS, StepVariant, build_vlm
 
 from train_testing.bench import (
     add_device_argument,
@@ -79,40 +79,6 @@ from train_testing.bench import (
 )
 
 logger = logging.getLogger("loader_vs_step")
-
-# Qwen2.5-VL-3B's shapes; "tiny" is the quick/CPU preset.
-PRESETS: dict[str, dict[str, Any]] = {
-    "qwen2.5-vl-3b": {
-        "text": {
-            "hidden_size": 2048,
-            "num_layers": 36,
-            "num_heads": 16,
-            "num_kv_heads": 2,
-            "intermediate_size": 11008,
-        },
-        "vision": {
-            "depth": 32,
-            "hidden_size": 1280,
-            "intermediate_size": 3420,
-            "num_heads": 16,
-            "window_size": 112,
-            "fullatt_block_indexes": [7, 15, 23, 31],
-        },
-        "vocab_size": 151936,
-    },
-    "tiny": {
-        "text": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2},
-        "vision": {
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "window_size": 56,
-            "fullatt_block_indexes": [1],
-        },
-        "vocab_size": None,  # the tokenizer's own size
-    },
-}
 
 # ---------------------------------------------------------------------------------- loader
 
@@ -200,10 +166,13 @@ def measure_step(
     steps: int,
     peak_tflops: float,
     compile_backend: str,
+    profile_path: Path | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Median SFT step on batches already on the device; returns (row, model description).
 
     A fresh model from the same seed for every variant (the first step's loss must agree).
+    With ``profile_path``, two more steps are profiled after the timed ones (kernel table and
+    the GPU's idle gaps, ``sft_step.profile``).
     """
     from train_engine import Engine, FSDP2Config, apply_data_parallel, param_groups
     from train_recipes import _integrations as data_api
@@ -298,8 +267,13 @@ def measure_step(
 
     times: list[float] = []
     losses: list[float] = []
+    if compiled:
+        # Each batch has its own shapes (tokens, patches, images): warm up on all of them, so
+        # that no (re)compilation falls into the timed steps.
+        warmup = max(warmup, len(batches))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    compile_s = 0.0
     for i in range(warmup + steps):
         batch = batches[i % len(batches)]
         sync(device)
@@ -308,7 +282,13 @@ def measure_step(
         sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+        elif compiled:
+            compile_s += time.perf_counter() - t0
         losses.append(float(loss) / max(1, int((batch["labels"] != -100).sum())))
+    if profile_path is not None:
+        from sft_step import profile
+
+        profile(step, batches, argparse.Namespace(device=device.type), profile_path)
     median_s = statistics.median(times)
     # Per-batch mean over the steps actually timed.
     timed = [(warmup + i) % len(batches) for i in range(steps)]
@@ -342,6 +322,7 @@ def measure_step(
         "batches": len(batches),
         "steps": steps,
         "warmup steps": warmup,
+        "warm-up s (compiling)": compile_s if compiled else None,
         "min ms/step": min(times) * 1e3,
         "max ms/step": max(times) * 1e3,
         "h2d ms/batch": statistics.fmean(h2d) * 1e3,
@@ -410,6 +391,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--compile-backend",
         default=None,
         help="torch.compile backend of +compile (inductor on CUDA, aot_eager on the CPU)",
+    )
+    parser.add_argument(
+        "--profile",
+        default="",
+        help="step variants to profile, comma-separated (profile_<variant>.txt next to --out)",
     )
     parser.add_argument(
         "--peak-tflops", type=float, default=989.0, help="MFU's peak (989: H100/H200 bf16 dense)"
@@ -536,6 +522,11 @@ def measure_variant(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One step variant; retried once with activation checkpointing when it runs out of memory."""
     logger.info("step %s: building the %s model on %s", variant.name, args.model, device)
+    profile_path = None
+    if variant.name in args.profile.split(","):
+        if not args.out:
+            raise SystemExit("--profile writes next to --out; pass --out")
+        profile_path = Path(args.out).parent / f"profile_{variant.name}.txt"
     checkpointing = args.activation_checkpointing
     for attempt in range(2):
         oom = False
@@ -553,6 +544,7 @@ def measure_variant(
                 steps=args.steps,
                 peak_tflops=args.peak_tflops,
                 compile_backend=args.compile_backend,
+                profile_path=profile_path,
             )
             break
         except torch.OutOfMemoryError:
