@@ -89,6 +89,12 @@ def build_vlm(
     return model.to(dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
 
 
+_EXTRAS = ("fusedadam", "compile", "fsdp2")
+
+#: The before/after run of ``--step-only``: today's step, then each speed-up added.
+STEP_ONLY_VARIANTS = "stock,varlen,varlen+fusedadam,varlen+fusedadam+compile,varlen+fusedadam+fsdp2"
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class StepVariant:
     """One way of running the step; named by its parts joined with "+" (e.g. "varlen+compile").
@@ -97,24 +103,31 @@ class StepVariant:
         name: as given on the command line.
         varlen: the vision tower through ``train_recipes.vision_attention`` (one varlen call
             per block); "stock" is transformers' per-window attention.
+        fused_adam: ``AdamW(fused=True)``, the recipe's optimizer on CUDA (the Engine then clips
+            and skips inside the kernel, without the host sync of the foreach AdamW's step).
         compile: every decoder layer and vision block compiled (``compile_decoder_layers``).
         fsdp2: fp32 weights under a 1-rank FSDP2 with bf16 compute (else ``--wrap``).
     """
 
     name: str
     varlen: bool
+    fused_adam: bool
     compile: bool
     fsdp2: bool
 
     @classmethod
     def parse(cls, name: str) -> StepVariant:
         base, *extras = name.split("+")
-        unknown = [e for e in extras if e not in ("compile", "fsdp2")]
+        unknown = [e for e in extras if e not in _EXTRAS]
         if base not in ("stock", "varlen") or unknown or len(set(extras)) != len(extras):
             raise SystemExit(
-                f"unknown step variant {name!r}: stock or varlen, then +compile and/or +fsdp2 "
-                "(e.g. stock,varlen,varlen+compile,varlen+fsdp2)"
+                f"unknown step variant {name!r}: stock or varlen, then any of "
+                f"{', '.join('+' + e for e in _EXTRAS)} (e.g. {STEP_ONLY_VARIANTS})"
             )
         return cls(
-            name=name, varlen=base == "varlen", compile="compile" in extras, fsdp2="fsdp2" in extras
+            name=name,
+            varlen=base == "varlen",
+            fused_adam="fusedadam" in extras,
+            compile="compile" in extras,
+            fsdp2="fsdp2" in extras,
         )

@@ -20,10 +20,11 @@ One run measures, side by side, for a Qwen2.5-VL-style SFT workload:
    ``Engine.step()``, AdamW. Median over ``--steps`` steps (device synchronised) after
    ``--warmup-steps``, for each of ``--step-variants`` in turn (a fresh model from the same seed
    each, so the first step's losses agree): ``stock`` (transformers' per-window vision
-   attention), ``varlen`` (``train_recipes.vision_attention``, the recipe's default), each
-   optionally ``+compile`` (``compile_decoder_layers``: decoder layers and vision blocks) and
-   ``+fsdp2`` (fp32 weights, 1-rank FSDP2, bf16 compute). ``--step-only`` skips the loader
-   measurement and writes a small dataset.
+   attention), ``varlen`` (``train_recipes.vision_attention``, the recipe's default), then any of
+   ``+fusedadam`` (the recipe's fused AdamW: no host sync in ``Engine.step``), ``+compile``
+   (``compile_decoder_layers``: decoder layers and vision blocks) and ``+fsdp2`` (fp32 weights,
+   1-rank FSDP2, bf16 compute). ``--step-only`` skips the loader measurement and writes a small
+   dataset.
 3. ratio = loader samples/s / step samples/s (the fastest variant): >= 1 means the loader
    produces batches at least as fast as one GPU consumes them.
 4. MFU = model FLOPs per batch / step time / ``--peak-tflops`` (989: H100/H200 bf16 dense). The
@@ -35,7 +36,7 @@ One run measures, side by side, for a Qwen2.5-VL-style SFT workload:
 
     python packages/recipes/bench/loader_vs_step.py --device cuda --out loader_vs_step.json
     python packages/recipes/bench/loader_vs_step.py --device cuda --step-only \
-        --step-variants stock,varlen,varlen+compile --out vlm_step.json   # before / after
+        --out vlm_step.json   # before / after: stock, then each speed-up added
     python packages/recipes/bench/loader_vs_step.py --quick --out lvs.json   # tiny, CPU
 
 The recipe's builder makes a one-block, 32-wide vision tower; the bench sets the vision config
@@ -63,7 +64,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import torch
 from _vlm_data import build_processor, write_dataset
 from _vlm_flops import batch_flops, check_windows, model_counts
-from _vlm_model import PRESETS, StepVariant, build_vlm
+from _vlm_model import PRESETS, STEP_ONLY_VARIANTS, StepVariant, build_vlm
 
 from train_testing.bench import (
     add_device_argument,
@@ -230,6 +231,7 @@ def measure_step(
         lr=config.optim.lr,
         betas=config.optim.betas,
         eps=config.optim.eps,
+        fused=True if variant.fused_adam else None,  # None: torch's default (foreach on CUDA)
     )
     engine = Engine(model, optimizer, max_grad_norm=config.optim.max_grad_norm)
     fused = fused_head(engine) is not None  # token_sum_loss takes train_recipes.fused_loss
@@ -258,8 +260,9 @@ def measure_step(
         sharder = ContextParallelSharder(model, mesh, padding_token_id=0)
 
     def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        # The recipe's micro-step (gradient_accumulation_steps=1, one dp rank, cp=1).
-        num_tokens = engine.global_num_tokens(int((batch["labels"] != -100).sum()))
+        # The recipe's micro-step (gradient_accumulation_steps=1, one dp rank, cp=1), with its
+        # host count of the trained tokens (counting on the device would wait for the GPU).
+        num_tokens = engine.global_num_tokens(batch["num_trainable_tokens"])
         loss = token_sum_loss(engine, batch, sharder=sharder, vlm=True)
         engine.backward(loss, num_tokens=num_tokens)
         engine.step()
@@ -284,7 +287,7 @@ def measure_step(
             times.append(time.perf_counter() - t0)
         elif compiled:
             compile_s += time.perf_counter() - t0
-        losses.append(float(loss) / max(1, int((batch["labels"] != -100).sum())))
+        losses.append(float(loss) / max(1, batch["num_trainable_tokens"]))
     if profile_path is not None:
         from sft_step import profile
 
@@ -302,6 +305,7 @@ def measure_step(
             ("fsdp2 fp32 weights, bf16 compute" if wrap == "fsdp2" else dtype)
             + (", vision varlen" if variant.varlen else ", vision per window (stock)")
             + (f", {compiled} blocks compiled ({compile_backend})" if compiled else "")
+            + (", fused AdamW" if variant.fused_adam else ", AdamW (torch's default: foreach)")
             + (", fused loss" if fused else ", loss on logits")
             + (", activation checkpointing" if activation_checkpointing else "")
             + f", {device.type}"
@@ -384,8 +388,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="comma-separated, measured in this order in one process: stock (transformers' "
         "per-window vision attention) or varlen (one varlen call per vision block, the "
-        "recipe's default), each optionally +compile and/or +fsdp2 (default: varlen; "
-        "--step-only: stock,varlen,varlen+compile,varlen+fsdp2; --quick: stock,varlen)",
+        "recipe's default), then any of +fusedadam, +compile, +fsdp2 (default: varlen; "
+        f"--step-only: {STEP_ONLY_VARIANTS}; --quick: stock,varlen)",
     )
     parser.add_argument(
         "--compile-backend",
@@ -452,7 +456,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not args.quick:
             defaults |= {
                 "num_samples": 240,
-                "step_variants": "stock,varlen,varlen+compile,varlen+fsdp2",
+                "step_variants": STEP_ONLY_VARIANTS,
             }
     for key, value in defaults.items():
         if getattr(args, key, None) is None:
