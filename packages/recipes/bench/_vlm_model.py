@@ -89,10 +89,19 @@ def build_vlm(
     return model.to(dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
 
 
-_EXTRAS = ("fusedadam", "compile", "fsdp2")
+_EXTRAS = ("linearpatch", "fusedadam", "compile", "fsdp2")
 
 #: The before/after run of ``--step-only``: today's step, then each speed-up added.
-STEP_ONLY_VARIANTS = "stock,varlen,varlen+fusedadam,varlen+fusedadam+compile,varlen+fusedadam+fsdp2"
+STEP_ONLY_VARIANTS = ",".join(
+    [
+        "stock",
+        "varlen",
+        "varlen+linearpatch",
+        "varlen+linearpatch+fusedadam",
+        "varlen+linearpatch+fusedadam+compile",
+        "varlen+linearpatch+fusedadam+fsdp2",
+    ]
+)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -103,6 +112,8 @@ class StepVariant:
         name: as given on the command line.
         varlen: the vision tower through ``train_recipes.vision_attention`` (one varlen call
             per block); "stock" is transformers' per-window attention.
+        linear_patch: the patch embedding as a matmul (``train_recipes.patch_embed``), not
+            cuDNN's Conv3d.
         fused_adam: ``AdamW(fused=True)``, the recipe's optimizer on CUDA (the Engine then clips
             and skips inside the kernel, without the host sync of the foreach AdamW's step).
         compile: every decoder layer and vision block compiled (``compile_decoder_layers``).
@@ -111,6 +122,7 @@ class StepVariant:
 
     name: str
     varlen: bool
+    linear_patch: bool
     fused_adam: bool
     compile: bool
     fsdp2: bool
@@ -127,6 +139,7 @@ class StepVariant:
         return cls(
             name=name,
             varlen=base == "varlen",
+            linear_patch="linearpatch" in extras,
             fused_adam="fusedadam" in extras,
             compile="compile" in extras,
             fsdp2="fsdp2" in extras,

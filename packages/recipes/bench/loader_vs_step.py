@@ -20,11 +20,12 @@ One run measures, side by side, for a Qwen2.5-VL-style SFT workload:
    ``Engine.step()``, AdamW. Median over ``--steps`` steps (device synchronised) after
    ``--warmup-steps``, for each of ``--step-variants`` in turn (a fresh model from the same seed
    each, so the first step's losses agree): ``stock`` (transformers' per-window vision
-   attention), ``varlen`` (``train_recipes.vision_attention``, the recipe's default), then any of
-   ``+fusedadam`` (the recipe's fused AdamW: no host sync in ``Engine.step``), ``+compile``
-   (``compile_decoder_layers``: decoder layers and vision blocks) and ``+fsdp2`` (fp32 weights,
-   1-rank FSDP2, bf16 compute). ``--step-only`` skips the loader measurement and writes a small
-   dataset.
+   attention), ``varlen`` (``train_recipes.vision_attention``), then any of ``+linearpatch``
+   (``train_recipes.patch_embed``: the patch embedding as a matmul), ``+fusedadam`` (fused AdamW:
+   no host sync in ``Engine.step``), ``+compile`` (``compile_decoder_layers``: decoder layers and
+   vision blocks) and ``+fsdp2`` (fp32 weights, 1-rank FSDP2, bf16 compute). The recipe's default
+   step on CUDA is ``varlen+linearpatch+fusedadam`` (this run's default). ``--step-only`` skips
+   the loader measurement and writes a small dataset.
 3. ratio = loader samples/s / step samples/s (the fastest variant): >= 1 means the loader
    produces batches at least as fast as one GPU consumes them.
 4. MFU = model FLOPs per batch / step time / ``--peak-tflops`` (989: H100/H200 bf16 dense). The
@@ -179,6 +180,7 @@ def measure_step(
     from train_recipes import _integrations as data_api
     from train_recipes.fused_loss import fused_head
     from train_recipes.modeling import compile_decoder_layers
+    from train_recipes.patch_embed import use_linear_patch_embed
     from train_recipes.processors import tokenizer_of
     from train_recipes.sft import token_sum_loss
     from train_recipes.vision_attention import use_varlen_vision_attention
@@ -198,6 +200,8 @@ def measure_step(
         check_windows(b.image_grid_thw.tolist(), model.config.vision_config, counts)
     if variant.varlen and not use_varlen_vision_attention(model):
         raise SystemExit(f"variant {variant.name}: the model's vision tower is not supported")
+    if variant.linear_patch and not use_linear_patch_embed(model):
+        raise SystemExit(f"variant {variant.name}: the model's patch embedding is not supported")
     n_params = sum(p.numel() for p in model.parameters())
     visual = getattr(getattr(model, "model", model), "visual", None)
     n_vision = sum(p.numel() for p in visual.parameters()) if visual is not None else 0
@@ -304,6 +308,7 @@ def measure_step(
         "setup": (
             ("fsdp2 fp32 weights, bf16 compute" if wrap == "fsdp2" else dtype)
             + (", vision varlen" if variant.varlen else ", vision per window (stock)")
+            + (", patch embedding matmul" if variant.linear_patch else ", patch embedding Conv3d")
             + (f", {compiled} blocks compiled ({compile_backend})" if compiled else "")
             + (", fused AdamW" if variant.fused_adam else ", AdamW (torch's default: foreach)")
             + (", fused loss" if fused else ", loss on logits")
@@ -381,14 +386,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--step-only",
         action="store_true",
         help="measure only the step variants: no loader measurement, a small dataset "
-        "(--num-samples 240), the first --step-batches batches",
+        "(--num-samples 240), the first --step-batches batches, --warmup-steps 2 --steps 8",
     )
     parser.add_argument(
         "--step-variants",
         default=None,
         help="comma-separated, measured in this order in one process: stock (transformers' "
         "per-window vision attention) or varlen (one varlen call per vision block, the "
-        "recipe's default), then any of +fusedadam, +compile, +fsdp2 (default: varlen; "
+        "recipe's), then any of +linearpatch, +fusedadam, +compile, +fsdp2 (default: "
+        "varlen+linearpatch+fusedadam, the recipe's step on CUDA; "
         f"--step-only: {STEP_ONLY_VARIANTS}; --quick: stock,varlen)",
     )
     parser.add_argument(
@@ -432,7 +438,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "step_batches": 8,
         "warmup_steps": 3,
         "steps": 12,
-        "step_variants": "varlen",
+        "step_variants": "varlen+linearpatch+fusedadam",
     }
     quick = {
         "model": "tiny",
@@ -451,12 +457,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = quick if args.quick else full
     if args.step_only:
         # Enough samples for the step batches (~13 samples a batch at the full sizes); the
-        # loader only delivers them.
+        # loader only delivers them. Fewer timed steps: six variants in a few minutes.
         defaults = {**defaults, "warmup_batches": 0}
         if not args.quick:
             defaults |= {
                 "num_samples": 240,
                 "step_variants": STEP_ONLY_VARIANTS,
+                "warmup_steps": 2,
+                "steps": 8,
             }
     for key, value in defaults.items():
         if getattr(args, key, None) is None:

@@ -15,8 +15,9 @@ BENCH = Path(__file__).parents[1] / "bench" / "loader_vs_step.py"
 @pytest.mark.timeout(300)
 def test_loader_vs_step_quick(tmp_path: Path) -> None:
     # Two step variants: transformers' per-window vision attention, and everything switched on
-    # (varlen vision attention, fused AdamW, compiled blocks with aot_eager on the CPU, FSDP2).
-    variants = "stock,varlen+fusedadam+compile+fsdp2"
+    # (varlen vision attention, matmul patch embedding, fused AdamW, compiled blocks with
+    # aot_eager on the CPU, FSDP2).
+    variants = "stock,varlen+linearpatch+fusedadam+compile+fsdp2"
     run = run_quick(BENCH, tmp_path, "--device", "cpu", "--step-variants", variants, timeout_s=240)
     assert "loader / step samples/s" in run.stdout, run.stdout
     assert "MFU" in run.stdout, run.stdout
@@ -33,11 +34,12 @@ def test_loader_vs_step_quick(tmp_path: Path) -> None:
     assert loader["variant"].startswith("loader")
     assert [stock["variant"], tuned["variant"]] == [
         "step stock",
-        "step varlen+fusedadam+compile+fsdp2",
+        "step varlen+linearpatch+fusedadam+compile+fsdp2",
     ]
     assert "vision per window" in stock["setup"] and "vision varlen" in tuned["setup"]
     assert tuned["compiled blocks"] > 0 and "fsdp2" in tuned["setup"], tuned["setup"]
     assert "fused AdamW" in tuned["setup"] and "fused AdamW" not in stock["setup"]
+    assert "patch embedding matmul" in tuned["setup"] and "Conv3d" in stock["setup"]
     for row in (loader, stock, tuned):
         for key in ("samples/s", "tokens/s", "ms/batch", "samples/batch", "tokens/batch"):
             assert math.isfinite(row[key]) and row[key] > 0, (key, row)
