@@ -615,6 +615,8 @@ def main(argv: list[str] | None = None) -> None:
             100 * row["MFU"],
             row["first loss/token"],
         )
+        if args.out:  # what a run stopped by a time limit leaves (the full JSON replaces it)
+            write_json(args.out, {"partial": True, "loader": loader_row, "rows": step_rows})
     base = step_rows[0]
     for row in step_rows:
         row[f"vs {base['variant']}"] = base["ms/batch"] / row["ms/batch"]
