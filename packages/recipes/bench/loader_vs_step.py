@@ -16,13 +16,29 @@ One run measures, side by side, for a Qwen2.5-VL-style SFT workload:
    ``build_model`` (the default preset mirrors Qwen2.5-VL-3B: decoder hidden 2048, 36 layers,
    16/2 heads, MLP 11008, vocabulary 151936, tied; vision tower 32 blocks of width 1280) on the
    first ``--step-batches`` batches of that same loader, already on the device: the recipe's
-   ``token_sum_loss`` + ``Engine.backward(loss, num_tokens=...)`` + ``Engine.step()``, AdamW.
-   Median over ``--steps`` steps (device synchronised) after ``--warmup-steps``.
-3. ratio = loader samples/s / step samples/s: >= 1 means the loader produces batches at least
-   as fast as one GPU consumes them.
+   ``token_sum_loss`` (its fused linear loss) + ``Engine.backward(loss, num_tokens=...)`` +
+   ``Engine.step()``, AdamW. Median over ``--steps`` steps (device synchronised) after
+   ``--warmup-steps``, for each of ``--step-variants`` in turn (a fresh model from the same seed
+   each, so the first step's losses agree): ``stock`` (transformers' per-window vision
+   attention), ``varlen`` (``train_recipes.vision_attention``), then any of ``+linearpatch``
+   (``train_recipes.patch_embed``: the patch embedding as a matmul), ``+fusedadam`` (fused AdamW:
+   no host sync in ``Engine.step``), ``+compile`` (``compile_decoder_layers``: decoder layers and
+   vision blocks) and ``+fsdp2`` (fp32 weights, 1-rank FSDP2, bf16 compute). The recipe's default
+   step on CUDA is ``varlen+linearpatch+fusedadam`` (this run's default). ``--step-only`` skips
+   the loader measurement and writes a small dataset.
+3. ratio = loader samples/s / step samples/s (the fastest variant): >= 1 means the loader
+   produces batches at least as fast as one GPU consumes them.
+4. MFU = model FLOPs per batch / step time / ``--peak-tflops`` (989: H100/H200 bf16 dense). The
+   FLOPs, from each batch's documents (``seq_lens``) and images (``image_grid_thw``), are
+   ``_vlm_flops.batch_flops``: 6 x matmul weights x tokens (decoder + head) and x patches (vision
+   tower; the merger x merged tokens), plus 12 x d x layers x the attended pairs: causal per
+   packed document (L(L+1)/2 each) in the decoder, per window (W^2) or per image frame in the
+   vision blocks. Norms, activations, the optimizer and padding are not counted.
 
     python packages/recipes/bench/loader_vs_step.py --device cuda --out loader_vs_step.json
-    python packages/recipes/bench/loader_vs_step.py --quick --out /tmp/lvs.json   # tiny, CPU
+    python packages/recipes/bench/loader_vs_step.py --device cuda --step-only \
+        --out vlm_step.json   # before / after: stock, then each speed-up added
+    python packages/recipes/bench/loader_vs_step.py --quick --out lvs.json   # tiny, CPU
 
 The recipe's builder makes a one-block, 32-wide vision tower; the bench sets the vision config
 of the preset (depth, width, heads, windows) on the builder's config before the weights are
@@ -48,6 +64,8 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch
 from _vlm_data import build_processor, write_dataset
+from _vlm_flops import batch_flops, check_windows, model_counts
+from _vlm_model import PRESETS, STEP_ONLY_VARIANTS, StepVariant, build_vlm
 
 from train_testing.bench import (
     add_device_argument,
@@ -63,40 +81,6 @@ from train_testing.bench import (
 )
 
 logger = logging.getLogger("loader_vs_step")
-
-# Qwen2.5-VL-3B's shapes; "tiny" is the quick/CPU preset.
-PRESETS: dict[str, dict[str, Any]] = {
-    "qwen2.5-vl-3b": {
-        "text": {
-            "hidden_size": 2048,
-            "num_layers": 36,
-            "num_heads": 16,
-            "num_kv_heads": 2,
-            "intermediate_size": 11008,
-        },
-        "vision": {
-            "depth": 32,
-            "hidden_size": 1280,
-            "intermediate_size": 3420,
-            "num_heads": 16,
-            "window_size": 112,
-            "fullatt_block_indexes": [7, 15, 23, 31],
-        },
-        "vocab_size": 151936,
-    },
-    "tiny": {
-        "text": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2},
-        "vision": {
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "window_size": 56,
-            "fullatt_block_indexes": [1],
-        },
-        "vocab_size": None,  # the tokenizer's own size
-    },
-}
 
 # ---------------------------------------------------------------------------------- loader
 
@@ -170,45 +154,6 @@ def measure_loader(
 # ------------------------------------------------------------------------------------ step
 
 
-class _PaddedVocab:
-    """The tokenizer as the model builder sees it, with ``len()`` = the preset's vocabulary."""
-
-    def __init__(self, tokenizer: Any, size: int) -> None:
-        self._tokenizer = tokenizer
-        self._size = max(size, len(tokenizer))
-
-    def __len__(self) -> int:
-        return self._size
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tokenizer, name)
-
-
-def build_vlm(config: Any, tokenizer: Any, preset: dict[str, Any], device: torch.device) -> Any:
-    """The recipe's ``build_model`` with the preset's vision tower and vocabulary size.
-
-    The builder runs on the meta device (no weights) to get its Qwen2.5-VL config; the vision
-    fields are set on it and the model is made on ``device`` from that config.
-    """
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    from train_recipes.modeling import build_model
-
-    if preset["vocab_size"] is not None:
-        tokenizer = _PaddedVocab(tokenizer, preset["vocab_size"])
-    with torch.device("meta"):
-        skeleton = build_model(config, tokenizer)
-    hf_config: Any = skeleton.config
-    del skeleton
-    for key, value in preset["vision"].items():
-        setattr(hf_config.vision_config, key, value)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.model.dtype]
-    model_class: Any = Qwen2_5_VLForConditionalGeneration
-    with torch.device(device):
-        model = model_class(hf_config)
-    return model.to(dtype=dtype)
-
-
 def measure_step(
     config: Any,
     processor: Any,
@@ -216,23 +161,47 @@ def measure_step(
     cpu_batches: list[Any],
     *,
     device: torch.device,
+    variant: StepVariant,
     wrap: str,
     activation_checkpointing: bool,
     warmup: int,
     steps: int,
+    peak_tflops: float,
+    compile_backend: str,
+    profile_path: Path | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Median SFT step on batches already on the device; returns (row, model description)."""
+    """Median SFT step on batches already on the device; returns (row, model description).
+
+    A fresh model from the same seed for every variant (the first step's loss must agree).
+    With ``profile_path``, two more steps are profiled after the timed ones (kernel table and
+    the GPU's idle gaps, ``sft_step.profile``).
+    """
     from train_engine import Engine, FSDP2Config, apply_data_parallel, param_groups
     from train_recipes import _integrations as data_api
+    from train_recipes.fused_loss import fused_head
+    from train_recipes.modeling import compile_decoder_layers
+    from train_recipes.patch_embed import use_linear_patch_embed
     from train_recipes.processors import tokenizer_of
     from train_recipes.sft import token_sum_loss
+    from train_recipes.vision_attention import use_varlen_vision_attention
 
     if device.type == "cuda":
         torch.cuda.set_device(device)  # main() gives it an index
+    if variant.fsdp2:
+        wrap = "fsdp2"
+    dtype = "float32" if wrap == "fsdp2" else config.model.dtype
     torch.manual_seed(config.train.seed)
     t0 = time.perf_counter()
-    model = build_vlm(config, tokenizer_of(processor), preset, device)
+    model = build_vlm(config, tokenizer_of(processor), preset, device, dtype)
     build_s = time.perf_counter() - t0
+    counts = model_counts(model)
+    flops = [batch_flops(counts, b) for b in cpu_batches]
+    for b in cpu_batches:
+        check_windows(b.image_grid_thw.tolist(), model.config.vision_config, counts)
+    if variant.varlen and not use_varlen_vision_attention(model):
+        raise SystemExit(f"variant {variant.name}: the model's vision tower is not supported")
+    if variant.linear_patch and not use_linear_patch_embed(model):
+        raise SystemExit(f"variant {variant.name}: the model's patch embedding is not supported")
     n_params = sum(p.numel() for p in model.parameters())
     visual = getattr(getattr(model, "model", model), "visual", None)
     n_vision = sum(p.numel() for p in visual.parameters()) if visual is not None else 0
@@ -242,14 +211,16 @@ def measure_step(
         "vocab_size": model.config.text_config.vocab_size,
         "text": preset["text"],
         "vision": preset["vision"],
-        "dtype": config.model.dtype,
+        "dtype": dtype,
         "wrap": wrap,
         "activation_checkpointing": activation_checkpointing,
         "build_s": build_s,
+        "flop_counts": counts,
     }
     if activation_checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
+    compiled = compile_decoder_layers(model, backend=compile_backend) if variant.compile else 0
     if wrap == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -264,8 +235,10 @@ def measure_step(
         lr=config.optim.lr,
         betas=config.optim.betas,
         eps=config.optim.eps,
+        fused=True if variant.fused_adam else None,  # None: torch's default (foreach on CUDA)
     )
     engine = Engine(model, optimizer, max_grad_norm=config.optim.max_grad_norm)
+    fused = fused_head(engine) is not None  # token_sum_loss takes train_recipes.fused_loss
 
     # Host -> device copy of each batch, as the recipe's loop does it (timed separately).
     h2d: list[float] = []
@@ -291,8 +264,9 @@ def measure_step(
         sharder = ContextParallelSharder(model, mesh, padding_token_id=0)
 
     def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        # The recipe's micro-step (gradient_accumulation_steps=1, one dp rank, cp=1).
-        num_tokens = engine.global_num_tokens(int((batch["labels"] != -100).sum()))
+        # The recipe's micro-step (gradient_accumulation_steps=1, one dp rank, cp=1), with its
+        # host count of the trained tokens (counting on the device would wait for the GPU).
+        num_tokens = engine.global_num_tokens(batch["num_trainable_tokens"])
         loss = token_sum_loss(engine, batch, sharder=sharder, vlm=True)
         engine.backward(loss, num_tokens=num_tokens)
         engine.step()
@@ -300,8 +274,13 @@ def measure_step(
 
     times: list[float] = []
     losses: list[float] = []
+    if compiled:
+        # Each batch has its own shapes (tokens, patches, images): warm up on all of them, so
+        # that no (re)compilation falls into the timed steps.
+        warmup = max(warmup, len(batches))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    compile_s = 0.0
     for i in range(warmup + steps):
         batch = batches[i % len(batches)]
         sync(device)
@@ -310,28 +289,49 @@ def measure_step(
         sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-        losses.append(float(loss) / max(1, int((batch["labels"] != -100).sum())))
+        elif compiled:
+            compile_s += time.perf_counter() - t0
+        losses.append(float(loss) / max(1, batch["num_trainable_tokens"]))
+    if profile_path is not None:
+        from sft_step import profile
+
+        profile(step, batches, argparse.Namespace(device=device.type), profile_path)
     median_s = statistics.median(times)
     # Per-batch mean over the steps actually timed.
     timed = [(warmup + i) % len(batches) for i in range(steps)]
     mean_samples = statistics.fmean(samples[j] for j in timed)
     mean_tokens = statistics.fmean(tokens[j] for j in timed)
+    mean_flops = {k: statistics.fmean(flops[j][k] for j in timed) for k in flops[0]}
+    tflops_per_s = mean_flops["total"] / median_s / 1e12
     row = {
-        "variant": (
-            "SFT step ("
-            + ("fsdp2 fp32 weights, bf16 compute" if wrap == "fsdp2" else config.model.dtype)
+        "variant": f"step {variant.name}",
+        "setup": (
+            ("fsdp2 fp32 weights, bf16 compute" if wrap == "fsdp2" else dtype)
+            + (", vision varlen" if variant.varlen else ", vision per window (stock)")
+            + (", patch embedding matmul" if variant.linear_patch else ", patch embedding Conv3d")
+            + (f", {compiled} blocks compiled ({compile_backend})" if compiled else "")
+            + (", fused AdamW" if variant.fused_adam else ", AdamW (torch's default: foreach)")
+            + (", fused loss" if fused else ", loss on logits")
             + (", activation checkpointing" if activation_checkpointing else "")
-            + f", {device.type})"
+            + f", {device.type}"
         ),
         "samples/s": mean_samples / median_s,
         "tokens/s": mean_tokens / median_s,
         "ms/batch": median_s * 1e3,
+        "model TFLOP/batch": mean_flops["total"] / 1e12,
+        "TFLOP/s": tflops_per_s,
+        "MFU": tflops_per_s / peak_tflops,
+        "TFLOP/batch by part": {k: v / 1e12 for k, v in mean_flops.items() if k != "total"},
+        "first loss/token": losses[0],
+        "fused loss": fused,
+        "compiled blocks": compiled,
         "samples/batch": mean_samples,
         "tokens/batch": mean_tokens,
         "images/batch": statistics.fmean(int(b.image_grid_thw.shape[0]) for b in cpu_batches),
         "batches": len(batches),
         "steps": steps,
         "warmup steps": warmup,
+        "warm-up s (compiling)": compile_s if compiled else None,
         "min ms/step": min(times) * 1e3,
         "max ms/step": max(times) * 1e3,
         "h2d ms/batch": statistics.fmean(h2d) * 1e3,
@@ -339,6 +339,8 @@ def measure_step(
         "params (B)": n_params / 1e9,
         "loss/token first, last": [losses[0], losses[-1]],
     }
+    if compiled:
+        torch._dynamo.reset()  # the next variant's model must not reuse (or keep) these graphs
     return row, described
 
 
@@ -380,6 +382,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "a 1-rank FSDP2 with bf16 compute and fp32 reduction (the recipe's GPU configs)",
     )
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument(
+        "--step-only",
+        action="store_true",
+        help="measure only the step variants: no loader measurement, a small dataset "
+        "(--num-samples 240), the first --step-batches batches, --warmup-steps 2 --steps 8",
+    )
+    parser.add_argument(
+        "--step-variants",
+        default=None,
+        help="comma-separated, measured in this order in one process: stock (transformers' "
+        "per-window vision attention) or varlen (one varlen call per vision block, the "
+        "recipe's), then any of +linearpatch, +fusedadam, +compile, +fsdp2 (default: "
+        "varlen+linearpatch+fusedadam, the recipe's step on CUDA; "
+        f"--step-only: {STEP_ONLY_VARIANTS}; --quick: stock,varlen)",
+    )
+    parser.add_argument(
+        "--compile-backend",
+        default=None,
+        help="torch.compile backend of +compile (inductor on CUDA, aot_eager on the CPU)",
+    )
+    parser.add_argument(
+        "--profile",
+        default="",
+        help="step variants to profile, comma-separated (profile_<variant>.txt next to --out)",
+    )
+    parser.add_argument(
+        "--peak-tflops", type=float, default=989.0, help="MFU's peak (989: H100/H200 bf16 dense)"
+    )
     parser.add_argument("--num-workers", type=int, default=None, help="loader workers (4)")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="packed rows (2)")
     parser.add_argument("--max-length", type=int, default=None, help="pack capacity (4096)")
@@ -408,6 +438,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "step_batches": 8,
         "warmup_steps": 3,
         "steps": 12,
+        "step_variants": "varlen+linearpatch+fusedadam",
     }
     quick = {
         "model": "tiny",
@@ -421,12 +452,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "warmup_steps": 1,
         "steps": 2,
         "warmup_batches": 2,
+        "step_variants": "stock,varlen",
     }
-    for key, value in (quick if args.quick else full).items():
+    defaults = quick if args.quick else full
+    if args.step_only:
+        # Enough samples for the step batches (~13 samples a batch at the full sizes); the
+        # loader only delivers them. Fewer timed steps: six variants in a few minutes.
+        defaults = {**defaults, "warmup_batches": 0}
+        if not args.quick:
+            defaults |= {
+                "num_samples": 240,
+                "step_variants": STEP_ONLY_VARIANTS,
+                "warmup_steps": 2,
+                "steps": 8,
+            }
+    for key, value in defaults.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    if args.step_only and args.batches < args.step_batches:
+        args.batches = args.step_batches
     if args.warmup_batches is None:
         args.warmup_batches = max(8, 3 * args.num_workers)
+    if args.compile_backend is None:
+        args.compile_backend = "inductor" if args.device.startswith("cuda") else "aot_eager"
+    args.variants = [StepVariant.parse(v) for v in args.step_variants.split(",") if v]
+    if not args.variants:
+        raise SystemExit("--step-variants names no variant")
     if args.model != "tiny" and args.device == "cpu":
         raise SystemExit(
             f"--model {args.model} needs --device cuda; use --quick or --model tiny on the CPU"
@@ -473,6 +524,56 @@ def sft_config(args: argparse.Namespace, dataset: Path) -> Any:
     return config
 
 
+def measure_variant(
+    config: Any,
+    processor: Any,
+    kept: list[Any],
+    args: argparse.Namespace,
+    variant: StepVariant,
+    device: torch.device,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One step variant; retried once with activation checkpointing when it runs out of memory."""
+    logger.info("step %s: building the %s model on %s", variant.name, args.model, device)
+    profile_path = None
+    if variant.name in args.profile.split(","):
+        if not args.out:
+            raise SystemExit("--profile writes next to --out; pass --out")
+        profile_path = Path(args.out).parent / f"profile_{variant.name}.txt"
+    checkpointing = args.activation_checkpointing
+    for attempt in range(2):
+        oom = False
+        try:
+            row, described = measure_step(
+                config,
+                processor,
+                PRESETS[args.model],
+                kept,
+                device=device,
+                variant=variant,
+                wrap=args.wrap,
+                activation_checkpointing=checkpointing,
+                warmup=args.warmup_steps,
+                steps=args.steps,
+                peak_tflops=args.peak_tflops,
+                compile_backend=args.compile_backend,
+                profile_path=profile_path,
+            )
+            break
+        except torch.OutOfMemoryError:
+            if checkpointing or attempt:
+                raise
+            oom = True
+        if oom:  # outside the except block, so the failed attempt's frames are released
+            torch._dynamo.reset()
+            free_memory(device)
+            logger.warning("step %s: out of memory; measuring with checkpointing", variant.name)
+            checkpointing = True
+    if checkpointing != args.activation_checkpointing:
+        row["note"] = "out of memory without activation checkpointing; measured with it"
+    free_memory(device)  # the variant's model and optimizer are gone with its frame
+    return row, described
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
@@ -481,7 +582,6 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)  # no CUDA call before the loader workers fork
-    preset = PRESETS[args.model]
     with tempfile.TemporaryDirectory(prefix="loader-vs-step-") as tmp:
         data_dir = Path(args.data_dir) if args.data_dir else Path(tmp)
         dataset, data_stats = write_dataset(
@@ -500,44 +600,36 @@ def main(argv: list[str] | None = None) -> None:
             config,
             processor,
             warmup=args.warmup_batches,
-            batches=args.batches,
+            batches=args.step_batches if args.step_only else args.batches,
             keep=args.step_batches,
         )
-    logger.info("step: building the %s model on %s", args.model, device)
-    checkpointing = args.activation_checkpointing
-    note = None
-    for attempt in range(2):
-        oom = False
-        try:
-            step_row, model_meta = measure_step(
-                config,
-                processor,
-                preset,
-                kept,
-                device=device,
-                wrap=args.wrap,
-                activation_checkpointing=checkpointing,
-                warmup=args.warmup_steps,
-                steps=args.steps,
-            )
-            break
-        except torch.OutOfMemoryError:
-            if checkpointing or attempt:
-                raise
-            oom = True
-        if oom:  # outside the except block, so the failed attempt's frames are released
-            free_memory(device)
-            note = "out of memory without activation checkpointing; measured with it"
-            logger.warning("step: %s", note)
-            checkpointing = True
-    if note is not None:
-        step_row["note"] = note
-    ratio = {
-        "samples_per_s": loader_row["samples/s"] / step_row["samples/s"],
-        "tokens_per_s": loader_row["tokens/s"] / step_row["tokens/s"],
-    }
-    ratio["keeps_gpu_fed"] = ratio["samples_per_s"] >= 1.0
-    rows = [loader_row, step_row]
+    step_rows: list[dict[str, Any]] = []
+    model_meta: dict[str, Any] = {}
+    for variant in args.variants:
+        row, model_meta = measure_variant(config, processor, kept, args, variant, device)
+        step_rows.append(row)
+        logger.info(
+            "step %s: %.1f ms, MFU %.1f%%, first loss/token %.6f",
+            variant.name,
+            row["ms/batch"],
+            100 * row["MFU"],
+            row["first loss/token"],
+        )
+        if args.out:  # what a run stopped by a time limit leaves (the full JSON replaces it)
+            write_json(args.out, {"partial": True, "loader": loader_row, "rows": step_rows})
+    base = step_rows[0]
+    for row in step_rows:
+        row[f"vs {base['variant']}"] = base["ms/batch"] / row["ms/batch"]
+    fastest = min(step_rows, key=lambda r: r["ms/batch"])
+    ratio: dict[str, Any] | None = None
+    if not args.step_only:
+        ratio = {
+            "step_variant": fastest["variant"],
+            "samples_per_s": loader_row["samples/s"] / fastest["samples/s"],
+            "tokens_per_s": loader_row["tokens/s"] / fastest["tokens/s"],
+        }
+        ratio["keeps_gpu_fed"] = ratio["samples_per_s"] >= 1.0
+    rows = step_rows if args.step_only else [loader_row, *step_rows]
     meta = {
         **environment(device, args.num_workers),
         "model": {"preset": args.model, **model_meta},
@@ -547,20 +639,46 @@ def main(argv: list[str] | None = None) -> None:
             "image_format": args.image_format,
             "image_tokens": (args.image_size // 28) ** 2,
         },
+        "peak_tflops": args.peak_tflops,
         "sft_config": to_dict(config),
-        "args": vars(args),
+        "args": {k: v for k, v in vars(args).items() if k != "variants"},
     }
-    print_table(
-        rows,
-        ["variant", "samples/s", "tokens/s", "ms/batch", "samples/batch", "tokens/batch"],
-        title=f"energon-sft loader vs SFT step: {args.model}, micro batch "
-        f"{args.micro_batch_size} packed rows of <= {args.max_length} tokens, {args.image_size}px "
-        f"{args.image_format}, {args.num_workers} workers, {meta['device_name']}",
+    title = (
+        f"{args.model}, micro batch {args.micro_batch_size} packed rows of <= {args.max_length} "
+        f"tokens, {args.image_size}px {args.image_format}, {meta['device_name']}"
     )
-    verdict = "keeps the GPU fed" if ratio["keeps_gpu_fed"] else "does NOT keep the GPU fed"
-    print(f"loader / step samples/s = {ratio['samples_per_s']:.3g}: the loader {verdict}")
+    if not args.step_only:
+        print_table(
+            rows,
+            ["variant", "samples/s", "tokens/s", "ms/batch", "samples/batch", "tokens/batch"],
+            title=f"energon-sft loader ({args.num_workers} workers) vs SFT step: {title}",
+        )
+    print_table(
+        step_rows,
+        [
+            "variant",
+            "ms/batch",
+            f"vs {base['variant']}",
+            "tokens/s",
+            "model TFLOP/batch",
+            "TFLOP/s",
+            "MFU",
+            "first loss/token",
+            "peak GiB",
+        ],
+        title=f"SFT step variants (MFU against {args.peak_tflops:g} TFLOP/s): {title}",
+    )
+    for row in step_rows:
+        print_lines(f"  {row['variant']}: {row['setup']}")
+    if ratio is not None:
+        verdict = "keeps the GPU fed" if ratio["keeps_gpu_fed"] else "does NOT keep the GPU fed"
+        print(
+            f"loader / step samples/s = {ratio['samples_per_s']:.3g} ({ratio['step_variant']}): "
+            f"the loader {verdict}"
+        )
     if args.out:
-        print_lines(f"wrote {write_json(args.out, {'meta': meta, 'rows': rows, 'ratio': ratio})}")
+        payload = {"meta": meta, "rows": rows, "ratio": ratio}
+        print_lines(f"wrote {write_json(args.out, payload)}")
 
 
 if __name__ == "__main__":

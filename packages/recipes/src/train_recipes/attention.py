@@ -87,7 +87,8 @@ def attention_path(*, packed: bool, cp: int, vlm: bool) -> str:
     Args:
         packed: ``data.packing`` (energon-sft's THD batches).
         cp: the context-parallel degree.
-        vlm: the image-text path (the vision tower keeps its own attention).
+        vlm: the image-text path (a Qwen2.5-VL-style vision tower runs
+            ``train_recipes.vision_attention``'s varlen attention, not covered here).
     """
     if packed and cp > 1:
         return f"cp-sharder THD context parallelism (cp={cp}), variable-length per document"

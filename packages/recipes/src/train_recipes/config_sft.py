@@ -53,6 +53,8 @@ class ModelConfig:
         tiny: the architecture of the random-init model used when ``path`` is None.
         dtype: parameter dtype for the forward: "float32" or "bfloat16".
         attn_implementation: passed to ``from_pretrained``/``from_config`` ("sdpa", "eager").
+            With "sdpa", a Qwen2.5-VL-style vision tower runs one variable-length call per block
+            (``train_recipes.vision_attention``) instead of transformers' per-window loop.
         compile: compile each decoder layer's forward with torch.compile (before DDP/FSDP2
             wrapping; parameter names and checkpoints are unchanged). Pays off on GPUs.
         compile_memory_budget: the activation memory budget of the compiled decoder layers

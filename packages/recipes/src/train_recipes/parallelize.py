@@ -19,7 +19,9 @@ from train_recipes.checkpointing import apply_activation_checkpointing
 from train_recipes.config_sft import SFTConfig
 from train_recipes.loading import build_on_meta, load_sharded_safetensors
 from train_recipes.modeling import apply_lora, build_model, compile_decoder_layers, is_vlm
+from train_recipes.patch_embed import use_linear_patch_embed
 from train_recipes.tensor_parallel import apply_tensor_parallel
+from train_recipes.vision_attention import use_varlen_vision_attention
 
 __all__ = ["build_parallel_model", "row_length_multiple", "uses_sharded_load"]
 
@@ -91,6 +93,13 @@ def build_parallel_model(
         )
     else:
         model = apply_lora(build_model(config, tokenizer), config).to(ctx.device)
+    if is_vlm(config):
+        # Qwen2.5-VL-style towers: the patch embedding as a matmul (not cuDNN's Conv3d), and one
+        # varlen call per vision block instead of one SDPA call per window (other towers, and an
+        # explicitly chosen eager/flash attention, stay as they are).
+        use_linear_patch_embed(model)
+        if config.model.attn_implementation == "sdpa":
+            use_varlen_vision_attention(model)
     model.train()
     if on_phase is not None:
         on_phase("wrapping")

@@ -204,6 +204,8 @@ def _attention(config: SFTConfig | RetrievalConfig, device_type: str) -> str:
         text = f"{model.attn_implementation} with transformers' per-document masks (packed rows)"
     else:
         text = "causal SDPA without a mask (the recipe's fast path for unpacked rows)"
+    if data.model_family in _VISION_FAMILIES and model.attn_implementation == "sdpa":
+        text += "; vision tower: one varlen call per block (Qwen2.5-VL-style towers)"
     if model.sdpa_backends is not None:
         text += f"; SDPA backends {', '.join(model.sdpa_backends)}"
     if model.compile:
