@@ -16,7 +16,9 @@ compiled backward node's ``saved_tensors``). Saved tensors are told apart by sto
 Each activation is named by comparing its values with the eager layer's intermediates (the
 norms' fp32 upcasts and rstd, q/k/v before and after RoPE, the attention output and its
 logsumexp, the MLP's gate, up and product, ...). On CUDA the allocator's growth over the
-forward (less the output) is a second, independent measure of the same bytes.
+forward, less the output, is a second, independent measure ("allocator bytes/token"): of the
+activations computed in the layer, so the layer input (allocated before, 2*H bytes a token in
+bf16) is not in it.
 
 Variants: ``eager``; ``compiled`` (``train_recipes.modeling.compile_decoder_layers`` as the
 recipe calls it: inductor); ``budget=<b>`` (the same with ``memory_budget=b``, the recipe's
