@@ -16,7 +16,9 @@ compiled backward node's ``saved_tensors``). Saved tensors are told apart by sto
 Each activation is named by comparing its values with the eager layer's intermediates (the
 norms' fp32 upcasts and rstd, q/k/v before and after RoPE, the attention output and its
 logsumexp, the MLP's gate, up and product, ...). On CUDA the allocator's growth over the
-forward (less the output) is a second, independent measure of the same bytes.
+forward, less the output, is a second, independent measure ("allocator bytes/token"): of the
+activations computed in the layer, so the layer input (allocated before, 2*H bytes a token in
+bf16) is not in it.
 
 Variants: ``eager``; ``compiled`` (``train_recipes.modeling.compile_decoder_layers`` as the
 recipe calls it: inductor); ``budget=<b>`` (the same with ``memory_budget=b``, the recipe's
@@ -84,8 +86,14 @@ def build_layer(args: argparse.Namespace) -> nn.Module:
         use_cache=False,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(device=args.device, dtype=args.dtype)
-    return model.train()
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        # RMSNorm weights start at 1, where a norm's output equals its normalised input: make
+        # them differ so that the saved tensors are told apart by value.
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+    return model.to(device=args.device, dtype=args.dtype).train()
 
 
 def layer_inputs(model: nn.Module, args: argparse.Namespace) -> dict[str, Any]:
@@ -393,7 +401,7 @@ def main() -> None:
         f"saved for backward by one decoder layer, batch {args.batch} x {args.seq}, "
         f"{str(args.dtype).removeprefix('torch.')}, {device_name(args.device)}"
     )
-    print_table(rows, columns + extra, title=title)
+    print_table(rows, columns + extra, title=title, cell=_cell)
     if args.out:
         meta = {
             **versions(),
@@ -408,15 +416,23 @@ def main() -> None:
         )
 
 
+def _cell(value: Any) -> str:
+    """Byte counts as whole numbers (75,912), ratios to 4 significant digits."""
+    if isinstance(value, float) and abs(value) >= 100:
+        return f"{value:,.0f}"
+    return fmt(value)
+
+
 def print_saved(row: dict[str, Any]) -> None:
     """Every saved tensor of one variant but the parameters, in the order they were saved."""
-    lines = ["", f"{row['variant']}: {fmt(row['activation bytes/token'])} activation bytes/token"]
+    total = _cell(row["activation bytes/token"])
+    lines = ["", f"{row['variant']}: {total} activation bytes/token"]
     for s in row["saved"]:
         if s["kind"] == "parameter":
             continue
         shared = s["kind"] == "activation" and not s["bytes/token"]
         name = s["name"] + (" (same storage as above)" if shared else "")
-        size = f"{fmt(s['bytes/token']):>9} B/token"
+        size = f"{_cell(s['bytes/token']):>7} B/token"
         lines.append(f"  {s['kind']:10} {s['shape']!s:22} {s['dtype']:9} {size}  {name}")
     print_lines(*lines)
 

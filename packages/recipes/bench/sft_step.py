@@ -16,12 +16,12 @@ AdamW and clipping at 1.0, and runs in the same process one after the other:
 - ``recipes-*``: ablations, each undoing one of these; ``recipes-cp1`` runs ``recipes-hf-mask``
   through cp-sharder at cp=1 (compare the two for the sharder's cost).
 - ``recipes-lean``: ``recipes`` with the compiled layers under the activation memory budget
-  ``--lean-budget`` (the recipe's ``model.compile_memory_budget``; 0.9 recomputes the norms'
-  outputs and the SwiGLU product in backward instead of saving them, see
-  ``saved_activations.py``); ``recipes-lean-reshard``: the same with ``recipes-reshard``;
-  ``recipes-lean-chunk``: ``recipes-lean`` with ``--lean-loss-chunk`` tokens per chunk of the
-  fused loss (the recipe's ``model.fused_loss_chunk_tokens``: fewer passes over the head's
-  gradient for a larger transient at the end of forward).
+  ``--lean-budget`` (the recipe's ``model.compile_memory_budget``; 0.9 makes the layers
+  recompute the norms' outputs and the SwiGLU product in backward instead of saving them, on
+  the CPU and the H200 alike: ``saved_activations.py``); ``recipes-lean-reshard``: the same
+  with reshard; ``recipes-lean-chunk``: ``recipes-lean`` with ``--lean-loss-chunk`` tokens per
+  chunk of the fused loss (the recipe's ``model.fused_loss_chunk_tokens``: fewer passes over
+  the head's gradient for a larger transient at the end of forward).
 - ``fsdp2+liger``: the ``fsdp2`` loop with Liger-Kernel patched into transformers' Llama
   (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy); needs ``liger-kernel`` (the bench
   group) and always runs last, because the patches stay for the rest of the process.

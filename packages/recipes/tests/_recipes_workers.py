@@ -108,9 +108,12 @@ def run_lora_on_rank(
     }
 
 
-def compiled_layers_under_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
+def compiled_layers_under_fsdp2(
+    rank: int, world_size: int, memory_budget: float | None = None
+) -> dict[str, Any]:
     """Loss and gradients of a tiny Llama with compiled decoder layers under FSDP2, and of the
-    same model eager and unwrapped (float64 reference)."""
+    same model eager and unwrapped (float64 reference). With ``memory_budget`` the layers are
+    partitioned under it (aot_eager_decomp_partition: the min-cut partitioner, no codegen)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from train_engine import FSDP2Config, apply_data_parallel
@@ -130,7 +133,12 @@ def compiled_layers_under_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
 
     model = tiny_model("llama", **config)
     names_before = [n for n, _ in model.named_parameters()]
-    compiled = compile_decoder_layers(model, backend="aot_eager")
+    if memory_budget is None:
+        compiled = compile_decoder_layers(model, backend="aot_eager")
+    else:
+        compiled = compile_decoder_layers(
+            model, backend="aot_eager_decomp_partition", memory_budget=memory_budget
+        )
     mesh = init_device_mesh("cpu", (world_size,))
     model = apply_data_parallel(model, mesh=mesh, config=FSDP2Config())
     losses = []

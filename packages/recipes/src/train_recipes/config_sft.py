@@ -61,10 +61,10 @@ class ModelConfig:
             (torch's ``activation_memory_budget``, applied while these layers compile and to
             nothing else), in [0, 1]: 1 saves for backward what runs fastest, 0 what full
             recomputation would; in between, the partitioner recomputes the cheapest ops in
-            backward until the saved activations fit. Values just under 1 recompute the
-            norms' outputs and the SwiGLU product from their inputs (no matmul or attention
-            recomputed: ``bench/saved_activations.py`` lists what each value saves). None
-            keeps torch's setting. Needs ``compile``.
+            backward until the saved activations fit. For a Llama layer (measured on the
+            CPU) 0.66 to 0.95 recompute only the norms' outputs and the SwiGLU product (no
+            matmul, no attention): a third less than at 1. ``bench/saved_activations.py`` lists
+            what a value saves. None keeps torch's setting. Needs ``compile``.
         fused_loss_chunk_tokens: tokens per chunk of the fused linear loss (the loss without
             logits, used where the head allows it). One chunk's [C, V] logits are the loss's
             transient memory, alive at the end of forward with every activation (the step's
