@@ -104,6 +104,11 @@ def batch_flops(counts: dict[str, Any], batch: Any) -> dict[str, float]:
     """
     docs = [int(v) for v in batch.seq_lens.flatten().tolist() if v > 0]
     tokens = sum(docs)
+    if tokens != int(batch.attention_mask.sum()):
+        raise AssertionError(
+            f"the documents' seq_lens sum to {tokens} tokens, the attention mask to "
+            f"{int(batch.attention_mask.sum())}: the FLOP count would not match the batch"
+        )
     grid = [[int(v) for v in row] for row in batch.image_grid_thw.tolist()]
     patches = sum(t * h * w for t, h, w in grid)
     merge = counts["merge"]
