@@ -100,3 +100,74 @@ def test_sharded_load_onto_cuda_is_bitwise_from_pretrained(tmp_path: Path) -> No
         assert loaded[name].device.type == "cuda", name
         assert torch.equal(loaded[name], value), name
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+
+
+def _vision_run(model: object, pixels: object, grid: object) -> tuple[object, object, dict]:
+    """Merged output, d(fixed projection)/d pixels and two weight grads, as float64 on the CPU."""
+    import torch
+
+    visual = model.model.visual  # type: ignore[attr-defined]
+    x = pixels.clone().requires_grad_(True)  # type: ignore[attr-defined]
+    merged = visual(x, grid_thw=grid).pooler_output
+    probe = torch.randn(merged.shape, generator=torch.Generator().manual_seed(4))
+    (merged * probe.to(merged)).sum().backward()
+    params = dict(visual.named_parameters())
+    names = ("blocks.0.attn.qkv.weight", "blocks.1.attn.proj.weight")
+    return (
+        merged.detach().double().cpu(),
+        x.grad.double().cpu(),
+        {n: params[n].grad.double().cpu() for n in names},
+    )
+
+
+@requires_cuda(1)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_vision_varlen_bf16_on_cuda_matches_float64_per_window(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The vision tower through torch's FlashAttention varlen kernel (head dim 80, as in
+    Qwen2.5-VL-3B), bf16, its patch embedding as a matmul, eager or compiled (inductor): output
+    and gradients within bf16 error of transformers' eager per-window path in float64."""
+    import torch
+
+    from cp_sharder.attention import varlen
+    from train_recipes.modeling import compile_decoder_layers
+    from train_recipes.patch_embed import use_linear_patch_embed
+    from train_recipes.vision_attention import use_varlen_vision_attention
+    from train_testing.tiny_hf import tiny_model
+
+    vision = {
+        "depth": 2,
+        "hidden_size": 160,
+        "intermediate_size": 256,
+        "num_heads": 2,
+        "window_size": 56,
+        "fullatt_block_indexes": [1],
+    }
+    reference = tiny_model("qwen2_5_vl", vision=vision, dtype=torch.float64, init_std=0.05)
+    reference.model.visual.config._attn_implementation = "eager"  # type: ignore[union-attr]
+    model = tiny_model("qwen2_5_vl", vision=vision, dtype=torch.float64, init_std=0.05)
+    model.load_state_dict(reference.state_dict())
+    model = model.to("cuda", torch.bfloat16)
+    assert use_varlen_vision_attention(model) and use_linear_patch_embed(model) == 1
+    if compiled:
+        compile_decoder_layers(model)
+    else:
+        # Eager: the per-window fallback must not run (the kernel takes bf16 head dim 80).
+        def per_segment(*args: object, **kwargs: object) -> None:
+            raise AssertionError("varlen_attention fell back to per-segment SDPA on CUDA")
+
+        monkeypatch.setattr(varlen, "_per_segment", per_segment)
+    grid = torch.tensor([[1, 8, 10], [1, 4, 4]])  # 6 + 1 windows in block 0, 2 images in block 1
+    pixels = torch.randn(96, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(3))
+    try:
+        got = _vision_run(model, pixels.to("cuda", torch.bfloat16), grid.cuda())
+    finally:
+        torch._dynamo.reset()
+    want = _vision_run(reference, pixels.double(), grid)
+    pairs = [(got[0], want[0], "output"), (got[1], want[1], "pixels grad")]
+    pairs += [(got[2][n], want[2][n], n) for n in want[2]]
+    for g, w, name in pairs:
+        err, scale = float((g - w).abs().max()), float(w.abs().max())  # type: ignore[attr-defined]
+        assert scale > 0 and err <= 3e-2 * scale, f"{name}: max error {err}, scale {scale}"
