@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--profile", action="store_true", help="kernel tables and idle gaps of the full forms"
+    )
+    parser.add_argument("--skip-configs", action="store_true", help="only the full forms")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("loss_grad_configs.py times CUDA kernels; run it on a GPU machine")
@@ -50,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         return statistics.median(times_ms(fn, device, warmup=3, iters=args.repeats))  # type: ignore[arg-type]
 
     rows: list[dict[str, object]] = []
-    for block, warps in CONFIGS:
+    for block, warps in [] if args.skip_configs else CONFIGS:
 
         def kernel(block: int = block, warps: int = warps) -> None:
             _triton._loss_grad_kernel[(t,)](
@@ -65,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     # The out-of-place form's two kernels: statistics (one read) and gradient (read + write).
     stats = torch.empty(4, t, device=device, dtype=torch.float32)
     grad = torch.empty_like(logits)
-    for block, warps in CONFIGS:
+    for block, warps in [] if args.skip_configs else CONFIGS:
 
         def two_kernels(block: int = block, warps: int = warps) -> None:
             _triton._stats_kernel[(t,)](
@@ -110,6 +114,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     for name, values in timings.items():
         ms = statistics.median(values)
         rows.append({"form": name, "ms": ms, "TB/s (3 passes)": 3 * nbytes / ms / 1e9})
+    if args.profile:
+        _profile(forms, step, device)
     for row in rows:
         print(f"{row['form']:<52} {row['ms']:8.3f} ms  {row['TB/s (3 passes)']:6.2f} TB/s")
     report: dict[str, object] = {
@@ -122,6 +128,30 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=2))
     return report
+
+
+def _profile(forms: dict[str, object], step: object, device: torch.device) -> None:
+    """Kernel table and GPU idle gaps of three back-to-back synchronised calls of each form."""
+    import tempfile
+
+    from chunk_matmuls import _idle_gaps
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, fn in forms.items():
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step(fn)  # type: ignore[operator]
+                torch.cuda.synchronize(device)
+        print(f"--- {name}: 3 calls")
+        print(
+            prof.key_averages().table(
+                sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60
+            )
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(trace))
+            print(_idle_gaps(json.loads(trace.read_text())), flush=True)
 
 
 if __name__ == "__main__":
