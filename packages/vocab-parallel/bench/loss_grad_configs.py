@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
         def kernel(block: int = block, warps: int = warps) -> None:
             _triton._loss_grad_kernel[(t,)](
-                logits, 0, logits.stride(0), t, v, 1.0, labels, scale, log_p,
+                logits, 0, logits.stride(0), t, v, 1.0, labels, -100, scale, 1, log_p,
                 BLOCK=block, num_warps=warps,
             )  # fmt: skip
 

@@ -85,8 +85,10 @@ def main() -> None:
             "rows_per_slab": "i64",
             "n_cols": "i32",
             "inv_t": "fp32",
-            "target_col_ptr": "*i64",
-            "g_ptr": "*fp32",
+            "labels_ptr": "*i64",
+            "ignore_index": "i64",
+            "coef_ptr": "*fp32",
+            "coef_stride": "i64",
             "log_p_ptr": "*fp32",
         }
         _compile(kernels._loss_grad_kernel, arguments, {"BLOCK": kernels._MAX_BLOCK}, num_warps=4)

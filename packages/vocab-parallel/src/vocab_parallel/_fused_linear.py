@@ -149,7 +149,7 @@ class FusedLinearLoss(torch.autograd.Function):
         # Counted once: here without a vocabulary group, else with the first chunk's collective.
         unreduced = unchecked_labels(targets, labels, plan=plan)
         if one_kernel:
-            target_col = torch.where(targets.in_shard, targets.index, -1)
+            coef_fp32 = coefficients.float().contiguous()
         for start in range(0, n, plan.chunk_size):
             if one_kernel:
                 stop = min(start + plan.chunk_size, n)
@@ -160,8 +160,9 @@ class FusedLinearLoss(torch.autograd.Function):
                 log_p[start:stop] = _triton.loss_grad_(
                     grad_logits,
                     inv_temperature=inv_t,
-                    target_col=target_col[start:stop],
-                    grad_scale=g_all[start:stop],
+                    labels=labels[start:stop],
+                    ignore_index=plan.ignore_index,
+                    coefficients=coef_fp32[start:stop],
                 )
                 _chunk_matmuls(grad_logits, h_chunk, weight, grad_hidden, accumulator, start)
                 del grad_logits

@@ -41,15 +41,17 @@ class LogitsLossInPlace(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         from vocab_parallel import _triton
 
-        local_vocab = logits.shape[-1]
-        targets = locate_targets(labels, plan=plan, local_vocab=local_vocab)
-        unchecked_labels(targets, labels, plan=plan)  # no group: checked here, or nothing
-        coef = torch.where(targets.valid, coefficients.float(), 0.0)
+        if plan.validate:  # no group: checked here, before the kernel
+            targets = locate_targets(labels, plan=plan, local_vocab=logits.shape[-1])
+            unchecked_labels(targets, labels, plan=plan)
+        # The kernel reads the labels and the coefficient itself: no per-token tensors are
+        # prepared first (a few small launches fewer ahead of the one that matters).
         log_p = _triton.loss_grad_(
             logits,
             inv_temperature=plan.inv_temperature,
-            target_col=torch.where(targets.in_shard, targets.index, -1),
-            grad_scale=coef * plan.inv_temperature,
+            labels=labels,
+            ignore_index=plan.ignore_index,
+            coefficients=coefficients.float(),
         )
         torch.autograd.graph.increment_version(logits)
         # Where c_t is infinite (a "mean" over no tokens) the loss is nan, as in PyTorch.

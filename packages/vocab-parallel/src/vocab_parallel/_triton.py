@@ -153,16 +153,21 @@ def _loss_grad_kernel(
     rows_per_slab,
     n_cols,
     inv_t,
-    target_col_ptr,
-    g_ptr,
+    labels_ptr,
+    ignore_index,
+    coef_ptr,
+    coef_stride,
     log_p_ptr,
     BLOCK: tl.constexpr,
 ):
-    # One token row of whole-vocabulary logits, everything a grads-in-forward loss needs in
-    # one launch: pass 1 the online softmax normalizer (as _stats_kernel), then log p(target),
-    # pass 2 the gradient g * (onehot - p) written over the logits (each stretch is read
-    # before it is written; the row was read just before, so part of it is still in L2).
-    # target_col < 0 marks an ignored token (log p = 0; g is 0 there).
+    # One token row of whole-vocabulary logits, everything a grads-in-forward loss of
+    # sum_t c_t * log p(label_t) needs in one launch, from the raw labels and coefficients (no
+    # per-token tensors prepared on the host side): pass 1 the online softmax normalizer (as
+    # _stats_kernel), then log p(label), pass 2 the gradient g * (onehot - p), g = c / T,
+    # written over the logits (each stretch is read before it is written; the row was read just
+    # before, so part of it is still in L2). A label equal to ignore_index has g = 0 and
+    # log p = 0; one outside [0, V) (unvalidated) keeps g but has no onehot and log p = 0.
+    # coef_stride is 0 for one coefficient shared by every row.
     row = tl.program_id(0).to(tl.int64)
     slab = row // rows_per_slab
     x_row = x_ptr + slab * stride_slab + (row - slab * rows_per_slab) * stride_row
@@ -177,11 +182,13 @@ def _loss_grad_kernel(
         s = s * tl.exp(m - c_new) + tl.sum(tl.exp(z - c_new), 0)
         m = m_new
     log_z = tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
-    target_col = tl.load(target_col_ptr + row)
-    valid = target_col >= 0
+    label = tl.load(labels_ptr + row)
+    trained = label != ignore_index
+    in_vocab = trained & (label >= 0) & (label < n_cols)
+    target_col = tl.where(in_vocab, label, -1)
     z_target = tl.load(x_row + tl.maximum(target_col, 0)).to(tl.float32) * inv_t
-    tl.store(log_p_ptr + row, tl.where(valid, z_target - log_z, 0.0))
-    g = tl.load(g_ptr + row)
+    tl.store(log_p_ptr + row, tl.where(in_vocab, z_target - log_z, 0.0))
+    g = tl.where(trained, tl.load(coef_ptr + row * coef_stride).to(tl.float32) * inv_t, 0.0)
     for start in range(0, n_cols, BLOCK):
         cols = start + offsets
         mask = cols < n_cols
@@ -191,28 +198,40 @@ def _loss_grad_kernel(
 
 
 def loss_grad_(
-    logits: Tensor, *, inv_temperature: float, target_col: Tensor, grad_scale: Tensor
+    logits: Tensor,
+    *,
+    inv_temperature: float,
+    labels: Tensor,
+    ignore_index: int,
+    coefficients: Tensor,
 ) -> Tensor:
-    """Overwrite whole-vocabulary logits with the gradient of sum_t g_t * T * log p_t.
+    """Overwrite whole-vocabulary logits with the gradient of sum_t c_t * log p(label_t).
 
     Args:
         logits: [C, V] or [B, R, V] (C = B * R tokens) with unit stride along V, every column
             of the vocabulary (no shard); overwritten through its own strides by
-            ``g_t * (onehot(target_t) - softmax(logits_t / T))``.
+            ``c_t / T * (onehot(label_t) - softmax(logits_t / T))``.
         inv_temperature: 1 / T.
-        target_col: [C] int64 target column, negative for an ignored token.
-        grad_scale: [C] fp32 g_t = c_t / T (0 for an ignored token).
+        labels: [C] integer labels; ``ignore_index`` rows get no gradient and log p = 0.
+        ignore_index: the label value without a target.
+        coefficients: [C] or one (0-dim) float c_t, on the logits' device.
 
     Returns:
-        log p(target) [C] fp32 (0 for an ignored token).
+        log p(label) [C] fp32 (0 for an ignored or out-of-range label).
     """
     x = logits if logits.ndim == 3 else logits.unsqueeze(0)
     if x.stride(-1) != 1:
         raise ValueError("loss_grad_ writes through the logits' strides: the last must be 1")
     slabs, rows, v = x.shape
+    if coefficients.numel() not in (1, slabs * rows):
+        raise ValueError(
+            f"coefficients has {coefficients.numel()} elements; expected 1 or one per token "
+            f"({slabs * rows})"
+        )
     log_p = torch.zeros(slabs * rows, device=logits.device, dtype=torch.float32)
     if slabs * rows == 0 or v == 0:
         return log_p
+    coef = coefficients.reshape(-1)
     block, warps = _launch_config(v)
     with _on_device(logits):
         _loss_grad_kernel[(slabs * rows,)](
@@ -222,8 +241,10 @@ def loss_grad_(
             rows,
             v,
             inv_temperature,
-            target_col.contiguous(),
-            grad_scale.contiguous(),
+            labels.contiguous(),
+            ignore_index,
+            coef,
+            coef.stride(0) if coef.numel() > 1 else 0,
             log_p,
             BLOCK=block,
             num_warps=warps,
