@@ -15,6 +15,7 @@ import contextlib
 import importlib.util
 import math
 import os
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -147,36 +148,21 @@ def _as_slabs(local: Tensor) -> Tensor:
     return local.reshape(1, n, local_vocab)
 
 
-def _vocab_stats(
-    logits: Tensor,
-    labels: Tensor | None,
-    *,
-    temperature: float,
-    ignore_index: int,
-    chunk_size: int | None,
-    entropy: bool,
-    uniform: bool,
-    validate: bool,
-    backend: str,
-    in_place: bool = False,
-    vocab_group: VocabGroup | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Run :class:`VocabStats` on any logits; returns (log_p, entropy, uniform), each [...]."""
-    slabs, flat_labels, plan, batch_shape = _logits_operands(
-        logits,
-        labels,
-        temperature=temperature,
-        ignore_index=ignore_index,
-        chunk_size=chunk_size,
-        entropy=entropy,
-        uniform=uniform,
-        validate=validate,
-        backend=backend,
-        in_place=in_place,
-        vocab_group=vocab_group,
-    )
-    log_p, ent, uni = VocabStats.apply(slabs, flat_labels, plan)
-    return log_p.view(batch_shape), ent.view(batch_shape), uni.view(batch_shape)
+@dataclass(kw_only=True, slots=True, frozen=True)
+class _LogitsOperands:
+    """The checked operands of a logits function (see :func:`_logits_operands`)."""
+
+    slabs: Tensor  # the local logits as [B, R, Vl] slabs
+    labels: Tensor | None  # [N] local, or None
+    plan: Plan
+    batch_shape: torch.Size  # [...]
+
+
+def _vocab_stats(operands: _LogitsOperands) -> tuple[Tensor, Tensor, Tensor]:
+    """Run :class:`VocabStats`; returns (log_p, entropy, uniform), each [...]."""
+    log_p, ent, uni = VocabStats.apply(operands.slabs, operands.labels, operands.plan)
+    shape = operands.batch_shape
+    return log_p.view(shape), ent.view(shape), uni.view(shape)
 
 
 def _logits_operands(
@@ -192,13 +178,8 @@ def _logits_operands(
     backend: str,
     in_place: bool,
     vocab_group: VocabGroup | None,
-) -> tuple[Tensor, Tensor | None, Plan, torch.Size]:
-    """The checked operands of the logits functions.
-
-    Returns:
-        (the local logits as [B, R, Vl] slabs, labels [N] local or None, the plan, the batch
-        shape [...]).
-    """
+) -> _LogitsOperands:
+    """The checked operands of the logits functions."""
     inv_t = _check_temperature(temperature)
     _check_chunk(chunk_size)
     if logits.ndim < 1:
@@ -231,7 +212,7 @@ def _logits_operands(
         backend=_resolve_backend(backend, local),
         in_place=in_place,
     )
-    return slabs, flat_labels, plan, batch_shape
+    return _LogitsOperands(slabs=slabs, labels=flat_labels, plan=plan, batch_shape=batch_shape)
 
 
 def token_log_probs(
@@ -275,17 +256,19 @@ def token_log_probs(
         [...] float32, identical on every vocabulary rank (a plain tensor).
     """
     log_p, _, _ = _vocab_stats(
-        logits,
-        labels,
-        temperature=temperature,
-        ignore_index=ignore_index,
-        chunk_size=chunk_size,
-        entropy=False,
-        uniform=False,
-        validate=validate,
-        backend=backend,
-        in_place=in_place,
-        vocab_group=vocab_group,
+        _logits_operands(
+            logits,
+            labels,
+            temperature=temperature,
+            ignore_index=ignore_index,
+            chunk_size=chunk_size,
+            entropy=False,
+            uniform=False,
+            validate=validate,
+            backend=backend,
+            in_place=in_place,
+            vocab_group=vocab_group,
+        )
     )
     return log_p
 
@@ -313,17 +296,19 @@ def token_entropy(
         [...] float32, identical on every vocabulary rank.
     """
     _, ent, _ = _vocab_stats(
-        logits,
-        None,
-        temperature=temperature,
-        ignore_index=-100,
-        chunk_size=chunk_size,
-        entropy=True,
-        uniform=False,
-        validate=False,
-        backend=backend,
-        in_place=in_place,
-        vocab_group=vocab_group,
+        _logits_operands(
+            logits,
+            None,
+            temperature=temperature,
+            ignore_index=-100,
+            chunk_size=chunk_size,
+            entropy=True,
+            uniform=False,
+            validate=False,
+            backend=backend,
+            in_place=in_place,
+            vocab_group=vocab_group,
+        )
     )
     return ent
 
@@ -349,17 +334,19 @@ def token_log_probs_and_entropy(
         position, ignored or not.
     """
     log_p, ent, _ = _vocab_stats(
-        logits,
-        labels,
-        temperature=temperature,
-        ignore_index=ignore_index,
-        chunk_size=chunk_size,
-        entropy=True,
-        uniform=False,
-        validate=validate,
-        backend=backend,
-        in_place=in_place,
-        vocab_group=vocab_group,
+        _logits_operands(
+            logits,
+            labels,
+            temperature=temperature,
+            ignore_index=ignore_index,
+            chunk_size=chunk_size,
+            entropy=True,
+            uniform=False,
+            validate=validate,
+            backend=backend,
+            in_place=in_place,
+            vocab_group=vocab_group,
+        )
     )
     return log_p, ent
 
@@ -407,28 +394,7 @@ def cross_entropy(
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     smooth = label_smoothing > 0.0
-    if in_place and reduction != "none" and not smooth:
-        slabs, flat_labels, plan, _ = _logits_operands(
-            logits,
-            labels,
-            temperature=1.0,
-            ignore_index=ignore_index,
-            chunk_size=chunk_size,
-            entropy=False,
-            uniform=False,
-            validate=validate,
-            backend=backend,
-            in_place=True,
-            vocab_group=vocab_group,
-        )
-        if plan.backend == "triton" and plan.layout.group is None and flat_labels is not None:
-            # Every token's weight in the loss is known now: the gradient is formed in forward.
-            coefficient = torch.full((), -1.0, device=slabs.device)
-            if reduction == "mean":
-                coefficient = coefficient / (flat_labels != ignore_index).sum()
-            loss, _ = LogitsLossInPlace.apply(slabs, flat_labels, coefficient, plan)
-            return loss
-    log_p, _, uniform = _vocab_stats(
+    operands = _logits_operands(
         logits,
         labels,
         temperature=1.0,
@@ -441,6 +407,17 @@ def cross_entropy(
         in_place=in_place,
         vocab_group=vocab_group,
     )
+    plan, flat_labels = operands.plan, operands.labels
+    in_forward = in_place and reduction != "none" and not smooth
+    if in_forward and plan.backend == "triton" and plan.layout.group is None:
+        assert flat_labels is not None
+        # Every token's weight in the loss is known now: the gradient is formed in forward.
+        coefficient = torch.full((), -1.0, device=operands.slabs.device)
+        if reduction == "mean":
+            coefficient = coefficient / (flat_labels != ignore_index).sum()
+        loss, _ = LogitsLossInPlace.apply(operands.slabs, flat_labels, coefficient, plan)
+        return loss
+    log_p, _, uniform = _vocab_stats(operands)
     valid = replicated_local(labels, name="labels") != ignore_index
     loss = -log_p
     if smooth:
