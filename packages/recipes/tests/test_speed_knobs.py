@@ -14,8 +14,19 @@ from train_testing.tiny_hf import tiny_model
 
 
 @pytest.mark.timeout(300)
-def test_compiled_layers_under_fsdp2_match_float64_eager(rank_pool: object) -> None:
-    results = rank_pool.run(2, compiled_layers_under_fsdp2)  # type: ignore[attr-defined]
+@pytest.mark.parametrize(
+    "memory_budget",
+    [
+        None,
+        # 0.5 recomputes projections and attention in backward: FSDP2 must have gathered their
+        # weights again by then (model.compile_memory_budget).
+        pytest.param(0.5, marks=pytest.mark.slow),
+    ],
+)
+def test_compiled_layers_under_fsdp2_match_float64_eager(
+    rank_pool: object, memory_budget: float | None
+) -> None:
+    results = rank_pool.run(2, compiled_layers_under_fsdp2, memory_budget)  # type: ignore[attr-defined]
     for rank, r in enumerate(results):
         assert r["compiled"] == 3 and r["names_unchanged"], rank
         assert r["loss_err"] < 1e-5, (rank, r["loss_err"])

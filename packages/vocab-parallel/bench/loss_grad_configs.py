@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 import vocab_parallel as vp
+from train_testing.bench import write_json
 from train_testing.bench.runtime import times_ms
 from vocab_parallel import _triton
 
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "rows": rows,
     }
     if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=2))
+        write_json(args.out, report)
     return report
 
 

@@ -13,7 +13,6 @@ Ours and Liger-Kernel's fused linear cross-entropy are measured alike, alternati
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 import vocab_parallel as vp
+from train_testing.bench import write_json
 
 
 def _calls(
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "rows": rows,
     }
     if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=2))
+        write_json(args.out, report)
     return report
 
 

@@ -35,3 +35,23 @@ def test_bench_quick_runs_and_writes_json(tmp_path: Path) -> None:
     for name in peers:  # the peers need CUDA (or are not installed): a row says which
         assert rows[name]["status"] in ("needs CUDA", "not installed"), rows[name]
         assert rows[name]["median_ms"] is None
+
+
+@pytest.mark.parametrize("script", ["loss_grad_configs.py", "steady_state.py"])
+def test_cuda_only_benches_say_so_on_the_cpu(script: str) -> None:
+    """The GPU-only benches stop with a one-line message naming what they need, not a trace."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run(
+        [sys.executable, str(BENCH.parent / script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode != 0
+    assert "run it on a GPU machine" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
