@@ -12,6 +12,7 @@ from train_testing.bench.quick import run_quick
 BENCH = Path(__file__).parents[1] / "bench" / "loader_vs_step.py"
 
 
+@pytest.mark.slow  # ~30 s on 2 cores: the per-package (isolated) CI sessions skip it
 @pytest.mark.timeout(300)
 def test_loader_vs_step_quick(tmp_path: Path) -> None:
     # Two step variants: transformers' per-window vision attention, and everything switched on
