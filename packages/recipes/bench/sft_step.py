@@ -26,6 +26,12 @@ AdamW and clipping at 1.0, and runs in the same process one after the other:
   (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy); needs ``liger-kernel`` (the bench
   group) and always runs last, because the patches stay for the rest of the process.
 
+Exactness: before timing, each variant's first forward and backward (same initial weights,
+same batch) is compared with an fp32 eager reference of the unwrapped transformers model
+(``_step_check``): the relative error of the loss per token and the worst relative error of
+eight parameters' gradients, printed and written next to the variant's time (``--no-check``
+skips it; the reference needs the memory of an fp32 step once, before the variants).
+
 Model FLOPs per token = 6 * parameters + 6 * layers * hidden * sequence (causal attention);
 MFU is against the dense bf16 peak given by ``--peak-tflops`` (989 for H100/H200 SXM).
 
@@ -47,6 +53,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import _step_check
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -178,8 +185,21 @@ def make_batches(args: argparse.Namespace, vocab: int) -> list[dict[str, torch.T
     return out
 
 
-def setup(variant: Variant, args: argparse.Namespace) -> tuple[Callable[[dict], None], int, Any]:
-    """Build model, optimizer and the step function of one variant."""
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Step:
+    """One variant's training step, in its two halves (the exactness check reads in between)."""
+
+    forward_backward: Callable[[dict], torch.Tensor]  # returns the loss per trained token
+    update: Callable[[], None]  # clipping, optimizer step, gradients cleared
+    model: Any  # the wrapped model (for its gradients)
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> None:
+        self.forward_backward(batch)
+        self.update()
+
+
+def setup(variant: Variant, args: argparse.Namespace) -> tuple[Step, int, Any]:
+    """Build model, optimizer and the step of one variant."""
     if variant.liger:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
@@ -210,11 +230,14 @@ def setup(variant: Variant, args: argparse.Namespace) -> tuple[Callable[[dict], 
 
             sharder = ContextParallelSharder(model, mesh, padding_token_id=0)
 
-        def step(batch: dict[str, torch.Tensor]) -> None:
+        num_tokens = args.batch * (args.seq - 1)
+
+        def forward_backward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
             if variant.loss == "hf":
                 with attention():
                     loss = engine(input_ids=batch["input_ids"], labels=batch["labels"]).loss
                 engine.backward(loss)
+                return loss.detach()
             else:
                 inputs = {"input_ids": batch["input_ids"], "labels": batch["shifted_labels"]}
                 if variant.position_ids:
@@ -228,8 +251,14 @@ def setup(variant: Variant, args: argparse.Namespace) -> tuple[Callable[[dict], 
                         loss = token_sum_loss(
                             engine, inputs, sharder=sharder, chunk_tokens=variant.loss_chunk
                         )
-                engine.backward(loss, num_tokens=args.batch * (args.seq - 1))
-            engine.step()
+                engine.backward(loss, num_tokens=num_tokens)
+                return loss.detach() / num_tokens
+
+        return (
+            Step(forward_backward=forward_backward, update=engine.step, model=model),
+            n_params,
+            config,
+        )
 
     else:
         policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
@@ -238,13 +267,17 @@ def setup(variant: Variant, args: argparse.Namespace) -> tuple[Callable[[dict], 
         fully_shard(model, mesh=mesh, mp_policy=policy)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused)
 
-        def step(batch: dict[str, torch.Tensor]) -> None:
-            model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.backward()
+        def forward_backward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+            loss.backward()
+            return loss.detach()
+
+        def update() -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-    return step, n_params, config
+        return Step(forward_backward=forward_backward, update=update, model=model), n_params, config
 
 
 def timed_steps(
@@ -268,15 +301,25 @@ def timed_steps(
     return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(events)]
 
 
-def run_variant(variant: Variant, args: argparse.Namespace, out_dir: Path | None) -> dict[str, Any]:
+def run_variant(
+    variant: Variant,
+    args: argparse.Namespace,
+    out_dir: Path | None,
+    ref: _step_check.Reference | None,
+) -> dict[str, Any]:
     step, n_params, config = setup(variant, args)
     data = make_batches(args, config.vocab_size)
     with sdpa_backends(variant.sdpa):
+        check = {}
+        if ref is not None:  # the first step, from the initial weights, on the first batch
+            loss = step.forward_backward(data[0])
+            check = _step_check.errors(step.model, loss, ref)
+            step.update()
         warmup_s = warm_up(step, data, args)
         times = timed_steps(step, data, args)
         if variant.name in (args.profile or "").split(",") and out_dir is not None:
             profile(step, data, args, out_dir / f"profile_{variant.name}.txt")
-    return result_row(variant.name, times, warmup_s, n_params, config, args)
+    return {**result_row(variant.name, times, warmup_s, n_params, config, args), **check}
 
 
 def warm_up(step: Callable[[dict], None], data: list[dict], args: argparse.Namespace) -> float:
@@ -328,6 +371,8 @@ def print_summary(title: str, rows: list[dict[str, Any]], base: dict[str, Any]) 
         f"vs {base['variant']}",
         "peak GiB",
         "warm-up s",
+        "loss rel err",
+        "grad rel err",
     ]
     print_lines(
         title, *("  ".join(f"{c}={fmt(r.get(c), none='None')}" for c in columns) for r in rows)
@@ -428,6 +473,11 @@ def main() -> None:
         default=None,
         help="variants to profile, comma-separated (tables in --out's folder)",
     )
+    parser.add_argument(
+        "--no-check",
+        action="store_true",
+        help="skip the exactness check of each variant against the fp32 reference",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model, CPU is fine (no compile)")
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args()
@@ -440,6 +490,12 @@ def main() -> None:
         # Inductor on the CPU needs a C++ toolchain; the quick run checks the plumbing only.
         chosen = [replace(v, compile=False) for v in chosen]
     out_dir = Path(args.out).parent if args.out else None
+    ref = None
+    if not args.no_check:
+        # Before any variant: Liger's patches would reach the reference model too.
+        vocab = llama_config(TINY if args.quick else FULL, max_len=args.seq).vocab_size
+        ref = _step_check.reference(partial(build_model, args), make_batches(args, vocab)[0])
+        free_memory(args.device)
     rows = []
     traced: object = "none yet"
     for variant in chosen:
@@ -448,7 +504,7 @@ def main() -> None:
             # the backend order or the memory budget changes.
             torch._dynamo.reset()
             traced = (variant.sdpa, variant.memory_budget)
-        rows.append(run_variant(variant, args, out_dir))
+        rows.append(run_variant(variant, args, out_dir, ref))
         free_memory(args.device)
         print(json.dumps(rows[-1]), flush=True)
     base = next((r for r in rows if r["variant"] == "fsdp2+compile"), rows[0])
