@@ -20,8 +20,9 @@ from torch import Tensor
 
 from vocab_parallel._fused_linear import FusedLinearLoss, fused_chunk_tokens
 from vocab_parallel._logits import Plan
+from vocab_parallel._operands import linear_operands, resolve_backend
 from vocab_parallel._sharding import replicated_local
-from vocab_parallel.losses import Backend, _linear_operands, _resolve_backend
+from vocab_parallel.losses import Backend
 from vocab_parallel.plain_shard import VocabGroup
 
 
@@ -41,7 +42,7 @@ def _fused_loss(
     vocab_group: VocabGroup | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, log_p [...], valid [...]) with loss = sum_t c_t * log p(label_t)."""
-    inv_t, shard, flat_hidden, labels, batch_shape = _linear_operands(
+    inv_t, shard, flat_hidden, labels, batch_shape = linear_operands(
         hidden,
         weight,
         labels,
@@ -97,7 +98,7 @@ def _fused_loss(
         entropy=False,
         uniform=False,
         validate=validate,
-        backend=_resolve_backend(backend, flat_hidden),
+        backend=resolve_backend(backend, flat_hidden),
     )
     flat_labels = labels.reshape(-1)
     with autocast_off:

@@ -11,208 +11,32 @@ one SUM of the [N, H] hidden gradient in backward).
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import math
-import os
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
 from vocab_parallel._linear import LinearLogProbs, block_size_for
-from vocab_parallel._logits import Plan, VocabStats, chunk_size_for
+from vocab_parallel._logits import Plan, VocabStats
 from vocab_parallel._logits_loss import LogitsLossInPlace
-from vocab_parallel._sharding import VocabShard, check_labels, replicated_local
-from vocab_parallel.plain_shard import VocabGroup, resolve_vocab_shard
+from vocab_parallel._operands import (
+    LogitsOperands,
+    linear_operands,
+    logits_operands,
+    resolve_backend,
+)
+from vocab_parallel._sharding import replicated_local
+from vocab_parallel.plain_shard import VocabGroup
 
 Reduction = Literal["none", "mean", "sum"]
 Backend = Literal["auto", "torch", "triton"]
 
 
-def _resolve_backend(backend: str, logits: Tensor) -> str:
-    """Pick the implementation for ``logits`` (or hidden states, for the fused form).
-
-    "auto" means the Triton kernels for CUDA tensors when triton is installed, else PyTorch.
-    """
-    if backend == "torch":
-        return "torch"
-    if backend not in ("auto", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    available = importlib.util.find_spec("triton") is not None
-    if backend == "auto":
-        return "triton" if available and logits.is_cuda else "torch"
-    if not available:
-        raise ImportError(
-            "backend='triton' needs the triton package; install the 'triton' extra "
-            "(pip install 'vocab-parallel[triton]') or use backend='torch'"
-        )
-    if not logits.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError(
-            f"backend='triton' runs on CUDA tensors, but the logits are on {logits.device}; "
-            "use backend='auto' or 'torch' on this device"
-        )
-    return "triton"
-
-
-def _check_temperature(temperature: float) -> float:
-    if not (isinstance(temperature, int | float) and math.isfinite(temperature)) or (
-        temperature <= 0
-    ):
-        raise ValueError(
-            f"temperature must be a finite number > 0, got {temperature!r}; use 1.0 for the "
-            "plain softmax"
-        )
-    return 1.0 / float(temperature)
-
-
-def _check_chunk(chunk_size: int | None) -> None:
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(
-            f"chunk_size must be a positive int or None (automatic), got {chunk_size!r}"
-        )
-
-
-def _check_float(t: Tensor, name: str) -> None:
-    if not t.dtype.is_floating_point:
-        raise TypeError(
-            f"{name} has dtype {t.dtype}; expected a floating dtype (bfloat16, float16, float32 "
-            "or float64)"
-        )
-
-
-def _linear_operands(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    *,
-    temperature: float,
-    chunk_size: int | None,
-    vocab_group: VocabGroup | None = None,
-) -> tuple[float, VocabShard, Tensor, Tensor, torch.Size]:
-    """The checked operands of both fused linear forms.
-
-    Returns:
-        (1 / temperature, the weight's vocabulary shard, hidden as [N, H] local, labels [...]
-        local, the batch shape [...]).
-    """
-    inv_t = _check_temperature(temperature)
-    _check_chunk(chunk_size)
-    _check_linear_inputs(hidden, weight)
-    shard = resolve_vocab_shard(
-        weight, vocab_group, vocab_dim=0, name="weight", expected="Shard(0)"
-    )
-    local_hidden = replicated_local(hidden, name="hidden")
-    batch_shape = local_hidden.shape[:-1]
-    labels = check_labels(
-        replicated_local(labels, name="labels"), batch_shape=batch_shape, what="hidden states"
-    )
-    flat_hidden = local_hidden.reshape(-1, local_hidden.shape[-1])
-    return inv_t, shard, flat_hidden, labels, batch_shape
-
-
-def _check_linear_inputs(hidden: Tensor, weight: Tensor) -> None:
-    """Check hidden [..., H] and weight [V, H] share a floating dtype; the error names both."""
-    _check_float(hidden, "hidden")
-    _check_float(weight, "weight")
-    if weight.ndim != 2:
-        raise ValueError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
-    if hidden.ndim < 1 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden has shape {tuple(hidden.shape)} but weight is {tuple(weight.shape)}; "
-            f"expected hidden [..., {weight.shape[1]}] (the weight's H)"
-        )
-    if hidden.dtype != weight.dtype:
-        raise TypeError(
-            f"hidden is {hidden.dtype} but weight is {weight.dtype}; cast one of them so they match"
-        )
-
-
-def _as_slabs(local: Tensor) -> Tensor:
-    """View logits [..., Vl] as [B, R, Vl] without copying whenever the strides allow.
-
-    A contiguous tensor is one slab; a slice along the last leading dim (``logits[:, :-1]``)
-    is B slabs of R rows. Anything else (or a non-unit stride along Vl) is copied once.
-    """
-    local_vocab = local.shape[-1]
-    lead = local.shape[:-1]
-    # Explicit sizes: a rank may hold zero vocabulary columns (V < number of shards).
-    n = math.prod(lead)
-    if local.stride(-1) == 1 or local_vocab <= 1:
-        with contextlib.suppress(RuntimeError):
-            return local.view(1, n, local_vocab)
-        if len(lead) >= 2:
-            with contextlib.suppress(RuntimeError):
-                return local.view(math.prod(lead[:-1]), lead[-1], local_vocab)
-    return local.reshape(1, n, local_vocab)
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class _LogitsOperands:
-    """The checked operands of a logits function (see :func:`_logits_operands`)."""
-
-    slabs: Tensor  # the local logits as [B, R, Vl] slabs
-    labels: Tensor | None  # [N] local, or None
-    plan: Plan
-    batch_shape: torch.Size  # [...]
-
-
-def _vocab_stats(operands: _LogitsOperands) -> tuple[Tensor, Tensor, Tensor]:
+def _vocab_stats(operands: LogitsOperands) -> tuple[Tensor, Tensor, Tensor]:
     """Run :class:`VocabStats`; returns (log_p, entropy, uniform), each [...]."""
     log_p, ent, uni = VocabStats.apply(operands.slabs, operands.labels, operands.plan)
     shape = operands.batch_shape
     return log_p.view(shape), ent.view(shape), uni.view(shape)
-
-
-def _logits_operands(
-    logits: Tensor,
-    labels: Tensor | None,
-    *,
-    temperature: float,
-    ignore_index: int,
-    chunk_size: int | None,
-    entropy: bool,
-    uniform: bool,
-    validate: bool,
-    backend: str,
-    in_place: bool,
-    vocab_group: VocabGroup | None,
-) -> _LogitsOperands:
-    """The checked operands of the logits functions."""
-    inv_t = _check_temperature(temperature)
-    _check_chunk(chunk_size)
-    if logits.ndim < 1:
-        raise ValueError("logits must have at least one dim (the vocabulary, last)")
-    _check_float(logits, "logits")
-    shard = resolve_vocab_shard(
-        logits, vocab_group, vocab_dim=-1, name="logits", expected="Shard(-1)"
-    )
-    batch_shape = logits.shape[:-1]
-    flat_labels = None
-    if labels is not None:
-        labels = check_labels(
-            replicated_local(labels, name="labels"), batch_shape=batch_shape, what="logits"
-        )
-        if labels.device != shard.local.device:
-            raise ValueError(
-                f"labels are on {labels.device} but logits on {shard.local.device}; move them"
-            )
-        flat_labels = labels.reshape(-1)
-    local = shard.local
-    slabs = _as_slabs(local)
-    plan = Plan(
-        layout=shard.layout,
-        inv_temperature=inv_t,
-        ignore_index=ignore_index,
-        chunk_size=chunk_size or chunk_size_for(local.shape[-1]),
-        entropy=entropy,
-        uniform=uniform,
-        validate=validate,
-        backend=_resolve_backend(backend, local),
-        in_place=in_place,
-    )
-    return _LogitsOperands(slabs=slabs, labels=flat_labels, plan=plan, batch_shape=batch_shape)
 
 
 def token_log_probs(
@@ -256,7 +80,7 @@ def token_log_probs(
         [...] float32, identical on every vocabulary rank (a plain tensor).
     """
     log_p, _, _ = _vocab_stats(
-        _logits_operands(
+        logits_operands(
             logits,
             labels,
             temperature=temperature,
@@ -296,7 +120,7 @@ def token_entropy(
         [...] float32, identical on every vocabulary rank.
     """
     _, ent, _ = _vocab_stats(
-        _logits_operands(
+        logits_operands(
             logits,
             None,
             temperature=temperature,
@@ -334,7 +158,7 @@ def token_log_probs_and_entropy(
         position, ignored or not.
     """
     log_p, ent, _ = _vocab_stats(
-        _logits_operands(
+        logits_operands(
             logits,
             labels,
             temperature=temperature,
@@ -394,7 +218,7 @@ def cross_entropy(
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     smooth = label_smoothing > 0.0
-    operands = _logits_operands(
+    operands = logits_operands(
         logits,
         labels,
         temperature=1.0,
@@ -476,7 +300,7 @@ def linear_token_log_probs(
         [...] float32, identical on every vocabulary rank. The hidden gradient is summed over
         the vocabulary ranks in backward, so it is the full gradient on every rank.
     """
-    inv_t, shard, flat_hidden, labels, batch_shape = _linear_operands(
+    inv_t, shard, flat_hidden, labels, batch_shape = linear_operands(
         hidden,
         weight,
         labels,
@@ -484,7 +308,7 @@ def linear_token_log_probs(
         chunk_size=chunk_size,
         vocab_group=vocab_group,
     )
-    resolved = _resolve_backend(backend, flat_hidden)
+    resolved = resolve_backend(backend, flat_hidden)
     low_precision = resolved == "triton" and flat_hidden.dtype in (torch.bfloat16, torch.float16)
     plan = Plan(
         layout=shard.layout,
