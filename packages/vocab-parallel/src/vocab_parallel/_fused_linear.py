@@ -26,7 +26,13 @@ from torch import Tensor
 
 from vocab_parallel._linear import _add_matmul_, _chunk_logits_grad
 from vocab_parallel._logits import Plan, locate_targets, raise_invalid, unchecked_labels
-from vocab_parallel._math import GradTerms, scaled_fp32, scaled_target, shard_stats
+from vocab_parallel._math import (
+    GradTerms,
+    scale_by_upstream_,
+    scaled_fp32,
+    scaled_target,
+    shard_stats,
+)
 from vocab_parallel._reduce import reduce_stats
 
 # Default chunking: one chunk's logits hold at most 1/FUSED_CHUNKS of the full [N, Vl] logits
@@ -124,8 +130,6 @@ class FusedLinearLoss(torch.autograd.Function):
         inv_t = plan.inv_temperature
         targets = locate_targets(labels, plan=plan, local_vocab=local_vocab)
         coef = torch.where(targets.valid, coefficients.float(), 0.0)
-        g_all = coef * inv_t
-        target_grad = torch.where(targets.in_shard, g_all, 0.0)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         accumulator = None
         # The whole vocabulary on this rank, Triton, gradients wanted and the chunk logits in
@@ -148,8 +152,9 @@ class FusedLinearLoss(torch.autograd.Function):
         log_p = hidden.new_zeros(n, dtype=torch.float32)
         # Counted once: here without a vocabulary group, else with the first chunk's collective.
         unreduced = unchecked_labels(targets, labels, plan=plan)
-        if one_kernel:
-            coef_fp32 = coefficients.float().contiguous()
+        if not one_kernel:  # the one kernel forms these itself from the labels and coef
+            g_all = coef * inv_t
+            target_grad = torch.where(targets.in_shard, g_all, 0.0)
         for start in range(0, n, plan.chunk_size):
             if one_kernel:
                 stop = min(start + plan.chunk_size, n)
@@ -162,7 +167,7 @@ class FusedLinearLoss(torch.autograd.Function):
                     inv_temperature=inv_t,
                     labels=labels[start:stop],
                     ignore_index=plan.ignore_index,
-                    coefficients=coef_fp32[start:stop],
+                    coefficients=coef[start:stop],
                 )
                 _chunk_matmuls(grad_logits, h_chunk, weight, grad_hidden, accumulator, start)
                 del grad_logits
@@ -240,15 +245,7 @@ class FusedLinearLoss(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.grads
         ctx.grads = None
         if grad_loss is not None:
-            # In place, in the gradients' dtype: exact when the upstream gradient is 1.
             for grad in (grad_hidden, grad_weight):
-                if grad is None:
-                    continue
-                if ctx.backend == "triton" and grad.is_contiguous():
-                    from vocab_parallel import _triton
-
-                    # Same values as mul_, one vectorized pass (no mixed-dtype kernel).
-                    _triton.scale_(grad, grad_loss.to(torch.float32).reshape(1).contiguous())
-                else:
-                    grad.mul_(grad_loss)
+                if grad is not None:
+                    scale_by_upstream_(grad, grad_loss, backend=ctx.backend)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None

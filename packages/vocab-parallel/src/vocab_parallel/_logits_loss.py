@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from vocab_parallel._logits import Plan, locate_targets, unchecked_labels
+from vocab_parallel._math import scale_by_upstream_
 
 
 class LogitsLossInPlace(torch.autograd.Function):
@@ -74,10 +75,5 @@ class LogitsLossInPlace(torch.autograd.Function):
         ctx.grad = None
         if grad_loss is None:
             return None, None, None, None
-        from vocab_parallel import _triton
-
-        if grad.is_contiguous():
-            _triton.scale_(grad, grad_loss.to(torch.float32).reshape(1).contiguous())
-        else:  # a strided slice of larger logits (e.g. logits[:, :-1])
-            grad.mul_(grad_loss)
+        scale_by_upstream_(grad, grad_loss, backend="triton")
         return grad, None, None, None

@@ -81,6 +81,26 @@ class GradTerms:
         )
 
 
+def scale_by_upstream_(grad: Tensor, grad_loss: Tensor, *, backend: str) -> None:
+    """Multiply a gradient formed in forward by the scalar upstream gradient, in place.
+
+    In the gradient's dtype: exact when the upstream gradient is 1. On the Triton backend a
+    contiguous gradient takes one vectorized kernel, which touches nothing for a scale of
+    exactly 1 (same values as ``mul_``, whose bf16-by-fp32-scalar kernel is unvectorized).
+
+    Args:
+        grad: the stored gradient (modified).
+        grad_loss: 0-dim upstream gradient of the loss.
+        backend: "triton" or "torch", the backend that formed ``grad``.
+    """
+    if backend == "triton" and grad.is_contiguous():
+        from vocab_parallel import _triton
+
+        _triton.scale_(grad, grad_loss.to(torch.float32).reshape(1).contiguous())
+    else:  # e.g. a strided slice of larger logits (logits[:, :-1])
+        grad.mul_(grad_loss)
+
+
 def scaled_fp32(chunk: Tensor, inv_temperature: float) -> Tensor:
     """A fresh fp32 copy of ``chunk * inv_temperature`` that may be modified in place.
 
