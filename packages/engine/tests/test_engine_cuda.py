@@ -151,3 +151,15 @@ def test_cuda_token_counts_are_validated_without_a_sync() -> None:
     for counts in [(nan, nan), (count, torch.tensor(n + 1, device="cuda"))]:
         poisoned, results = run([counts])
         assert results[-1].skipped and poisoned.optimizer_steps == 0, counts
+
+
+@requires_cuda(1)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_master_weight_adamw_kernel_matches_float64_adamw(dtype: torch.dtype) -> None:
+    import _master_adamw_check as check
+
+    got = check.run("triton", "cuda", dtype=dtype)
+    assert got["master_rel_err"] < 1e-6, got
+    assert got["param_ulps"] == 0.0, got  # rounded to nearest, as torch's .to(bfloat16)
+    assert got["skip_changed"] == 0.0, got
+    assert got["step_count"] == 3.0, got

@@ -14,6 +14,7 @@ from train_engine.engine import Engine, NonFiniteGradientError, StepResult
 from train_engine.expert_parallel import ExpertShards
 from train_engine.grad_norm import clip_grads_with_norm_, global_grad_norm
 from train_engine.loss_window import LossWindow
+from train_engine.master_adamw import MasterWeightAdamW
 from train_engine.param_groups import param_groups
 from train_engine.setup import DDPConfig, FSDP2Config, apply_data_parallel
 
@@ -27,6 +28,7 @@ __all__ = [
     "FSDP2Config",
     "LoadedCheckpoint",
     "LossWindow",
+    "MasterWeightAdamW",
     "NonFiniteGradientError",
     "StepResult",
     "__version__",
