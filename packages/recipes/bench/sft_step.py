@@ -22,6 +22,10 @@ AdamW and clipping at 1.0, and runs in the same process one after the other:
   with reshard; ``recipes-lean-chunk``: ``recipes-lean`` with ``--lean-loss-chunk`` tokens per
   chunk of the fused loss (the recipe's ``model.fused_loss_chunk_tokens``: fewer passes over
   the head's gradient for a larger transient at the end of forward).
+- ``recipes-master``: ``recipes-lean-chunk`` without FSDP2: the model's parameters in bf16,
+  the fp32 master weights in train-engine's ``MasterWeightAdamW`` (the same fp32-master
+  arithmetic; one kernel reads the bf16 gradients and writes master, moments and the bf16
+  parameters, where one-rank FSDP2 copies the parameters in and the gradients out each step).
 - ``fsdp2+liger``: the ``fsdp2`` loop with Liger-Kernel patched into transformers' Llama
   (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy); needs ``liger-kernel`` (the bench
   group) and always runs last, because the patches stay for the rest of the process.
@@ -59,7 +63,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from train_engine import Engine, FSDP2Config, apply_data_parallel, param_groups
+from train_engine import Engine, FSDP2Config, MasterWeightAdamW, apply_data_parallel, param_groups
 from train_recipes.attention import CausalFastPath, sdpa_backends
 from train_recipes.modeling import compile_decoder_layers
 from train_recipes.sft import token_sum_loss
@@ -107,6 +111,9 @@ class Variant:
     liger: bool = False  # Liger-Kernel patched into transformers' Llama (a peer; runs last)
     memory_budget: float | None = None  # the compiled layers' activation memory budget
     loss_chunk: int | None = None  # tokens per chunk of the fused loss (None: its default)
+    # bf16 parameters on the device, fp32 master weights in train-engine's MasterWeightAdamW,
+    # no FSDP2 (on one GPU its copy-in and copy-out are all it adds)
+    master_weights: bool = False
 
 
 def variants(args: argparse.Namespace) -> dict[str, Variant]:
@@ -148,6 +155,14 @@ def variants(args: argparse.Namespace) -> dict[str, Variant]:
             name="recipes-lean-chunk",
             memory_budget=args.lean_budget,
             loss_chunk=args.lean_loss_chunk,
+        ),
+        replace(
+            recipes,
+            name="recipes-master",
+            memory_budget=args.lean_budget,
+            loss_chunk=args.lean_loss_chunk,
+            reshard_after_forward=None,
+            master_weights=True,
         ),
         # Liger's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy, patched into the
         # transformers classes for the rest of the process: always run last.
@@ -210,19 +225,27 @@ def setup(variant: Variant, args: argparse.Namespace) -> tuple[Step, int, Any]:
     # The benchmark's rows are not packed; without the variant's fast path, transformers' mask.
     fast_path = CausalFastPath(model)
     attention = partial(fast_path.selected, packed=not variant.fast_path)
+    bf16 = torch.bfloat16 if args.device == "cuda" else torch.float32
+    if variant.master_weights:
+        # The masters start from these, as from a bf16 checkpoint (fp32 on the CPU, like the
+        # other variants' compute there).
+        model.to(bf16)
     if variant.compile:
         compile_decoder_layers(model, memory_budget=variant.memory_budget)
-    bf16 = torch.bfloat16 if args.device == "cuda" else torch.float32
     mesh = init_device_mesh(args.device, (1,))
     fused = args.device == "cuda"
     if variant.engine:
-        fsdp = FSDP2Config(
-            param_dtype=bf16,
-            reduce_dtype=torch.float32,
-            reshard_after_forward=variant.reshard_after_forward,
-        )
-        model = apply_data_parallel(model, mesh=mesh, config=fsdp)
-        opt = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=1e-5, fused=fused)
+        opt: torch.optim.Optimizer
+        if variant.master_weights:
+            opt = MasterWeightAdamW(param_groups(model, weight_decay=0.1), lr=1e-5)
+        else:
+            fsdp = FSDP2Config(
+                param_dtype=bf16,
+                reduce_dtype=torch.float32,
+                reshard_after_forward=variant.reshard_after_forward,
+            )
+            model = apply_data_parallel(model, mesh=mesh, config=fsdp)
+            opt = torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=1e-5, fused=fused)
         engine = Engine(model, opt, max_grad_norm=1.0)
         sharder = None
         if variant.cp1:

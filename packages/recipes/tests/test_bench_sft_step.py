@@ -14,7 +14,8 @@ BENCH = Path(__file__).parents[1] / "bench" / "sft_step.py"
 @pytest.mark.timeout(300)
 def test_sft_step_quick(tmp_path: Path) -> None:
     variants = (
-        "fsdp2,fsdp2+compile,recipes,recipes-logits-loss,recipes-hf-mask,recipes-cp1,recipes-lean"
+        "fsdp2,fsdp2+compile,recipes,recipes-logits-loss,recipes-hf-mask,recipes-cp1,recipes-lean,"
+        "recipes-master"
     )
     options = ["--variants", variants, "--sdpa", "flash,math", "--profile", "recipes"]
     result = run_quick(BENCH, tmp_path, *options, timeout_s=280).report
