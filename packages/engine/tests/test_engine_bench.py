@@ -38,3 +38,11 @@ def test_sft_bench_quick(tmp_path: Path) -> None:
     result = _run("sft_llama.py", tmp_path, "--baseline")
     assert [r["tokens/s"] > 0 for r in result["rows"]] == [True, True]
     assert result["meta"]["reference"]["tokens_per_s"] == 45.0e3
+
+
+@pytest.mark.timeout(300)
+def test_master_adamw_bench_quick(tmp_path: Path) -> None:
+    result = _run("master_adamw.py", tmp_path)
+    assert len(result["rows"]) == 3 and all(r["median ms"] > 0 for r in result["rows"])
+    # Same fp32 arithmetic as AdamW on fp32 parameters (no clipping divisor on the CPU).
+    assert result["meta"]["master err vs fp32 params"]["master"] < 1e-6
