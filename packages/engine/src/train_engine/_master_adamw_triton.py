@@ -25,6 +25,67 @@ _WARPS = 4
 
 
 @triton.jit
+def _update_block(
+    offsets,
+    numel,
+    param_ptr,
+    grad_ptr,
+    master_ptr,
+    avg_ptr,
+    sq_ptr,
+    step,
+    grad_scale_ptr,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    PARAM_DTYPE: tl.constexpr,
+    SEPARATE_MASTER: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
+    FULL: tl.constexpr,
+):
+    """One block's update; FULL: every offset is in range (no mask, so vector accesses)."""
+    if FULL:
+        grad = tl.load(grad_ptr + offsets).to(tl.float32)
+        weight = tl.load(master_ptr + offsets)
+        avg = tl.load(avg_ptr + offsets)
+        sq = tl.load(sq_ptr + offsets)
+    else:
+        mask = offsets < numel
+        grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        weight = tl.load(master_ptr + offsets, mask=mask, other=0.0)
+        avg = tl.load(avg_ptr + offsets, mask=mask, other=0.0)
+        sq = tl.load(sq_ptr + offsets, mask=mask, other=0.0)
+    if HAS_GRAD_SCALE:
+        grad = grad / tl.load(grad_scale_ptr)
+
+    # torch.optim.AdamW's order: decoupled decay, the moments, then the bias-corrected step.
+    weight = weight * (1.0 - lr * weight_decay)
+    avg = avg + (1.0 - beta1) * (grad - avg)
+    sq = beta2 * sq + (1.0 - beta2) * grad * grad
+    # beta ** step as exp2(step * log2(beta)): exact to fp32 rounding, and 0 for beta = 0.
+    correction1 = 1.0 - tl.exp2(step * tl.log2(beta1))
+    correction2 = 1.0 - tl.exp2(step * tl.log2(beta2))
+    denom = tl.sqrt(sq) / tl.sqrt(correction2) + eps
+    weight = weight - (lr / correction1) * avg / denom
+    rounded = weight.to(PARAM_DTYPE, fp_downcast_rounding="rtne")
+
+    if FULL:
+        tl.store(master_ptr + offsets, weight)
+        tl.store(avg_ptr + offsets, avg)
+        tl.store(sq_ptr + offsets, sq)
+        if SEPARATE_MASTER:
+            tl.store(param_ptr + offsets, rounded)
+    else:
+        tl.store(master_ptr + offsets, weight, mask=mask)
+        tl.store(avg_ptr + offsets, avg, mask=mask)
+        tl.store(sq_ptr + offsets, sq, mask=mask)
+        if SEPARATE_MASTER:
+            tl.store(param_ptr + offsets, rounded, mask=mask)
+
+
+@triton.jit
 def _master_adamw_kernel(
     block_tensor_ptr,
     block_offset_ptr,
@@ -47,46 +108,72 @@ def _master_adamw_kernel(
     SEPARATE_MASTER: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
+    ALIGNED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
     block = tl.program_id(0)
     tensor = tl.load(block_tensor_ptr + block)
-    offsets = tl.load(block_offset_ptr + block) + tl.arange(0, BLOCK_SIZE)
+    start = tl.multiple_of(tl.load(block_offset_ptr + block), BLOCK_SIZE)
+    offsets = start + tl.arange(0, BLOCK_SIZE)
     numel = tl.load(numel_ptr + tensor)
     if HAS_FOUND_INF:
         # A skipped update reads and writes nothing (fully masked loads fetch no memory).
         numel = tl.where(tl.load(found_inf_ptr) == 0, numel, 0)
-    mask = offsets < numel
+    param_ptr = tl.load(param_addr_ptr + tensor).to(tl.pointer_type(PARAM_DTYPE))
     grad_ptr = tl.load(grad_addr_ptr + tensor).to(tl.pointer_type(GRAD_DTYPE))
     master_ptr = tl.load(master_addr_ptr + tensor).to(tl.pointer_type(tl.float32))
     avg_ptr = tl.load(avg_addr_ptr + tensor).to(tl.pointer_type(tl.float32))
     sq_ptr = tl.load(sq_addr_ptr + tensor).to(tl.pointer_type(tl.float32))
-
-    grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    if HAS_GRAD_SCALE:
-        grad = grad / tl.load(grad_scale_ptr)
-    weight = tl.load(master_ptr + offsets, mask=mask, other=0.0)
-    avg = tl.load(avg_ptr + offsets, mask=mask, other=0.0)
-    sq = tl.load(sq_ptr + offsets, mask=mask, other=0.0)
-
-    # torch.optim.AdamW's order: decoupled decay, the moments, then the bias-corrected step.
+    if ALIGNED:
+        # Addresses read from a table carry no alignment the compiler can see; the host checked
+        # that every one is 16-byte aligned, which lets full blocks use vector accesses.
+        param_ptr = tl.multiple_of(param_ptr, 16)
+        grad_ptr = tl.multiple_of(grad_ptr, 16)
+        master_ptr = tl.multiple_of(master_ptr, 16)
+        avg_ptr = tl.multiple_of(avg_ptr, 16)
+        sq_ptr = tl.multiple_of(sq_ptr, 16)
     step = tl.load(step_ptr + tensor) + 1.0
-    weight = weight * (1.0 - lr * weight_decay)
-    avg = avg + (1.0 - beta1) * (grad - avg)
-    sq = beta2 * sq + (1.0 - beta2) * grad * grad
-    # beta ** step as exp2(step * log2(beta)): exact to fp32 rounding, and 0 for beta = 0.
-    correction1 = 1.0 - tl.exp2(step * tl.log2(beta1))
-    correction2 = 1.0 - tl.exp2(step * tl.log2(beta2))
-    denom = tl.sqrt(sq) / tl.sqrt(correction2) + eps
-    weight = weight - (lr / correction1) * avg / denom
-
-    tl.store(master_ptr + offsets, weight, mask=mask)
-    tl.store(avg_ptr + offsets, avg, mask=mask)
-    tl.store(sq_ptr + offsets, sq, mask=mask)
-    if SEPARATE_MASTER:
-        param_ptr = tl.load(param_addr_ptr + tensor).to(tl.pointer_type(PARAM_DTYPE))
-        tl.store(
-            param_ptr + offsets, weight.to(PARAM_DTYPE, fp_downcast_rounding="rtne"), mask=mask
+    if start + BLOCK_SIZE <= numel:
+        _update_block(
+            offsets,
+            numel,
+            param_ptr,
+            grad_ptr,
+            master_ptr,
+            avg_ptr,
+            sq_ptr,
+            step,
+            grad_scale_ptr,
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            PARAM_DTYPE,
+            SEPARATE_MASTER,
+            HAS_GRAD_SCALE,
+            True,
+        )
+    else:
+        _update_block(
+            offsets,
+            numel,
+            param_ptr,
+            grad_ptr,
+            master_ptr,
+            avg_ptr,
+            sq_ptr,
+            step,
+            grad_scale_ptr,
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            PARAM_DTYPE,
+            SEPARATE_MASTER,
+            HAS_GRAD_SCALE,
+            False,
         )
 
 
@@ -111,6 +198,7 @@ def launch_master_adamw(
     param_dtype: str,
     grad_dtype: str,
     separate_master: bool,
+    aligned: bool,
 ) -> None:
     """Update one bucket in place.
 
@@ -131,6 +219,7 @@ def launch_master_adamw(
         param_dtype: the parameters' dtype, "float32", "bfloat16" or "float16".
         grad_dtype: the gradients' dtype, one of the same.
         separate_master: the master weight is its own fp32 tensor (low-precision parameter).
+        aligned: every address in ``addresses`` is a multiple of 16 bytes (vector accesses).
     """
     blocks = block_tensor.numel()
     if blocks == 0:
@@ -158,6 +247,7 @@ def launch_master_adamw(
         SEPARATE_MASTER=separate_master,
         HAS_GRAD_SCALE=grad_scale is not None,
         HAS_FOUND_INF=found_inf is not None,
+        ALIGNED=aligned,
         BLOCK_SIZE=BLOCK,
         num_warps=_WARPS,
     )

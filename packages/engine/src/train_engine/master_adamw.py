@@ -54,6 +54,7 @@ class _Bucket:
     numels: Tensor
     addresses: Tensor
     step_index: Tensor
+    aligned: bool
 
 
 class MasterWeightAdamW(torch.optim.Optimizer):
@@ -252,6 +253,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             param_dtype=str(params[0].dtype).removeprefix("torch."),
             grad_dtype=str(params[0].grad.dtype).removeprefix("torch."),
             separate_master=params[0].dtype in _LOW_PRECISION,
+            aligned=bucket.aligned,
         )
         increment = torch.ones((), dtype=torch.float32, device=bucket.numels.device)
         if self.found_inf is not None:
@@ -298,6 +300,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             numels=numels,
             addresses=addresses,
             step_index=step_index,
+            aligned=all(address % 16 == 0 for address in key),
         )
         self._buckets[cache_key] = bucket
         return bucket
