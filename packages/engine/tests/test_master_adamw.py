@@ -212,3 +212,15 @@ def test_triton_kernel_compiles_for_sm90_without_a_gpu(tmp_path: Path) -> None:
     if out.returncode != 0 and "ptxas" in out.stderr and "not found" in out.stderr:
         pytest.skip("triton's bundled ptxas is missing on this machine")
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp2_shards_update_like_the_full_tensors_and_checkpoint(rank_pool, tmp_path) -> None:
+    import _master_adamw_workers as workers
+
+    for result in rank_pool.run(2, workers.fsdp2_update, str(tmp_path), timeout_s=240):
+        assert result["sharded_state"], result  # state is sharded like the parameters
+        assert result["moved"] > 1e-3, result  # every tensor was updated
+        assert result["mismatch"] == 0.0, result  # elementwise: bit-identical to the full update
+        assert result["restored"] == 0.0 and result["restored_fp32"], result
