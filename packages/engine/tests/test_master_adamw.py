@@ -224,3 +224,32 @@ def test_fsdp2_shards_update_like_the_full_tensors_and_checkpoint(rank_pool, tmp
         assert result["moved"] > 1e-3, result  # every tensor was updated
         assert result["mismatch"] == 0.0, result  # elementwise: bit-identical to the full update
         assert result["restored"] == 0.0 and result["restored_fp32"], result
+
+
+def test_grad_scaler_drives_it_with_fp16_parameters() -> None:
+    gen = torch.Generator().manual_seed(11)
+    start = (0.1 * torch.randn(64, 32, generator=gen)).to(torch.float16)
+    x = torch.randn(8, 32, generator=gen).to(torch.float16)
+    param = nn.Parameter(start.clone())
+    opt = MasterWeightAdamW([param], lr=1e-2, backend="torch")
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    grads = []
+    for _ in range(2):  # the second step runs after GradScaler deleted its attributes
+        opt.zero_grad()
+        loss = (x @ param.t()).float().square().sum()
+        scaler.scale(loss).backward()
+        grads.append(param.grad.detach().clone() / 1024.0)  # type: ignore[union-attr]
+        scaler.step(opt)
+        scaler.update()
+    expected = check.reference_masters(
+        [start],
+        [[g] for g in grads],
+        lr=1e-2,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        scales=[1.0, 1.0],
+    )[0]
+    master = opt.state[param]["master_param"].double()
+    assert float((master - expected).norm() / expected.norm()) < 1e-6
+    assert float(opt.state[param]["step"]) == 2.0

@@ -110,9 +110,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self._backend: Backend = backend
         self._buckets: dict[tuple[int, torch.dtype, torch.dtype], _Bucket] = {}
         self._steps: list[Tensor] = []
-        # GradScaler's interface: set by the caller around step() (see _device_update).
-        self.grad_scale: Tensor | None = None
-        self.found_inf: Tensor | None = None
+        # GradScaler's interface (`grad_scale`, `found_inf`) is set by the caller around step()
+        # and deleted after; absent by default, as GradScaler multiplies into an existing one.
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
 
@@ -170,11 +169,13 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                     f"param_groups[{group_index}]['lr'] is a Tensor; MasterWeightAdamW takes a "
                     "Python float learning rate (pass lr as a float)"
                 )
+            # GradScaler deletes these attributes after its step(): read them defensively.
+            amp = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
             for triton_bucket, indices in self._group_buckets(group_index, group):
                 if triton_bucket:
-                    self._step_triton(group_index, group, indices)
+                    self._step_triton(group_index, group, indices, *amp)
                 else:
-                    self._step_torch(group_index, group, indices)
+                    self._step_torch(group_index, group, indices, *amp)
         return loss
 
     def _group_buckets(
@@ -200,10 +201,15 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             yield triton_bucket, tuple(indices)
 
     def _step_torch(
-        self, group_index: int, group: dict[str, Any], indices: tuple[int, ...]
+        self,
+        group_index: int,
+        group: dict[str, Any],
+        indices: tuple[int, ...],
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
     ) -> None:
         """Per-tensor torch ops, fp32 arithmetic: the portable (and reference) path."""
-        if self.found_inf is not None and bool(self.found_inf.item()):
+        if found_inf is not None and bool(found_inf.item()):
             return
         beta1, beta2 = group["betas"]
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
@@ -212,8 +218,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             param = group["params"][i]
             state = self.state[param]
             grad = _local(param.grad).to(torch.float32)
-            if self.grad_scale is not None:
-                grad = grad / self.grad_scale.to(grad.device)
+            if grad_scale is not None:
+                grad = grad / grad_scale.to(grad.device)
             master = _local(state.get("master_param", param))
             avg, sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
             step = float(steps[i]) + 1.0
@@ -227,7 +233,12 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         steps[list(indices)] += 1.0
 
     def _step_triton(
-        self, group_index: int, group: dict[str, Any], indices: tuple[int, ...]
+        self,
+        group_index: int,
+        group: dict[str, Any],
+        indices: tuple[int, ...],
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
     ) -> None:
         from train_engine._master_adamw_triton import launch_master_adamw
 
@@ -243,8 +254,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             addresses=bucket.addresses,
             # A bucket of the whole group reads the group's counters as they are.
             steps=steps if covers_group else steps[bucket.step_index],
-            grad_scale=self.grad_scale,
-            found_inf=self.found_inf,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
             lr=float(group["lr"]),
             beta1=float(beta1),
             beta2=float(beta2),
@@ -256,8 +267,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             aligned=bucket.aligned,
         )
         increment = torch.ones((), dtype=torch.float32, device=bucket.numels.device)
-        if self.found_inf is not None:
-            increment = increment - self.found_inf.to(increment.device)
+        if found_inf is not None:
+            increment = increment - found_inf.to(increment.device)
         if covers_group:
             steps.add_(increment)
         else:
