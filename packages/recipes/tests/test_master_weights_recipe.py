@@ -272,3 +272,20 @@ def test_pure_bf16_adamw_is_warned_about() -> None:
     assert warnings("model.dtype=bfloat16", "optim.master_weights=false")
     assert not warnings("model.dtype=bfloat16")
     assert not warnings("optim.master_weights=false")
+
+
+def test_resume_applies_only_null_to_false_master_weights() -> None:
+    """A checkpoint from before optim.master_weights (null, torch AdamW state) resumes with
+    false; every other change of the key would load another optimizer's state: refused."""
+    from train_recipes.config_loader import to_dict
+    from train_recipes.resume_changes import config_changes
+
+    def change(saved: str, new: str) -> dict[str, Any]:
+        old = to_dict(load_config(SFTConfig, None, [f"optim.master_weights={saved}"]))
+        config = load_config(SFTConfig, None, [f"optim.master_weights={new}"])
+        return config_changes(old, config, saved_shards=None, new_shards=1)
+
+    assert change("null", "false") == {"optim.master_weights": (None, False)}
+    for saved, new in (("null", "true"), ("true", "false"), ("false", "null"), ("true", "null")):
+        with pytest.raises(ConfigError, match=r"optim\.master_weights"):
+            change(saved, new)
