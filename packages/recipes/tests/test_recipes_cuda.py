@@ -62,6 +62,23 @@ def test_one_gpu_fsdp2_bf16_trains_and_exports(
     assert (tmp_path / "fsdp2" / "hf_model" / "model.safetensors").is_file()
 
 
+@requires_cuda(1)
+@pytest.mark.timeout(900)
+def test_one_gpu_bf16_without_wrapper_trains_and_exports(
+    demo_data: DemoSplit, tmp_path: Path
+) -> None:
+    """llama-1b5-1gpu's setup: bf16 parameters, no wrapper, fp32 master weights in
+    MasterWeightAdamW's Triton kernel (optim.master_weights resolves on for bf16)."""
+    losses = _run(
+        demo_data,
+        tmp_path / "none",
+        1,
+        ["parallel.data_parallel=none", "model.dtype=bfloat16", "data.num_logical_shards=null"],
+    )
+    assert losses[40] < 0.8 * losses[1], losses
+    assert (tmp_path / "none" / "hf_model" / "model.safetensors").is_file()
+
+
 @requires_cuda(2)
 @pytest.mark.timeout(900)
 def test_two_gpus_cp2_matches_dp2_on_nccl(demo_data: DemoSplit, tmp_path: Path) -> None:

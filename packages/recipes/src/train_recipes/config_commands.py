@@ -173,6 +173,10 @@ def copy_config(name: str, dest: Path, *, force: bool = False) -> Path:
     return target
 
 
+# How ``describe_plan`` names a data-parallel choice that is not a wrapper's name.
+_WRAPPING = {"none": "none (the model as is: one rank, no DDP or FSDP2)"}
+
+
 def describe_plan(recipe: Recipe, plan: DevicePlan) -> str:
     """The device plan as ``config show`` and the dry run print it."""
     where = (
@@ -186,7 +190,7 @@ def describe_plan(recipe: Recipe, plan: DevicePlan) -> str:
         ("recipe", recipe),
         ("ranks", where),
         ("mesh", f"dp={plan.dp} x cp={plan.cp} x tp={plan.tp}"),
-        ("wrapping", plan.data_parallel),
+        ("wrapping", _WRAPPING.get(plan.data_parallel, plan.data_parallel)),
         (
             "device",
             f"{plan.device} ({plan.backend}); {plan.cuda_devices} CUDA device(s) visible here",

@@ -30,8 +30,18 @@ class OptimConfig:
         min_lr_ratio: the learning rate at the last step, as a fraction of ``lr``.
         max_grad_norm: global gradient clipping threshold (> 0); None disables clipping (as in
             train_engine.Engine, which rejects 0).
-        fused: use the fused AdamW kernel; None means on CUDA only. Fused, the Engine also
-            clips and skips non-finite windows inside the kernel, without a host sync.
+        fused: use torch AdamW's fused kernel; None means on CUDA only. Fused, the Engine
+            also clips and skips non-finite windows inside the kernel, without a host sync.
+            Not read with master weights (MasterWeightAdamW picks its own kernel: Triton on
+            CUDA, torch ops on the CPU, and always clips and skips on the device).
+        master_weights: keep fp32 master weights in the optimizer (train-engine's
+            MasterWeightAdamW: AdamW's fp32 update on the masters, each bf16/fp16 parameter
+            rounded from its master). None: on when any trainable parameter of the wrapped
+            model is bf16/fp16 (model.dtype bfloat16; FSDP2 shards, DDP, LoRA adapters alike).
+            true: always (fp32 parameters are their own master). false: torch AdamW directly
+            on the parameters; lossy on bf16 ones (an update below half a bf16 unit in the
+            last place, 2**-9 of the weight, rounds away: most of them at lr 2e-5). A resume
+            refuses a change (the optimizer state differs).
         schedule: "linear" (warm-up, then linear decay to ``min_lr_ratio``), "cosine"
             (transformers' cosine with warm-up, down to ``min_lr_ratio``) or "constant"
             (transformers' constant with warm-up).
@@ -47,6 +57,7 @@ class OptimConfig:
     min_lr_ratio: float = 0.05
     max_grad_norm: float | None = 1.0
     fused: bool | None = None
+    master_weights: bool | None = None
     schedule: Literal["linear", "cosine", "constant"] = "linear"
     nonfinite: Literal["skip", "raise", "step"] = "skip"
 
@@ -56,7 +67,11 @@ class ParallelConfig:
     """How the job is spread over ranks: world = dp * cp * tp.
 
     Attributes:
-        data_parallel: "ddp" or "fsdp2".
+        data_parallel: "ddp", "fsdp2", or "none": the model as it is, no wrapper, for a job
+            of one rank only (world size 1). On one GPU DDP and FSDP2 add nothing but copies
+            (FSDP2's parameters in and gradients out each step); with model.dtype bfloat16
+            and optim.master_weights (on by default then) the parameters are bf16 and the
+            fp32 master weights live in the optimizer.
         cp: context-parallel degree (cp-sharder); must divide the world size.
         tp: tensor-parallel degree of the whole model (attention heads, MLP, embedding and
             output projection over the vocabulary; vocab-parallel loss). Needs fsdp2.
@@ -70,7 +85,7 @@ class ParallelConfig:
             ("bfloat16").
     """
 
-    data_parallel: Literal["ddp", "fsdp2"] = "ddp"
+    data_parallel: Literal["ddp", "fsdp2", "none"] = "ddp"
     cp: int = 1
     tp: int = 1
     ep: int = 1
@@ -79,5 +94,14 @@ class ParallelConfig:
     fsdp: FSDP2Config = field(default_factory=FSDP2Config)
 
     def data_parallel_config(self) -> DDPConfig | FSDP2Config:
-        """What ``train_engine.apply_data_parallel`` takes for ``data_parallel``."""
+        """What ``train_engine.apply_data_parallel`` takes for ``data_parallel``.
+
+        Raises:
+            ValueError: ``data_parallel`` is "none" (nothing is applied: use the model as is).
+        """
+        if self.data_parallel == "none":
+            raise ValueError(
+                "parallel.data_parallel='none' wraps nothing; use the model as it is instead "
+                "of calling apply_data_parallel"
+            )
         return self.ddp if self.data_parallel == "ddp" else self.fsdp

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from train_engine import DDPConfig
+from train_engine import DDPConfig, FSDP2Config
 from train_recipes.config_loader import ConfigError
 from train_recipes.config_ranges import check_retrieval_ranges, check_sft_ranges
 from train_recipes.config_retrieval import RetrievalConfig
@@ -34,6 +34,8 @@ def _check_common(parallel: ParallelConfig, accumulation: int, world_size: int) 
             "parallel.ddp",
             f"DDP knobs are set but parallel.data_parallel={parallel.data_parallel!r}",
         )
+    if parallel.data_parallel == "none":
+        _check_no_wrapper(parallel, world_size)
     for name, degree in (("cp", parallel.cp), ("tp", parallel.tp)):
         if degree < 1:
             raise ConfigError(f"parallel.{name}", f"must be >= 1, got {degree}")
@@ -44,6 +46,29 @@ def _check_common(parallel: ParallelConfig, accumulation: int, world_size: int) 
             f"cp*tp={parallel.cp * parallel.tp} (cp={parallel.cp}, tp={parallel.tp}) does not divide "
             f"the world size {world_size}; pick --nproc-per-node as a multiple of it",
         )
+
+
+def _check_no_wrapper(parallel: ParallelConfig, world_size: int) -> None:
+    """``data_parallel: none`` uses the model as is: one rank, so no cp/tp/ep and no FSDP2."""
+    if world_size != 1:
+        raise ConfigError(
+            "parallel.data_parallel",
+            f"'none' (the model as is, no wrapper) needs a job of one rank, got {world_size} "
+            f"ranks; use ddp or fsdp2 for {world_size} ranks",
+        )
+    if parallel.fsdp != FSDP2Config():
+        raise ConfigError(
+            "parallel.fsdp",
+            "FSDP2 knobs are set but parallel.data_parallel='none' (no wrapper); remove "
+            "parallel.fsdp, or use data_parallel=fsdp2",
+        )
+    for name in ("cp", "tp", "ep"):
+        if getattr(parallel, name) != 1:
+            raise ConfigError(
+                f"parallel.{name}",
+                f"parallel.data_parallel='none' runs one rank, so {name} must be 1, got "
+                f"{getattr(parallel, name)}; use ddp or fsdp2 for several ranks",
+            )
 
 
 def _dp_size(parallel: ParallelConfig, world_size: int) -> int:

@@ -59,6 +59,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None)
     from train_recipes.modeling import apply_lora, build_model
     from train_recipes.moe import convert_for_export
     from train_recipes.processors import load_processor
+    from train_recipes.runtime import build_optimizer
 
     given = Path(checkpoint)
     if not given.is_dir():
@@ -82,7 +83,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None)
     torch.manual_seed(config.train.seed)
     model = apply_lora(build_model(config, tokenizer), config)
     convert_for_export(model)  # a MoE run's checkpoint holds the converted layers
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.optim.lr)
+    # The run's own optimizer (MasterWeightAdamW for bf16 parameters, see optim.master_weights):
+    # the checkpoint's optimizer state loads only into the optimizer that wrote it.
+    optimizer, _ = build_optimizer(
+        model, config.optim, device=torch.device("cpu"), total_steps=config.train.steps
+    )
     engine = Engine(model, optimizer)
     ckpt = _load_newest(engine, candidates)
     out = Path(out_dir) if out_dir is not None else ckpt / "hf_model"

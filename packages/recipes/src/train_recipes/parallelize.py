@@ -1,7 +1,7 @@
 """Build the SFT model and distribute it, in torchtitan's order.
 
 Tensor parallelism, activation checkpointing, compile, then data parallelism (DDP or FSDP2 on
-the (dp, cp) gradient mesh).
+the (dp, cp) gradient mesh; nothing with ``data_parallel: none``, a job of one rank).
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def build_parallel_model(
         on_phase: called with "wrapping" once the model is built (the run's start-up clock).
 
     Returns:
-        The DDP wrapper, or the model itself under FSDP2 (which works in place).
+        The DDP wrapper, or the model itself under FSDP2 (which works in place) and with
+        ``data_parallel: none``.
     """
     from train_engine import apply_data_parallel
 
@@ -117,13 +118,17 @@ def build_parallel_model(
         apply_activation_checkpointing(model, every=config.model.activation_checkpointing_every)
     if config.model.compile:
         compile_decoder_layers(model, memory_budget=config.model.compile_memory_budget)
-    model = apply_data_parallel(
-        model,
-        mesh=ctx.grad_mesh(),
-        config=config.parallel.data_parallel_config(),
-        gradient_accumulation_steps=config.train.gradient_accumulation_steps,
-        expert_shards=expert_shards,
-    )
+    if config.parallel.data_parallel != "none":
+        model = apply_data_parallel(
+            model,
+            mesh=ctx.grad_mesh(),
+            config=config.parallel.data_parallel_config(),
+            gradient_accumulation_steps=config.train.gradient_accumulation_steps,
+            expert_shards=expert_shards,
+        )
+    # "none" (one rank, validated): the model as is. A converted MoE model's experts are then
+    # ordinary parameters: with one rank there is nothing to sync, and the Engine's clipping
+    # norm over all parameters is the one over dense and expert parameters.
     if sharded:
         assert config.model.path is not None
         stats = load_sharded_safetensors(model, config.model.path, device=ctx.device)

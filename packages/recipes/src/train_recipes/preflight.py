@@ -51,7 +51,7 @@ class DevicePlan:
         device: "cpu" or "cuda".
         backend: the process-group backend, "gloo" or "nccl".
         cuda_devices: CUDA devices visible here.
-        data_parallel: "ddp" or "fsdp2".
+        data_parallel: "ddp", "fsdp2" or "none" (the model as is, one rank).
         attention: how attention is computed, as far as the config decides it.
     """
 
@@ -254,6 +254,17 @@ def config_warnings(config: SFTConfig | RetrievalConfig, plan: DevicePlan) -> li
         found.append(
             f"optim.warmup_steps={optim.warmup_steps} is longer than train.steps={train.steps}: "
             f"the learning rate never reaches optim.lr={optim.lr:g}; lower optim.warmup_steps"
+        )
+    if (
+        isinstance(config, SFTConfig)
+        and optim.master_weights is False
+        and config.model.dtype == "bfloat16"
+        and not config.lora.enabled  # peft keeps its adapters in fp32
+    ):
+        found.append(
+            "optim.master_weights=false with model.dtype=bfloat16: AdamW updates the bf16 "
+            "weights directly and every update below half a bf16 unit in the last place rounds "
+            "away (most of them at small learning rates); leave optim.master_weights unset"
         )
     if train.device == "auto" and plan.device == "cpu" and plan.cuda_devices > 0:
         found.append(

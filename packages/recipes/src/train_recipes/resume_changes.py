@@ -62,6 +62,10 @@ CHANGEABLE = frozenset(
     }
 )
 _CHANGEABLE_PREFIXES = ("parallel.ddp.",)
+# (key, saved, new) changes applied although the key is not changeable. A checkpoint written
+# before optim.master_weights existed reads null and holds torch AdamW's state, also for bf16
+# parameters (where null now means MasterWeightAdamW): false builds that optimizer again.
+_APPLIED_CHANGES = frozenset({("optim.master_weights", None, False)})
 _SHARDS_KEY = "data.num_logical_shards"
 
 
@@ -107,7 +111,11 @@ def config_changes(
         before, after = old.get(key), new.get(key)
         if before == after:
             continue
-        if key in CHANGEABLE or key.startswith(_CHANGEABLE_PREFIXES):
+        if (
+            key in CHANGEABLE
+            or key.startswith(_CHANGEABLE_PREFIXES)
+            or (key, before, after) in _APPLIED_CHANGES
+        ):
             applied[key] = (before, after)
         else:
             refused.append(f"{key}: {before!r} -> {after!r}")

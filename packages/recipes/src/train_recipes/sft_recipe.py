@@ -19,13 +19,9 @@ import torch
 from torch import Tensor
 
 from train_recipes import _integrations as data_api
-from train_recipes import moe
+from train_recipes import moe, runtime
 from train_recipes import resume as checkpoints
-from train_recipes._dist import (
-    describe_device,
-    init_distributed,
-    process_group_timeout_s,
-)
+from train_recipes._dist import describe_device, init_distributed, process_group_timeout_s
 from train_recipes._integrations import ModelBatch
 from train_recipes.attention import CausalFastPath, attention_path, rows_are_packed, sdpa_backends
 from train_recipes.colocated import replica_loader
@@ -235,6 +231,7 @@ class SFTRecipe:
 
     def _restore(self, out_dir: Path) -> RunStart:
         config, ctx = self.config, self.ctx
+        optimizer_line = runtime.choose_optimizer(self.model, config.optim, device=ctx.device).line
         train = config.train
         say = rank0_printer(ctx.is_main)
         restored = None
@@ -281,9 +278,9 @@ class SFTRecipe:
             tensorboard=train.tensorboard,
             loggers=train.loggers,
             run_config=to_dict(config),
-            lines=()
+            lines=(optimizer_line,)
             if restored is None
-            else (f"resumed from {restored.path} at step {self._start_step}",),
+            else (optimizer_line, f"resumed from {restored.path} at step {self._start_step}"),
         )
 
     # -------------------------------------------------------------------------- train_step

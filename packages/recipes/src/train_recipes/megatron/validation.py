@@ -39,7 +39,8 @@ def check_megatron_config(config: Any) -> None:
             "parallel.data_parallel",
             parallel.data_parallel != "ddp",
             "the GPTModel is wrapped in "
-            "PyTorch DDP (its tp shards are synced by the Engine); FSDP2 is not supported for it",
+            "PyTorch DDP (its tp shards are synced by the Engine); FSDP2 and 'none' (no "
+            "wrapper) are not supported for it",
             "set parallel.data_parallel=ddp",
         ),
         ("lora.enabled", config.lora.enabled, "LoRA targets the HF modules", "disable LoRA"),
