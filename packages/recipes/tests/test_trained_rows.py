@@ -142,3 +142,22 @@ def test_trained_rows_of_cp_local_labels_count_only_those() -> None:
     picked, picked_labels = rows.select(torch.arange(local.numel(), dtype=torch.float64)[:, None])
     assert picked_labels.tolist() == [int(v) for v in local.reshape(-1) if v != -100]
     assert picked.shape == (rows.count(), 1)
+
+
+def test_trained_only_switch_is_a_documented_key_a_resume_applies() -> None:
+    """``model.fused_loss_trained_only``: on by default, set from the command line, listed by
+    ``sft --help`` with its description, and applied on resume (a speed knob: same results)."""
+    from train_recipes.config import SFTConfig, load_config
+    from train_recipes.config_help import config_keys
+    from train_recipes.config_loader import to_dict
+    from train_recipes.resume_changes import config_changes
+
+    default = load_config(SFTConfig, None, [])
+    assert default.model.fused_loss_trained_only is True
+    off = load_config(SFTConfig, None, ["model.fused_loss_trained_only=false"])
+    assert off.model.fused_loss_trained_only is False
+    docs = {d.key: d for d in config_keys(SFTConfig)}
+    doc = docs["model.fused_loss_trained_only"]
+    assert (doc.type, doc.default) == ("bool", "true") and "trained positions" in doc.description
+    changes = config_changes(to_dict(default), off, saved_shards=None, new_shards=1)
+    assert changes == {"model.fused_loss_trained_only": (True, False)}
