@@ -89,7 +89,7 @@ def build_vlm(
     return model.to(dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
 
 
-_EXTRAS = ("linearpatch", "fusedadam", "compile", "fsdp2")
+_EXTRAS = ("linearpatch", "fusedadam", "compile", "fsdp2", "allpositions")
 
 #: The before/after run of ``--step-only``: today's step, then each speed-up added.
 STEP_ONLY_VARIANTS = ",".join(
@@ -99,7 +99,10 @@ STEP_ONLY_VARIANTS = ",".join(
         "varlen+linearpatch",
         "varlen+linearpatch+fusedadam",
         "varlen+linearpatch+fusedadam+fsdp2",
-        "varlen+linearpatch+fusedadam+compile",  # last: its compilation takes the longest
+        "varlen+linearpatch+fusedadam+compile",  # last: their compilation takes the longest
+        # The best step with the loss over every position (model.fused_loss_trained_only=false):
+        # what selecting the trained rows saves.
+        "varlen+linearpatch+fusedadam+compile+allpositions",
     ]
 )
 
@@ -118,6 +121,8 @@ class StepVariant:
             and skips inside the kernel, without the host sync of the foreach AdamW's step).
         compile: every decoder layer and vision block compiled (``compile_decoder_layers``).
         fsdp2: fp32 weights under a 1-rank FSDP2 with bf16 compute (else ``--wrap``).
+        trained_only: the fused loss over the trained positions only (the recipe's default,
+            ``model.fused_loss_trained_only``); "+allpositions" runs it over every position.
     """
 
     name: str
@@ -126,6 +131,7 @@ class StepVariant:
     fused_adam: bool
     compile: bool
     fsdp2: bool
+    trained_only: bool
 
     @classmethod
     def parse(cls, name: str) -> StepVariant:
@@ -143,4 +149,5 @@ class StepVariant:
             fused_adam="fusedadam" in extras,
             compile="compile" in extras,
             fsdp2="fsdp2" in extras,
+            trained_only="allpositions" not in extras,
         )

@@ -23,9 +23,11 @@ One run measures, side by side, for a Qwen2.5-VL-style SFT workload:
    attention), ``varlen`` (``train_recipes.vision_attention``), then any of ``+linearpatch``
    (``train_recipes.patch_embed``: the patch embedding as a matmul), ``+fusedadam`` (fused AdamW:
    no host sync in ``Engine.step``), ``+compile`` (``compile_decoder_layers``: decoder layers and
-   vision blocks) and ``+fsdp2`` (fp32 weights, 1-rank FSDP2, bf16 compute). The recipe's default
-   step on CUDA is ``varlen+linearpatch+fusedadam`` (this run's default). ``--step-only`` skips
-   the loader measurement and writes a small dataset.
+   vision blocks), ``+fsdp2`` (fp32 weights, 1-rank FSDP2, bf16 compute) and ``+allpositions``
+   (the fused loss over every position, ``model.fused_loss_trained_only=false``; without it the
+   loss sees the trained rows only, the recipe's default). The recipe's default step on CUDA is
+   ``varlen+linearpatch+fusedadam`` (this run's default). ``--step-only`` skips the loader
+   measurement and writes a small dataset.
 3. ratio = loader samples/s / step samples/s (the fastest variant): >= 1 means the loader
    produces batches at least as fast as one GPU consumes them.
 4. MFU = model FLOPs per batch / step time / ``--peak-tflops`` (989: H100/H200 bf16 dense). The
@@ -267,7 +269,9 @@ def measure_step(
         # The recipe's micro-step (gradient_accumulation_steps=1, one dp rank, cp=1), with its
         # host count of the trained tokens (counting on the device would wait for the GPU).
         num_tokens = engine.global_num_tokens(batch["num_trainable_tokens"])
-        loss = token_sum_loss(engine, batch, sharder=sharder, vlm=True)
+        loss = token_sum_loss(
+            engine, batch, sharder=sharder, vlm=True, trained_only=variant.trained_only
+        )
         engine.backward(loss, num_tokens=num_tokens)
         engine.step()
         return loss.detach()
@@ -312,6 +316,7 @@ def measure_step(
             + (f", {compiled} blocks compiled ({compile_backend})" if compiled else "")
             + (", fused AdamW" if variant.fused_adam else ", AdamW (torch's default: foreach)")
             + (", fused loss" if fused else ", loss on logits")
+            + (" over trained rows" if fused and variant.trained_only else "")
             + (", activation checkpointing" if activation_checkpointing else "")
             + f", {device.type}"
         ),
@@ -324,6 +329,11 @@ def measure_step(
         "TFLOP/batch by part": {k: v / 1e12 for k, v in mean_flops.items() if k != "total"},
         "first loss/token": losses[0],
         "fused loss": fused,
+        "loss over trained rows only": fused and variant.trained_only,
+        # K / (B*S): the share of the head's work the trained-rows loss keeps.
+        "trained/positions": statistics.fmean(
+            batches[j]["num_trainable_tokens"] / batches[j]["labels"].numel() for j in timed
+        ),
         "compiled blocks": compiled,
         "samples/batch": mean_samples,
         "tokens/batch": mean_tokens,
@@ -393,7 +403,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="comma-separated, measured in this order in one process: stock (transformers' "
         "per-window vision attention) or varlen (one varlen call per vision block, the "
-        "recipe's), then any of +linearpatch, +fusedadam, +compile, +fsdp2 (default: "
+        "recipe's), then any of +linearpatch, +fusedadam, +compile, +fsdp2, +allpositions "
+        "(the fused loss over every position, not the trained rows only) (default: "
         "varlen+linearpatch+fusedadam, the recipe's step on CUDA; "
         f"--step-only: {STEP_ONLY_VARIANTS}; --quick: stock,varlen)",
     )
@@ -457,7 +468,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = quick if args.quick else full
     if args.step_only:
         # Enough samples for the step batches (~13 samples a batch at the full sizes); the
-        # loader only delivers them. Fewer timed steps: six variants in a few minutes.
+        # loader only delivers them. Fewer timed steps: seven variants in a few minutes.
         defaults = {**defaults, "warmup_batches": 0}
         if not args.quick:
             defaults |= {

@@ -15,10 +15,10 @@ BENCH = Path(__file__).parents[1] / "bench" / "loader_vs_step.py"
 @pytest.mark.slow  # ~30 s on 2 cores: the per-package (isolated) CI sessions skip it
 @pytest.mark.timeout(300)
 def test_loader_vs_step_quick(tmp_path: Path) -> None:
-    # Two step variants: transformers' per-window vision attention, and everything switched on
-    # (varlen vision attention, matmul patch embedding, fused AdamW, compiled blocks with
-    # aot_eager on the CPU, FSDP2).
-    variants = "stock,varlen+linearpatch+fusedadam+compile+fsdp2"
+    # Two step variants: transformers' per-window vision attention with the loss over every
+    # position, and everything switched on (varlen vision attention, matmul patch embedding,
+    # fused AdamW, compiled blocks with aot_eager on the CPU, FSDP2, the trained rows only).
+    variants = "stock+allpositions,varlen+linearpatch+fusedadam+compile+fsdp2"
     run = run_quick(BENCH, tmp_path, "--device", "cpu", "--step-variants", variants, timeout_s=240)
     assert "loader / step samples/s" in run.stdout, run.stdout
     assert "MFU" in run.stdout, run.stdout
@@ -34,9 +34,12 @@ def test_loader_vs_step_quick(tmp_path: Path) -> None:
     loader, stock, tuned = result["rows"]
     assert loader["variant"].startswith("loader")
     assert [stock["variant"], tuned["variant"]] == [
-        "step stock",
+        "step stock+allpositions",
         "step varlen+linearpatch+fusedadam+compile+fsdp2",
     ]
+    assert "over trained rows" in tuned["setup"] and "over trained rows" not in stock["setup"]
+    assert tuned["loss over trained rows only"] and not stock["loss over trained rows only"]
+    assert 0 < tuned["trained/positions"] < 1, tuned["trained/positions"]
     assert "vision per window" in stock["setup"] and "vision varlen" in tuned["setup"]
     assert tuned["compiled blocks"] > 0 and "fsdp2" in tuned["setup"], tuned["setup"]
     assert "fused AdamW" in tuned["setup"] and "fused AdamW" not in stock["setup"]

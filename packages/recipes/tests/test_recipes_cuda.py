@@ -188,3 +188,74 @@ def test_vision_varlen_bf16_on_cuda_matches_float64_per_window(
     for g, w, name in pairs:
         err, scale = float((g - w).abs().max()), float(w.abs().max())  # type: ignore[attr-defined]
         assert scale > 0 and err <= 3e-2 * scale, f"{name}: max error {err}, scale {scale}"
+
+
+@requires_cuda(1)
+@pytest.mark.timeout(300)
+def test_fused_loss_over_trained_rows_does_not_synchronise_on_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``model.fused_loss_trained_only`` on CUDA: the loss call (the forward through the recipe's
+    CausalFastPath, the count read from pinned memory behind its event, nonzero_static +
+    index_select, the fused loss) runs under ``torch.cuda.set_sync_debug_mode("error")``, which
+    raises on any synchronising call; the loss sees [K, H] rows, and the loss and gradients match
+    the all-positions loss on CUDA and a float64 cross-entropy on the CPU."""
+    import torch
+
+    import vocab_parallel as vp
+    from train_recipes.attention import CausalFastPath
+    from train_recipes.fused_loss import token_sum_loss_of
+    from train_testing.tiny_hf import tiny_model
+
+    reference = tiny_model("llama", dtype=torch.float64)
+    model = tiny_model("llama", dtype=torch.float64).to("cuda", torch.float32)
+    fast = CausalFastPath(model)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 50, (2, 16), generator=gen)
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    labels[0, :5] = -100  # a prompt
+    labels[1, 11:] = -100  # padding
+    positions = torch.arange(16).expand(2, 16)
+    shapes: list[tuple[int, ...]] = []
+    original = vp.linear_cross_entropy
+
+    def spy(hidden: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        shapes.append(tuple(hidden.shape))
+        return original(hidden, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(vp, "linear_cross_entropy", spy)
+
+    def loss_and_grads(trained_only: bool, *, no_sync: bool) -> tuple[float, dict]:
+        model.zero_grad(set_to_none=True)
+        # On the device first: a blocking host-to-device copy counts as a sync.
+        inputs = {"input_ids": ids.cuda(), "position_ids": positions.cuda()}
+        device_labels = labels.cuda()
+        torch.cuda.synchronize()
+        if no_sync:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            with fast.selected(packed=False):
+                loss = token_sum_loss_of(model, inputs, device_labels, trained_only=trained_only)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        loss.backward()
+        return float(loss), {n: p.grad.cpu().double() for n, p in model.named_parameters()}
+
+    # Warm-up: the first call compiles and autotunes the loss's kernels (which synchronises).
+    loss_and_grads(True, no_sync=False)
+    torch.cuda.synchronize()
+    got = loss_and_grads(True, no_sync=True)
+    full = loss_and_grads(False, no_sync=False)
+    k = int((labels != -100).sum())
+    hidden = model.config.hidden_size
+    assert shapes == [(k, hidden), (k, hidden), (2, 16, hidden)], shapes
+    logits = reference(input_ids=ids, position_ids=positions, use_cache=False).logits
+    ref_loss = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
+    ref_loss.backward()
+    for name, (loss, grads) in (("trained rows", got), ("all positions", full)):
+        assert loss == pytest.approx(float(ref_loss), rel=1e-3), name
+        for n, p in reference.named_parameters():
+            err, scale = float((grads[n] - p.grad).abs().max()), float(p.grad.abs().max())
+            assert err <= 1e-2 * scale + 1e-6, f"{name} {n}: max error {err}, scale {scale}"

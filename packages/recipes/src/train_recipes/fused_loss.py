@@ -2,9 +2,11 @@
 
 The model runs with its output projection passed through, and vocab-parallel's grads-in-forward
 linear cross-entropy turns the final hidden states and the projection weight into the loss and
-both gradients, chunk by chunk.
+both gradients, chunk by chunk. By default only the trained positions' hidden states reach
+it (``train_recipes.trained_rows``): the head's three logits-sized matmuls per token are not
+spent on prompts, padding and image tokens.
 
-# B batch, S (local) sequence, H hidden, V vocabulary
+# B batch, S (local) sequence, H hidden, V vocabulary, K trained positions
 
 Used where it computes the same loss: an ``nn.Linear`` head without bias and no logit
 transform after it (no final logit soft-capping). Otherwise the logits are materialised and
@@ -19,6 +21,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from train_recipes.trained_rows import TrainedRows
 
 # Config attributes of transformers models that transform the logits after the head (the fused
 # loss would skip them, so such models keep the logits path).
@@ -89,6 +93,7 @@ def fused_token_sum_loss(
     labels: Tensor,
     *,
     chunk_tokens: int | None = None,
+    trained_only: bool = True,
 ) -> Tensor:
     """Sum over the trained tokens of -log p(label), from the hidden states and ``head.weight``.
 
@@ -99,6 +104,12 @@ def fused_token_sum_loss(
         labels: [B, S] already shifted, -100 where nothing is trained.
         chunk_tokens: tokens per chunk of the loss (``model.fused_loss_chunk_tokens``); None:
             vocab-parallel's default.
+        trained_only: give the loss only the K trained positions' hidden states [K, H]
+            (``model.fused_loss_trained_only``); the same loss and gradients up to summation
+            order, without a host sync. All positions go in where the selection cannot apply
+            or saves nothing: tensor parallelism (DTensor hidden states), K == 0 (the graph
+            must still reach the head and the hidden states, so every rank's collectives
+            match) and K == B*S.
 
     Returns:
         0-dim float32 tensor; its gradients were formed in forward (backward scales them).
@@ -115,6 +126,9 @@ def fused_token_sum_loss(
 
     import vocab_parallel as vp
 
+    # Counted before the forward is launched: by the time the forward is queued the count has
+    # reached the host, and reading it costs no wait.
+    rows = TrainedRows(labels) if trained_only else None
     _keep_root_unsharded_after_forward(model)
     with _head_passes_hidden(head):
         hidden = model(**inputs, use_cache=False).logits  # [B, S, H]
@@ -132,6 +146,8 @@ def fused_token_sum_loss(
             "leave the output projection in the root FSDP2 unit (as apply_data_parallel does), "
             "not in a unit of its own"
         )
+    if rows is not None and not isinstance(hidden, DTensor) and 0 < rows.count() < rows.positions:
+        hidden, labels = rows.select(hidden)  # [K, H], [K]
     # The head's gradient is summed over the chunks in its own dtype, not in an fp32 buffer
     # the size of the head (1 GiB for a 128k x 2048 head) that would be alive at the end of
     # forward, with every activation: the peak. Its error stays at the bf16 rounding floor
@@ -148,15 +164,24 @@ def fused_token_sum_loss(
 
 
 def token_sum_loss_of(
-    model: Any, inputs: dict[str, Any], labels: Tensor, *, chunk_tokens: int | None = None
+    model: Any,
+    inputs: dict[str, Any],
+    labels: Tensor,
+    *,
+    chunk_tokens: int | None = None,
+    trained_only: bool = True,
 ) -> Tensor:
     """The recipe's token-sum loss: fused where :func:`fused_head` allows, else on the logits.
 
-    ``chunk_tokens``: tokens per chunk of the fused loss (None: vocab-parallel's default).
+    ``chunk_tokens``: tokens per chunk of the fused loss (None: vocab-parallel's default);
+    ``trained_only``: the fused loss sees only the trained positions (see
+    :func:`fused_token_sum_loss`).
     """
     head = fused_head(model)
     if head is not None and torch.is_grad_enabled():
-        return fused_token_sum_loss(model, head, inputs, labels, chunk_tokens=chunk_tokens)
+        return fused_token_sum_loss(
+            model, head, inputs, labels, chunk_tokens=chunk_tokens, trained_only=trained_only
+        )
     from vocab_parallel import token_log_probs
 
     logits = model(**inputs, use_cache=False).logits  # [B, S, V]

@@ -55,6 +55,7 @@ CHANGEABLE = frozenset(
         "model.compile",
         "model.compile_memory_budget",
         "model.fused_loss_chunk_tokens",
+        "model.fused_loss_trained_only",
         "model.sdpa_backends",
         "model.attn_implementation",
         "parallel.fsdp.reshard_after_forward",

@@ -315,6 +315,7 @@ class SFTRecipe:
                         sharder=self.sharder,
                         vlm=self.vlm,
                         chunk_tokens=self.config.model.fused_loss_chunk_tokens,
+                        trained_only=self.config.model.fused_loss_trained_only,
                     )
                 extra = router_losses.term(num_tokens)  # MoE aux/z losses (0.0 otherwise)
                 engine.backward(loss_sum + extra, num_tokens=num_tokens)

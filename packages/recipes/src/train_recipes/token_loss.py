@@ -38,6 +38,7 @@ def token_sum_loss(
     sharder: ContextParallelSharder | None = None,
     vlm: bool = False,
     chunk_tokens: int | None = None,
+    trained_only: bool = True,
 ) -> Tensor:
     """The sum over this rank's trained tokens of -log p(label): the loss of contract (b).
 
@@ -63,6 +64,9 @@ def token_sum_loss(
         vlm: the batch is an image-text batch (it must carry M-RoPE ids).
         chunk_tokens: tokens per chunk of the fused linear loss (the recipe's
             ``model.fused_loss_chunk_tokens``); None: vocab-parallel's default.
+        trained_only: the fused loss sees only this rank's trained positions (the local
+            labels != -100, counted on the device before the forward without a host sync;
+            ``model.fused_loss_trained_only``); False: all positions.
 
     Returns:
         0-dim float32 tensor.
@@ -100,8 +104,12 @@ def token_sum_loss(
     # fused_loss: the hidden states and the head's weight make the loss, without the logits.
     if sharder is None:
         labels = inputs.pop("labels")
-        return token_sum_loss_of(model, inputs, labels, chunk_tokens=chunk_tokens)
+        return token_sum_loss_of(
+            model, inputs, labels, chunk_tokens=chunk_tokens, trained_only=trained_only
+        )
     train_ctx, local = sharder.shard(inputs)
-    labels = local.pop("labels")
+    labels = local.pop("labels")  # the local labels: the trained rows are this rank's
     with train_ctx():
-        return token_sum_loss_of(model, local, labels, chunk_tokens=chunk_tokens)
+        return token_sum_loss_of(
+            model, local, labels, chunk_tokens=chunk_tokens, trained_only=trained_only
+        )
