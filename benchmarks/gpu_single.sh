@@ -3,7 +3,7 @@
 # install the workspace's wheels (built beforehand into .whl/ with
 # `uv build --all-packages --wheel --no-sources --out-dir .whl`), run the CUDA tests, then the
 # packages' GPU benchmarks. Logs and JSON go to $OUT (default /tmp/gpu-out).
-#   usage: bash benchmarks/gpu_single.sh [tests|bench|all]
+#   usage: bash benchmarks/gpu_single.sh [tests|bench|all|round4]
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -36,4 +36,16 @@ if [[ $what == bench || $what == all ]]; then
   step 420 python3 packages/recipes/bench/sft_step.py --variants fsdp2,fsdp2+compile,recipes,recipes-hf-mask,recipes-cp1 --profile recipes --out "$OUT/sft_step.json"
   # Needs megatron-energon and its dependencies importable (carry their wheels; see packages/recipes/README.md).
   step 360 python3 packages/recipes/bench/loader_vs_step.py --device cuda --out "$OUT/loader_vs_step.json"
+fi
+if [[ $what == round4 ]]; then
+  # Issue 21, fourth round (prepared without a GPU; run first thing when one is lent):
+  # the Triton MasterWeightAdamW kernel and the no-sync trained-rows loss on CUDA, then the
+  # one-GPU SFT step without FSDP2 (recipes-master) against the FSDP2 step and the Liger peer,
+  # and the VLM step with and without the trained-rows head.
+  step 300 python3 -m pytest -q -rs -p no:cacheprovider packages/engine/tests/test_engine_cuda.py
+  step 300 python3 -m pytest -q -rs -p no:cacheprovider packages/recipes/tests/test_recipes_cuda.py
+  step 400 python3 -m pytest -q -rs -p no:cacheprovider packages/vocab-parallel/tests/test_vp_triton.py
+  step 120 python3 packages/engine/bench/master_adamw.py --device cuda --hidden 2048 --layers 16 --out "$OUT/master_adamw.json"
+  step 480 python3 packages/recipes/bench/sft_step.py --variants recipes-lean-chunk,recipes-master,fsdp2+liger --lean-loss-chunk 8192 --steps 10 --warmup 2 --out "$OUT/sft_step_round4.json"
+  step 420 python3 packages/recipes/bench/loader_vs_step.py --device cuda --step-only --step-variants varlen+linearpatch+fusedadam+compile,varlen+linearpatch+fusedadam+compile+allpositions --out "$OUT/vlm_trained_rows.json"
 fi
