@@ -36,6 +36,7 @@ def _args(split: DemoSplit, out: Path) -> list[str]:
     return sft_args(out, sets, nproc=2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_ranks_loss_decreases_and_sigkill_resume_is_exact(
     demo_data: DemoSplit, tmp_path: Path
