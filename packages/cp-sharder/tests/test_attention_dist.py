@@ -21,7 +21,7 @@ def _check(results: dict[str, dict[str, Any]], label: str) -> None:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_hf_models_match_no_cp(rank_pool: Any, world_size: int) -> None:
     """Llama, Qwen2 and Qwen3 (with a sliding-window layer): (a) batch 2, length 13 with left
     padding, (b) packed documents (TE partition and unpadded), (c) inputs_embeds."""

@@ -11,6 +11,7 @@ from train_testing.bench.quick import run_quick
 BENCH = Path(__file__).parents[1] / "bench" / "portable_cp.py"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_quick_runs_and_writes_json(tmp_path: Path) -> None:
     # The plain model keeps the subprocesses free of the transformers import (CI time); the
@@ -26,6 +27,7 @@ def test_bench_quick_runs_and_writes_json(tmp_path: Path) -> None:
 PACKED_BENCH = Path(__file__).parents[1] / "bench" / "packed.py"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_packed_bench_quick_runs_and_its_variants_agree(tmp_path: Path) -> None:
     rows = run_quick(PACKED_BENCH, tmp_path, timeout_s=280).report["rows"]

@@ -11,6 +11,7 @@ from train_testing.bench.quick import run_quick
 BENCH = Path(__file__).parents[1] / "bench" / "loader_bench.py"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bench_quick_runs_and_writes_json(tmp_path: Path) -> None:
     run = run_quick(BENCH, tmp_path, timeout_s=220)

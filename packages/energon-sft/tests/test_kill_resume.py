@@ -16,6 +16,7 @@ from _esft_data import build_dataset, chat_rows
 SCRIPT = Path(__file__).parent / "_esft_resume_proc.py"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     ds = build_dataset(tmp_path, chat_rows(40, image_every=2), samples_per_shard=10)

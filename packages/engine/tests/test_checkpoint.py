@@ -15,6 +15,7 @@ from train_testing import RankError, run_on_ranks
 TOTAL, KILL_AT = 8, 5
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_sigkill_resume_is_bitwise_identical(rank_pool, tmp_path: Path) -> None:
     straight = rank_pool.run(2, w.resume_run, str(tmp_path / "straight"), TOTAL, None, False)

@@ -19,6 +19,7 @@ def _run(script: str, tmp_path: Path, *extra: str) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_overhead_bench_quick(tmp_path: Path) -> None:
     rows = _run("overhead.py", tmp_path)["rows"]
@@ -26,12 +27,14 @@ def test_overhead_bench_quick(tmp_path: Path) -> None:
     assert all(r["median ms/step"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_clip_bench_quick(tmp_path: Path) -> None:
     rows = _run("clip.py", tmp_path)["rows"]
     assert len(rows) == 4 and all(r["median ms"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 @requires_module("transformers", extra="test")
 @pytest.mark.timeout(300)
 def test_sft_bench_quick(tmp_path: Path) -> None:

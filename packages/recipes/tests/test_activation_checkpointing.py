@@ -51,6 +51,7 @@ def test_every_must_be_positive() -> None:
         apply_activation_checkpointing(tiny_hf_model("llama"), every=0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_checkpointed_compiled_layers_under_fsdp2_match_float64_reference(
     rank_pool: Any,

@@ -12,6 +12,7 @@ from train_testing.bench.quick import run_quick
 BENCH = Path(__file__).parents[1] / "bench" / "dense_8b.py"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_dense_8b_quick(tmp_path: Path) -> None:
     options = ["--variants", "1.5b+ac,load", "--load-dir", str(tmp_path / "ckpt")]

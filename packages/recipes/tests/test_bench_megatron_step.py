@@ -13,6 +13,7 @@ BENCH = Path(__file__).parents[1] / "bench" / "megatron_step.py"
 pytest.importorskip("megatron.core", reason="megatron-core is the megatron extra's dependency")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_megatron_step_quick(tmp_path: Path) -> None:
     result = run_quick(BENCH, tmp_path, timeout_s=280).report

@@ -11,6 +11,7 @@ from train_testing.bench.quick import run_quick
 BENCH = Path(__file__).parents[1] / "bench" / "moe_step.py"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_moe_step_quick(tmp_path: Path) -> None:
     rows = run_quick(BENCH, tmp_path, timeout_s=180).report["rows"]

@@ -11,6 +11,7 @@ from train_testing.bench.quick import run_quick
 BENCH = Path(__file__).parents[1] / "bench" / "packed_step.py"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("long", [False, True])
 def test_packed_step_quick(tmp_path: Path, long: bool) -> None:

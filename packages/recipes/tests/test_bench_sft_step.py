@@ -11,6 +11,7 @@ from train_testing.bench.quick import run_quick
 BENCH = Path(__file__).parents[1] / "bench" / "sft_step.py"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sft_step_quick(tmp_path: Path) -> None:
     variants = (

@@ -132,6 +132,7 @@ def _assert_export_gives(export_dir: str, want: torch.Tensor, kind: str) -> None
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_ep2_checkpoint_resumes_exactly_and_exports_in_one_process(
     rank_pool: object, demo_data: DemoSplit, tmp_path: Path

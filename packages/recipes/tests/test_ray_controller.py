@@ -70,6 +70,7 @@ def _tensor(losses: dict[int, float]) -> torch.Tensor:
     return torch.tensor([losses[s] for s in sorted(losses)], dtype=torch.float64)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ray_losses_equal_spmd_at_dp2_and_cp2_with_one_loader_per_replica(
     ray_dp2: tuple[RayRun, dict[int, float]],
@@ -142,6 +143,7 @@ def _rank_actor_pids() -> list[int]:
     return sorted(pids)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds actor PIDs in /proc")
 def test_sigkilled_actor_is_one_line_within_a_minute_and_resume_continues_exactly(

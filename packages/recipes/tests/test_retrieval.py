@@ -68,6 +68,7 @@ def test_recall_at_k_counts_ranks() -> None:
     assert recall(pairs) == {1: 0.75, 2: 1.0}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_short_ddp_run_improves_recall_at_10(rank_pool: object, tmp_path: Path) -> None:
     results = rank_pool.run(  # type: ignore[attr-defined]

@@ -162,6 +162,7 @@ def test_final_step_is_saved_and_export_takes_the_newest_complete(
     assert "Traceback" not in failed.stderr
 
 
+@pytest.mark.slow
 def test_used_folder_is_refused_and_overwrite_replaces_only_the_run(
     finished_run: Path, demo_data: DemoSplit, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -197,6 +198,7 @@ def test_used_folder_is_refused_and_overwrite_replaces_only_the_run(
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == 4
 
 
+@pytest.mark.slow
 def test_config_changes_on_resume_are_applied_or_refused(
     finished_run: Path, demo_data: DemoSplit, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -287,6 +289,7 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux)")
 @pytest.mark.timeout(300)
 def test_ranks_die_with_their_launcher_and_a_live_run_folder_is_locked(
@@ -333,6 +336,7 @@ def test_ranks_die_with_their_launcher_and_a_live_run_folder_is_locked(
                     os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_resume_on_another_dp_size_continues_the_same_losses(
     rank_pool: object, demo_data: DemoSplit, tmp_path: Path, capsys: pytest.CaptureFixture[str]

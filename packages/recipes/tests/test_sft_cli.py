@@ -21,14 +21,19 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+# 20 steps take the loss well under 0.8x (about 0.7x) and leave a middle checkpoint (step 10) to
+# kill after and to export; 8 held-out questions exercise the same exact-match path as more.
+STEPS = 20
+
+
 def _args(split: DemoSplit, out: Path) -> list[str]:
     sets = [
         *data_overrides(split),
-        "train.steps=30",
+        f"train.steps={STEPS}",
         "train.log_every=1",
         "train.checkpoint_every=10",
         "train.keep_checkpoints=3",
-        "train.eval_samples=32",
+        "train.eval_samples=8",
         "train.device=cpu",
         "train.export=true",
         "data.micro_batch_size=16",
@@ -36,6 +41,7 @@ def _args(split: DemoSplit, out: Path) -> list[str]:
     return sft_args(out, sets, nproc=2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_ranks_loss_decreases_and_sigkill_resume_is_exact(
     demo_data: DemoSplit, tmp_path: Path
@@ -47,9 +53,9 @@ def test_two_ranks_loss_decreases_and_sigkill_resume_is_exact(
     )
     assert done.returncode == 0, done.stderr[-4000:]
     ref_losses = _losses(ref)
-    assert sorted(ref_losses) == list(range(1, 31))
+    assert sorted(ref_losses) == list(range(1, STEPS + 1))
     first = sum(ref_losses[s] for s in range(1, 6)) / 5
-    last = sum(ref_losses[s] for s in range(26, 31)) / 5
+    last = sum(ref_losses[s] for s in range(STEPS - 4, STEPS + 1)) / 5
     assert last < 0.8 * first, f"loss did not go down: {first:.3f} -> {last:.3f}"
     assert (ref / "loss.png").stat().st_size > 1000
     assert "exact match" in done.stdout
@@ -83,9 +89,12 @@ def test_two_ranks_loss_decreases_and_sigkill_resume_is_exact(
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
     got = _losses(run)
-    assert sorted(got) == list(range(1, 31))
-    start = min(s for s in range(10, 31, 10) if (run / "checkpoints" / f"step_{s:06d}").is_dir())
-    for step in range(start + 1, 31):
+    assert sorted(got) == list(range(1, STEPS + 1))
+    start = min(
+        s for s in range(10, STEPS + 1, 10) if (run / "checkpoints" / f"step_{s:06d}").is_dir()
+    )
+    assert start < STEPS, "the kill came after the last checkpoint: nothing was resumed"
+    for step in range(start + 1, STEPS + 1):
         assert got[step] == ref_losses[step], (step, got[step], ref_losses[step])
 
     # 4. The final weights (exported at the end of both runs) are equal bit for bit, and
@@ -98,20 +107,20 @@ def test_two_ranks_loss_decreases_and_sigkill_resume_is_exact(
     assert final_ref.keys() == final_resumed.keys()
     for key in final_ref:
         assert torch.equal(final_ref[key], final_resumed[key]), key
-    out = tmp_path / "export-step20"
+    out = tmp_path / "export-step10"
     exp = subprocess.run(
-        [*CLI, "export", str(ref / "checkpoints" / "step_000020"), "--out", str(out)],
+        [*CLI, "export", str(ref / "checkpoints" / "step_000010"), "--out", str(out)],
         env=cli_env(),
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert exp.returncode == 0, exp.stderr[-4000:]
-    step20 = load_file(out / "model.safetensors")
+    step10 = load_file(out / "model.safetensors")
     model = AutoModelForCausalLM.from_pretrained(out)
     state = model.state_dict()
-    for key, value in step20.items():
+    for key, value in step10.items():
         assert torch.equal(state[key], value), key
-    # Step 20's weights are the checkpoint's: neither the initial nor the final ones.
+    # Step 10's weights are the checkpoint's: neither the initial nor the final ones.
     name = "model.layers.0.self_attn.q_proj.weight"
-    assert not torch.equal(step20[name], final_ref[name])
+    assert not torch.equal(step10[name], final_ref[name])

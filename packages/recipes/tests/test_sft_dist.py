@@ -106,6 +106,7 @@ def test_vlm_demo_trains_on_two_ranks(
     assert config.model_type == "qwen2_5_vl"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tensor_parallel_with_activation_checkpointing_matches_dp(
     rank_pool: object, demo_data: DemoSplit, tmp_path: Path

@@ -32,7 +32,7 @@ def _auto(kind: str) -> Any:
             for sp in (False, True)
         ],
         # Compiled decoder layers holding the DTensor hooks (works with sequence parallel).
-        pytest.param("llama", True, True, id="llama-tp+sp-compiled"),
+        pytest.param("llama", True, True, id="llama-tp+sp-compiled", marks=pytest.mark.slow),
     ],
 )
 def test_tp2_loss_and_gradients_equal_single_process(

@@ -458,6 +458,7 @@ def _cli(split: DemoSplit, out: Path, *sets: str, nproc: int = 1) -> list[str]:
     return [*CLI, *sft_args(out, run, nproc=nproc)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_consecutive_skips_abort_with_one_line_after_clean_startup_output(
     demo_data: DemoSplit, tmp_path: Path
@@ -530,6 +531,7 @@ def test_summary_names_device_attention_startup_and_skips(tmp_path: Path) -> Non
 # ------------------------------------------------------------------------------ hung ranks
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_watchdog_names_a_rank_that_does_not_arrive(rank_pool: Any) -> None:
     """Rank 1 sleeps before step 5. The timeout is 3 s; the measured warm-up steps tighten the

@@ -157,6 +157,7 @@ def _loss_and_grads(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[f
     return float(loss), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_compiled_vlm_blocks_give_the_eager_loss_and_gradients() -> None:
     from train_recipes.modeling import compile_decoder_layers

@@ -11,6 +11,7 @@ from train_testing.bench.quick import run_quick
 BENCH = Path(__file__).parents[1] / "bench" / "log_probs.py"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_bench_quick_runs_and_writes_json(tmp_path: Path) -> None:
     result = run_quick(BENCH, tmp_path, "--device", "cpu", timeout_s=170)
@@ -37,6 +38,7 @@ def test_bench_quick_runs_and_writes_json(tmp_path: Path) -> None:
         assert rows[name]["median_ms"] is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["loss_grad_configs.py", "steady_state.py"])
 def test_cuda_only_benches_say_so_on_the_cpu(script: str) -> None:
     """The GPU-only benches stop with a one-line message naming what they need, not a trace."""

@@ -34,7 +34,7 @@ def _cases(world_size: int) -> list[dict]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_dtensor_logits_match_reference(rank_pool, world_size: int) -> None:
     cases = _cases(world_size)
     results = rank_pool.run(world_size, check_logits_parity, cases, timeout_s=150)

@@ -40,6 +40,7 @@ def _interpreter_bounds_loops_by_arguments() -> bool:
     return (major, minor) >= (3, 7)
 
 
+@pytest.mark.slow
 @requires_module("triton", extra="triton")
 @pytest.mark.timeout(300)
 def test_triton_kernels_match_reference_in_interpreter() -> None:
@@ -51,6 +52,7 @@ def test_triton_kernels_match_reference_in_interpreter() -> None:
     _run_check("cpu", interpret=True)
 
 
+@pytest.mark.slow
 @requires_module("triton", extra="triton")
 @pytest.mark.timeout(300)
 def test_triton_kernels_compile_for_sm90_without_a_gpu(tmp_path: Path) -> None:
