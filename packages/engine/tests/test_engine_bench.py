@@ -43,6 +43,7 @@ def test_sft_bench_quick(tmp_path: Path) -> None:
     assert result["meta"]["reference"]["tokens_per_s"] == 45.0e3
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_master_adamw_bench_quick(tmp_path: Path) -> None:
     result = _run("master_adamw.py", tmp_path)

@@ -29,6 +29,7 @@ def test_torch_backend_matches_float64_adamw_on_the_masters(dtype: torch.dtype) 
     assert got["step_count"] == 3.0, got
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton installed")
 @pytest.mark.timeout(300)
 def test_triton_kernel_in_the_interpreter_matches_float64_adamw() -> None:
@@ -197,6 +198,7 @@ def test_bad_arguments_are_named() -> None:
         opt.step()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton installed")
 @pytest.mark.timeout(300)
 def test_triton_kernel_compiles_for_sm90_without_a_gpu(tmp_path: Path) -> None:
