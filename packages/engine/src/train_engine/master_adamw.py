@@ -43,8 +43,9 @@ def _local(tensor: Tensor) -> Tensor:
 class _Bucket:
     """One kernel launch: a group's tensors with one (parameter, gradient) dtype pair.
 
-    ``tables`` caches the device-side block table and address table for ``key``, the
-    addresses they were built from (a moved tensor or a new gradient rebuilds them).
+    The device-side tables were built for ``indices`` and from the addresses in ``key``;
+    a new address (a moved tensor, a gradient allocated elsewhere) rebuilds ``addresses``,
+    another set of indices rebuilds them all.
     """
 
     indices: tuple[int, ...]
@@ -181,7 +182,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     def _group_buckets(
         self, group_index: int, group: dict[str, Any]
     ) -> Iterator[tuple[bool, tuple[int, ...]]]:
-        """(use Triton, the tensor indices) of each (param dtype, grad dtype, device) bucket."""
+        """(use Triton, the tensor indices) of each (param dtype, grad dtype, backend) bucket."""
         by_kind: dict[tuple[torch.dtype, torch.dtype, bool], list[int]] = {}
         for i, param in enumerate(group["params"]):
             if param.grad is None:
@@ -266,9 +267,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             separate_master=params[0].dtype in _LOW_PRECISION,
             aligned=bucket.aligned,
         )
-        increment = torch.ones((), dtype=torch.float32, device=bucket.numels.device)
+        # A skipped update (found_inf = 1) leaves the counters, like torch's fused AdamW.
+        increment = torch.ones((), dtype=torch.float32, device=steps.device)
         if found_inf is not None:
-            increment = increment - found_inf.to(increment.device)
+            increment = increment - found_inf.to(steps.device)
         if covers_group:
             steps.add_(increment)
         else:

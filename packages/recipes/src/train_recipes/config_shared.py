@@ -41,7 +41,8 @@ class OptimConfig:
             true: always (fp32 parameters are their own master). false: torch AdamW directly
             on the parameters; lossy on bf16 ones (an update below half a bf16 unit in the
             last place, 2**-9 of the weight, rounds away: most of them at lr 2e-5). A resume
-            refuses a change (the optimizer state differs).
+            refuses a change (the optimizer state differs), except null -> false, which
+            resumes a bf16 checkpoint written before this key existed (torch AdamW state).
         schedule: "linear" (warm-up, then linear decay to ``min_lr_ratio``), "cosine"
             (transformers' cosine with warm-up, down to ``min_lr_ratio``) or "constant"
             (transformers' constant with warm-up).

@@ -111,7 +111,12 @@ def choose_optimizer(
 
 
 def build_optimizer(
-    model: nn.Module, optim: OptimConfig, *, device: torch.device, total_steps: int
+    model: nn.Module,
+    optim: OptimConfig,
+    *,
+    device: torch.device,
+    total_steps: int,
+    choice: OptimizerChoice | None = None,
 ) -> tuple[torch.optim.Optimizer, LRScheduler]:
     """AdamW over train-engine's parameter groups, with ``optim.schedule`` over the run.
 
@@ -126,13 +131,16 @@ def build_optimizer(
         device: the rank's device (decides ``fused`` when it is None, and the master-weight
             kernel: Triton on CUDA, torch ops elsewhere).
         total_steps: optimizer updates of the whole run.
+        choice: :func:`choose_optimizer`'s result for these arguments, when the caller
+            already has it (to print its line); None resolves it here.
 
     Returns:
         The optimizer and its LR scheduler.
     """
     from train_engine import MasterWeightAdamW, param_groups
 
-    choice = choose_optimizer(model, optim, device=device)
+    if choice is None:
+        choice = choose_optimizer(model, optim, device=device)
     logger.info("%s", choice.line)
     groups = param_groups(model, weight_decay=optim.weight_decay)
     optimizer: torch.optim.Optimizer

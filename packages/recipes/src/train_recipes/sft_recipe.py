@@ -166,8 +166,14 @@ class SFTRecipe:
             publish_dir(staging, out_dir / "tokenizer")
         clock.start("building model")
         model = self.model = build_parallel_model(config, tokenizer, ctx, on_phase=clock.start)
+        # Resolved once: the same choice builds the optimizer and is printed at the start.
+        self._optimizer_choice = runtime.choose_optimizer(model, config.optim, device=ctx.device)
         optimizer, self._scheduler = build_optimizer(
-            model, config.optim, device=ctx.device, total_steps=train.steps
+            model,
+            config.optim,
+            device=ctx.device,
+            total_steps=train.steps,
+            choice=self._optimizer_choice,
         )
         self.engine: Engine = Engine(
             model,
@@ -231,7 +237,7 @@ class SFTRecipe:
 
     def _restore(self, out_dir: Path) -> RunStart:
         config, ctx = self.config, self.ctx
-        optimizer_line = runtime.choose_optimizer(self.model, config.optim, device=ctx.device).line
+        optimizer_line = self._optimizer_choice.line
         train = config.train
         say = rank0_printer(ctx.is_main)
         restored = None
