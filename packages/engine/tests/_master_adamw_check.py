@@ -29,11 +29,12 @@ def reference_masters(
     scales: list[float],
 ) -> list[torch.Tensor]:
     """The master weights after ``len(grads)`` float64 AdamW steps (grads divided by scales)."""
-    masters = [t.detach().to(torch.float64).clone().requires_grad_(True) for t in initial]
+    # On the CPU whatever device ran the optimizer: the gradients live there too.
+    masters = [t.detach().cpu().to(torch.float64).requires_grad_(True) for t in initial]
     opt = torch.optim.AdamW(masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     for step_grads, scale in zip(grads, scales, strict=True):
         for master, grad in zip(masters, step_grads, strict=True):
-            master.grad = grad.to(torch.float64) / scale
+            master.grad = grad.cpu().to(torch.float64) / scale
         opt.step()
     return [m.detach() for m in masters]
 
