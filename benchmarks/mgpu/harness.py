@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from train_testing.bench import GIB, format_table, free_memory, llama_config, sync, write_json
+from train_testing.tiny_hf import parameters_to
 
 from .sizes import Sizes
 
@@ -240,6 +241,6 @@ def build_llama(run: Run, dims: dict[str, int], max_len: int, dtype: torch.dtype
 
     torch.manual_seed(0)
     with torch.device(run.dev):
-        model = LlamaForCausalLM(llama_config(dims, max_len=max_len)).to(dtype)
+        model = parameters_to(LlamaForCausalLM(llama_config(dims, max_len=max_len)), dtype)
     broadcast_module(model)
     return model

@@ -35,6 +35,7 @@ from train_testing.bench import (
     resolve_sft_step_sizes,
     sync,
 )
+from train_testing.tiny_hf import parameters_to
 
 REFERENCE = {"device": "H100", "setup": "plain bf16 loop", "tokens_per_s": 45.0e3, "tflops": 441}
 
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace, *, engine_mode: bool) -> dict[str, Any]:
         name = "Engine + FSDP2 (bf16 params, fp32 reduce, fp32 master)"
     else:
         if device == "cuda":
-            model = model.to(torch.bfloat16)
+            model = parameters_to(model, torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused)
 
         def step(batch: dict[str, torch.Tensor]) -> None:

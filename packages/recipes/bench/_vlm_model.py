@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from train_testing.tiny_hf import parameters_to
+
 # Qwen2.5-VL-3B's shapes; "tiny" is the quick/CPU preset.
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-vl-3b": {
@@ -86,7 +88,7 @@ def build_vlm(
     model_class: Any = Qwen2_5_VLForConditionalGeneration
     with torch.device(device):
         model = model_class(hf_config)
-    return model.to(dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
+    return parameters_to(model, {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
 
 
 _EXTRAS = ("linearpatch", "fusedadam", "compile", "fsdp2", "allpositions")

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from train_testing.tiny_hf import parameters_to
+
 FULL = {
     "hidden_size": 2048,
     "intermediate_size": 6144,
@@ -71,7 +73,7 @@ def build_model(
     config._experts_implementation = experts_implementation
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3MoeForCausalLM(config).to(dtype)
+        model = parameters_to(Qwen3MoeForCausalLM(config), dtype)
     return model.train()
 
 

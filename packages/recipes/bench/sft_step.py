@@ -67,9 +67,6 @@ from train_engine import Engine, FSDP2Config, MasterWeightAdamW, apply_data_para
 from train_recipes.attention import CausalFastPath, sdpa_backends
 from train_recipes.modeling import compile_decoder_layers
 from train_recipes.sft import token_sum_loss
-
-# `device_name`, `free_memory`, `init_process_group`, `sync`, FULL and TINY stay importable from
-# here for the benchmarks next to this one.
 from train_testing.bench import (
     LLAMA_1P5B,
     LLAMA_TINY,
@@ -87,6 +84,10 @@ from train_testing.bench import (
     versions,
     write_json,
 )
+
+# `device_name`, `free_memory`, `init_process_group`, `sync`, FULL and TINY stay importable from
+# here for the benchmarks next to this one.
+from train_testing.tiny_hf import parameters_to
 from vocab_parallel import token_log_probs
 
 FULL = LLAMA_1P5B
@@ -228,8 +229,9 @@ def setup(variant: Variant, args: argparse.Namespace) -> tuple[Step, int, Any]:
     bf16 = torch.bfloat16 if args.device == "cuda" else torch.float32
     if variant.master_weights:
         # The masters start from these, as from a bf16 checkpoint (fp32 on the CPU, like the
-        # other variants' compute there).
-        model.to(bf16)
+        # other variants' compute there); the rotary tables stay fp32, as from_pretrained
+        # leaves them.
+        parameters_to(model, bf16)
     if variant.compile:
         compile_decoder_layers(model, memory_budget=variant.memory_budget)
     mesh = init_device_mesh(args.device, (1,))

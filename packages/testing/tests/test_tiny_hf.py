@@ -1,7 +1,14 @@
 import pytest
 import torch
 
-from train_testing.tiny_hf import FAMILIES, TEXT_SIZES, save_tiny, tiny_config, tiny_model
+from train_testing.tiny_hf import (
+    FAMILIES,
+    TEXT_SIZES,
+    parameters_to,
+    save_tiny,
+    tiny_config,
+    tiny_model,
+)
 
 pytest.importorskip("transformers")
 
@@ -62,3 +69,25 @@ def test_save_tiny_round_trips_through_from_pretrained(tmp_path) -> None:
     ids = torch.randint(0, 100, (1, 5))
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_parameters_to_keeps_the_rotary_tables_as_from_pretrained_does(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    # What from_pretrained(dtype=bf16) gives: bf16 parameters, fp32 rotary frequencies.
+    folder = save_tiny(tiny_model("llama"), tmp_path / "llama")
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    want = loaded.model.rotary_emb.inv_freq
+    assert want.dtype == torch.float32
+
+    built = tiny_model("llama", dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in built.parameters())
+    assert torch.equal(built.model.rotary_emb.inv_freq, want)
+    # The negative control: a plain .to() rounds the table, which is what this guards.
+    rounded = tiny_model("llama").to(torch.bfloat16).model.rotary_emb.inv_freq
+    assert rounded.dtype == torch.bfloat16 and not torch.equal(rounded.float(), want)
+
+    model = tiny_model("llama")
+    assert parameters_to(model, torch.float16) is model
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32

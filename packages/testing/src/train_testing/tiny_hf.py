@@ -25,6 +25,7 @@ __all__ = [
     "FAMILIES",
     "TEXT_SIZES",
     "VISION_SIZES",
+    "parameters_to",
     "save_tiny",
     "tiny_config",
     "tiny_model",
@@ -218,7 +219,25 @@ def tiny_model(
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0.0, init_std)
-    return model.to(dtype)
+    return parameters_to(model, dtype)
+
+
+def parameters_to(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast ``model``'s parameters to ``dtype``, leaving its buffers as they are.
+
+    ``model.to(torch.bfloat16)`` would round the rotary ``inv_freq`` tables too, which
+    ``from_pretrained(dtype=torch.bfloat16)`` keeps in fp32: at position 4096 the rounded
+    frequencies are off by radians. Casting the parameters alone gives the model
+    ``from_pretrained`` would.
+
+    Returns:
+        ``model`` itself.
+    """
+    buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items()]
+    model.to(dtype)
+    for module, name, buffer in buffers:
+        module._buffers[name] = buffer
+    return model
 
 
 def save_tiny(model: nn.Module, directory: Path, *, tokenizer: Any = None) -> Path:
