@@ -130,6 +130,23 @@ def _vlm_setup(shapes_data: DemoSplit, *, packing: bool) -> tuple[Any, Any, dict
 
 
 @pytest.mark.timeout(180)
+def test_the_tiny_vlm_keeps_fp32_rotary_tables_in_bf16(shapes_data: DemoSplit) -> None:
+    # from_pretrained(dtype=bf16) keeps the rotary frequencies in fp32; rounding them to bf16
+    # moves long positions by radians. The tiny demo VLM must be built the same way.
+    overrides = [
+        *data_overrides(shapes_data),
+        "data.model_family=qwen2_5_vl",
+        "model.dtype=bfloat16",
+    ]
+    config = load_config(SFTConfig, None, overrides)
+    model = build_model(config, tokenizer_of(load_processor(config)))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    tables = {name: b for name, b in model.named_buffers() if name.endswith("inv_freq")}
+    assert len(tables) >= 2, sorted(tables)  # the text and the vision rotary tables
+    for name, table in tables.items():
+        assert table.dtype == torch.float32, name
+
+
 def test_mrope_ids_of_unpacked_rows_match_the_models_own(shapes_data: DemoSplit) -> None:
     model, _, batch = _vlm_setup(shapes_data, packing=False)
     # transformers' builder, on whole rows with the padding mask (its documented use).

@@ -135,7 +135,6 @@ def _build_vlm(config: SFTConfig, tokenizer: Any, dtype: torch.dtype) -> nn.Modu
     from transformers import (
         AutoModelForImageTextToText,
         Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
     )
 
     if config.model.path is not None:
@@ -188,8 +187,10 @@ def _build_vlm(config: SFTConfig, tokenizer: Any, dtype: torch.dtype) -> nn.Modu
         **ids,
     )
     hf_config._attn_implementation = config.model.attn_implementation
-    model: nn.Module = Qwen2_5_VLForConditionalGeneration(hf_config)
-    return model.to(dtype=dtype)
+    # from_config builds the parameters in ``dtype`` and keeps the rotary tables in fp32, as
+    # from_pretrained does (``.to(dtype)`` would round them: radians off at long positions).
+    model: nn.Module = AutoModelForImageTextToText.from_config(hf_config, dtype=dtype)
+    return model
 
 
 def apply_lora(model: nn.Module, config: SFTConfig) -> nn.Module:
