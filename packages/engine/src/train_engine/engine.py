@@ -35,6 +35,7 @@ from train_engine._update import (
     result_without_update,
 )
 from train_engine._validation import check_loss, check_optimizer_params
+from train_engine._wide_grads import WideGradSums
 from train_engine._window import AccumulationWindow
 from train_engine.expert_parallel import grad_norm as expert_grad_norm
 from train_engine.grad_norm import global_grad_norm
@@ -74,6 +75,14 @@ class Engine:
             group or a (possibly multi-dimensional) mesh. None uses the wrapper's gradient
             averaging group. Pass it when that group also spans context-parallel ranks that
             count the same tokens.
+        grad_accumulation_dtype: for a model without a data-parallel wrapper, the dtype in
+            which a window of several micro-batches sums the gradients of narrower (bf16,
+            fp16) parameters: each backward's gradient is folded into that sum and cleared,
+            and at the boundary the sum is rounded once to the parameter's dtype (one
+            rounding per window, not one per micro-batch; ``dtype``'s bytes per such
+            parameter of memory, allocated at the first window of several micro-batches).
+            None keeps autograd's accumulation in the parameter's dtype. DDP and FSDP2
+            accumulate as they do (FSDP2 in its ``reduce_dtype``), so it is not read there.
     """
 
     def __init__(
@@ -88,6 +97,7 @@ class Engine:
         defer_grad_sync: bool = True,
         nonfinite: NonFinitePolicy = "skip",
         dp_group: dist.ProcessGroup | DeviceMesh | None = None,
+        grad_accumulation_dtype: torch.dtype | None = torch.float32,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -117,6 +127,18 @@ class Engine:
         else:
             self._dp_groups = (dp_group,)
         self._params = [p for p in model.parameters() if p.requires_grad]
+        # Only unwrapped models: under DDP the window's last backward reduces what autograd
+        # accumulated in param.grad, so the earlier micro-batches' gradients must stay there.
+        wide = (
+            None
+            if grad_accumulation_dtype is None
+            else WideGradSums(self._params, grad_accumulation_dtype)
+        )
+        self._wide_grads = (
+            wide
+            if wide is not None and wide.narrow_params and self._topology.kind == "local"
+            else None
+        )
         self._param_device_types = frozenset(p.device.type for p in self._params)
         self._window = AccumulationWindow(1)
         self.set_gradient_accumulation_steps(gradient_accumulation_steps)
@@ -301,6 +323,8 @@ class Engine:
         except BaseException as err:
             self._broken = f"{type(err).__name__}: {err}"
             raise
+        if self._wide_grads is not None and window.length > 1:
+            self._wide_grads.fold()
         window.record_backward(contract, num_tokens, host_tokens)
 
     # -------------------------------------------------------------------------------- step
@@ -339,6 +363,8 @@ class Engine:
             return result_without_update(self.optimizer, counters)
         # The previous update's skip flag is long computed: reading it now does not stall.
         counters.settle()
+        if self._wide_grads is not None:
+            self._wide_grads.write_back()
         # Host-only (is None tests): after the window's gradient reduction, every wrapper
         # (DDP, FSDP2) has set the gradients of the parameters the loss reached.
         if not any(p.grad is not None for p in self._params):
@@ -398,6 +424,8 @@ class Engine:
         window.reset()
 
     def _clear_grads(self) -> None:
+        if self._wide_grads is not None:
+            self._wide_grads.clear()
         self.module.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
 

@@ -69,8 +69,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     left alone, as torch does.
 
     The gradient is read in whatever dtype autograd produced (bf16 for bf16 parameters, fp32
-    after an fp32 reduction); accumulating several micro-batches into a bf16 gradient rounds
-    each sum to bf16, so accumulate few or reduce in fp32. Works on plain tensors and on
+    after an fp32 reduction). Accumulating several micro-batches into a bf16 gradient would
+    round each sum to bf16; :class:`~train_engine.Engine` sums an unwrapped model's window in
+    fp32 and rounds once (its ``grad_accumulation_dtype``). Works on plain tensors and on
     DTensor parameters (each rank updates its local shard; the state is sharded alike).
 
     Like ``torch.optim.AdamW(fused=True)`` it honours the ``grad_scale`` / ``found_inf``
