@@ -13,6 +13,8 @@ window's length.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -34,7 +36,7 @@ class WideGradSums:
 
     __slots__ = ("_filled", "_params", "_sums", "dtype")
 
-    def __init__(self, params: list[Tensor], dtype: torch.dtype) -> None:
+    def __init__(self, params: Sequence[Tensor], dtype: torch.dtype) -> None:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(
                 f"grad_accumulation_dtype must be a floating dtype (torch.float32), got {dtype}; "
