@@ -3,7 +3,8 @@
 # install the workspace's wheels (built beforehand into .whl/ with
 # `uv build --all-packages --wheel --no-sources --out-dir .whl`), run the CUDA tests, then the
 # packages' GPU benchmarks. Logs and JSON go to $OUT (default /tmp/gpu-out).
-#   usage: bash benchmarks/gpu_single.sh [tests|bench|all|round4]
+#   usage: bash benchmarks/gpu_single.sh [tests|bench|all|round4|round4-tests|round4-bench]
+# (round4 = round4-tests then round4-bench; each half fits one 10-minute device call)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -37,7 +38,7 @@ if [[ $what == bench || $what == all ]]; then
   # Needs megatron-energon and its dependencies importable (carry their wheels; see packages/recipes/README.md).
   step 360 python3 packages/recipes/bench/loader_vs_step.py --device cuda --out "$OUT/loader_vs_step.json"
 fi
-if [[ $what == round4 ]]; then
+if [[ $what == round4 || $what == round4-tests ]]; then
   # Issue 21, fourth round (prepared without a GPU; run first thing when one is lent):
   # the Triton MasterWeightAdamW kernel and the no-sync trained-rows loss on CUDA, then the
   # one-GPU SFT step without FSDP2 (recipes-master) against the FSDP2 step and the Liger peer,
@@ -46,6 +47,8 @@ if [[ $what == round4 ]]; then
   step 300 python3 -m pytest -q -rs -p no:cacheprovider packages/recipes/tests/test_recipes_cuda.py
   step 400 python3 -m pytest -q -rs -p no:cacheprovider packages/vocab-parallel/tests/test_vp_triton.py
   step 120 python3 packages/engine/bench/master_adamw.py --device cuda --hidden 2048 --layers 16 --out "$OUT/master_adamw.json"
+fi
+if [[ $what == round4 || $what == round4-bench ]]; then
   step 480 python3 packages/recipes/bench/sft_step.py --variants recipes-lean-chunk,recipes-master,fsdp2+liger --lean-loss-chunk 8192 --steps 10 --warmup 2 --out "$OUT/sft_step_round4.json"
   step 420 python3 packages/recipes/bench/loader_vs_step.py --device cuda --step-only --step-variants varlen+linearpatch+fusedadam+compile,varlen+linearpatch+fusedadam+compile+allpositions --out "$OUT/vlm_trained_rows.json"
 fi
