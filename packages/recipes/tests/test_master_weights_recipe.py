@@ -146,7 +146,9 @@ def _one_rank_bf16(split: DemoSplit, out: Path) -> list[str]:
         "train.checkpoint_every=3",
         "train.export=true",
         "optim.warmup_steps=1",
-        "data.micro_batch_size=8",
+        # Two micro-batches a window: the Engine sums their bf16 gradients in fp32.
+        "data.micro_batch_size=4",
+        "train.gradient_accumulation_steps=2",
         "data.shuffle=false",
         "model.tiny.hidden_size=32",
         "model.dtype=bfloat16",
@@ -173,7 +175,8 @@ def _assert_equal_weights(a: Path, b: Path) -> None:
 def test_bf16_run_without_wrapper_trains_resumes_exactly_and_exports(
     rank_pool: Any, demo_data: DemoSplit, tmp_path: Path
 ) -> None:
-    """One rank, bf16 parameters, no wrapper, master weights by default: the loss goes down,
+    """One rank, bf16 parameters, no wrapper, master weights by default, windows of two
+    micro-batches (gradients summed in fp32 by the Engine): the loss goes down,
     the checkpoint holds fp32 master weights, a resume from step 3 continues exactly as the
     uninterrupted run (losses, parameters, export), and both exports (the live model's and
     ``train-recipes export`` of the last checkpoint) reproduce the trained model."""
