@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a one-GPU machine whose python3 already has torch (and triton, transformers):
-# install the workspace's wheels (built beforehand into .whl/ with
-# `uv build --all-packages --wheel --no-sources --out-dir .whl`), run the CUDA tests, then the
+# install the wheels of .whl/ (the workspace's and the third-party ones the image lacks, filled
+# beforehand by `bash benchmarks/fetch_device_wheels.sh`), run the CUDA tests, then the
 # packages' GPU benchmarks. Logs and JSON go to $OUT (default /tmp/gpu-out).
 #   usage: bash benchmarks/gpu_single.sh [tests|bench|all|round4|round4-tests|round4-bench]
 # (round4 = round4-tests then round4-bench; each half fits one 10-minute device call)
