@@ -130,6 +130,7 @@ def _vlm_setup(shapes_data: DemoSplit, *, packing: bool) -> tuple[Any, Any, dict
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow  # a processor and a VLM build (~20 s): tests-recipes runs it
 def test_the_tiny_vlm_keeps_fp32_rotary_tables_in_bf16(shapes_data: DemoSplit) -> None:
     # from_pretrained(dtype=bf16) keeps the rotary frequencies in fp32; rounding them to bf16
     # moves long positions by radians. The tiny demo VLM must be built the same way.
