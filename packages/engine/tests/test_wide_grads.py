@@ -130,12 +130,12 @@ def test_windows_start_from_zero_and_zero_grad_discards_the_sums() -> None:
 
 def test_only_narrow_parameters_of_unwrapped_models_are_summed() -> None:
     fp32 = make_model()
-    assert Engine(fp32, torch.optim.SGD(fp32.parameters(), lr=0.1))._wide_grads is None
+    assert Engine(fp32, torch.optim.SGD(fp32.parameters(), lr=0.1))._wide_grads.narrow_params == 0
     bf16 = _model()
     opt = torch.optim.SGD(bf16.parameters(), lr=0.1)
-    assert Engine(bf16, opt, grad_accumulation_dtype=None)._wide_grads is None
+    assert Engine(bf16, opt, grad_accumulation_dtype=None)._wide_grads.narrow_params == 0
     wide = Engine(bf16, opt)._wide_grads
-    assert wide is not None and wide.narrow_params == len(list(bf16.parameters()))
+    assert wide.narrow_params == len(list(bf16.parameters()))
     for bad in (torch.int32, "float32"):
         with pytest.raises(ValueError, match="grad_accumulation_dtype must be a floating dtype"):
             Engine(bf16, opt, grad_accumulation_dtype=bad)  # type: ignore[arg-type]

@@ -27,25 +27,28 @@ class WideGradSums:
     A parameter is narrow when it is floating point with fewer bytes than ``dtype``. Its sum
     buffer is allocated at its first gradient and kept for later windows (``dtype``'s bytes
     per element: 4 for fp32, next to the parameter's 2). Parameters that are not narrow keep
-    autograd's own accumulation.
+    autograd's own accumulation. With no narrow parameter every method does nothing.
 
     Args:
-        params: the trainable parameters.
-        dtype: the summing dtype.
+        params: the trainable parameters of an unwrapped model. Pass none under DDP: the
+            window's last backward reduces what autograd accumulated in ``param.grad``, so the
+            earlier micro-batches' gradients must stay there.
+        dtype: the summing dtype; None sums nothing (autograd's accumulation).
     """
 
     __slots__ = ("_filled", "_params", "_sums", "dtype")
 
-    def __init__(self, params: Sequence[Tensor], dtype: torch.dtype) -> None:
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+    def __init__(self, params: Sequence[Tensor], dtype: torch.dtype | None) -> None:
+        if dtype is not None and (
+            not isinstance(dtype, torch.dtype) or not dtype.is_floating_point
+        ):
             raise ValueError(
                 f"grad_accumulation_dtype must be a floating dtype (torch.float32), got {dtype}; "
                 "pass None to accumulate in the parameters' dtype"
             )
         self.dtype = dtype
-        self._params = [
-            p for p in params if p.is_floating_point() and p.dtype.itemsize < dtype.itemsize
-        ]
+        width = 0 if dtype is None else dtype.itemsize  # None: no parameter is narrower
+        self._params = [p for p in params if p.is_floating_point() and p.dtype.itemsize < width]
         self._sums: list[Tensor | None] = [None] * len(self._params)
         self._filled = [False] * len(self._params)
 

@@ -98,6 +98,22 @@ class AccumulationWindow:
                 "several losses of one micro-batch, add them and call backward() once"
             )
 
+    def check_forward_seen(self, *, required: bool) -> None:
+        """Refuse a backward whose forward bypassed the Engine where the wrapper needs it.
+
+        Args:
+            required: the model is DDP with deferred gradient sync, which decides in forward
+                whether the backward all-reduces (only a window of several micro-batches
+                defers anything).
+        """
+        if required and self.length > 1 and not self.forward_done:
+            raise RuntimeError(
+                "backward() under DDP with deferred gradient sync, but this micro-batch's "
+                "forward did not go through the Engine; DDP decides in forward whether the "
+                "backward all-reduces, so call engine(...) instead of model(...) (or build the "
+                "Engine with defer_grad_sync=False)"
+            )
+
     def check_contract(self, num_tokens: int | float | Tensor | None) -> str:
         """The backward's contract ("mean" or "sum"); refuses a switch within the window."""
         contract = "mean" if num_tokens is None else "sum"

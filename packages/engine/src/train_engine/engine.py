@@ -76,13 +76,9 @@ class Engine:
             averaging group. Pass it when that group also spans context-parallel ranks that
             count the same tokens.
         grad_accumulation_dtype: for a model without a data-parallel wrapper, the dtype in
-            which a window of several micro-batches sums the gradients of narrower (bf16,
-            fp16) parameters: each backward's gradient is folded into that sum and cleared,
-            and at the boundary the sum is rounded once to the parameter's dtype (one
-            rounding per window, not one per micro-batch; ``dtype``'s bytes per such
-            parameter of memory, allocated at the first window of several micro-batches).
-            None keeps autograd's accumulation in the parameter's dtype. DDP and FSDP2
-            accumulate as they do (FSDP2 in its ``reduce_dtype``), so it is not read there.
+            which a window's bf16/fp16 gradients are summed, then rounded once to the
+            parameter's dtype at the boundary (its bytes per such parameter of memory). None
+            keeps autograd's accumulation in the parameter's dtype. Not read under DDP/FSDP2.
     """
 
     def __init__(
@@ -127,18 +123,8 @@ class Engine:
         else:
             self._dp_groups = (dp_group,)
         self._params = [p for p in model.parameters() if p.requires_grad]
-        # Only unwrapped models: under DDP the window's last backward reduces what autograd
-        # accumulated in param.grad, so the earlier micro-batches' gradients must stay there.
-        wide = (
-            None
-            if grad_accumulation_dtype is None
-            else WideGradSums(self._params, grad_accumulation_dtype)
-        )
-        self._wide_grads = (
-            wide
-            if wide is not None and wide.narrow_params and self._topology.kind == "local"
-            else None
-        )
+        local = self._topology.kind == "local"
+        self._wide_grads = WideGradSums(self._params if local else (), grad_accumulation_dtype)
         self._param_device_types = frozenset(p.device.type for p in self._params)
         self._window = AccumulationWindow(1)
         self.set_gradient_accumulation_steps(gradient_accumulation_steps)
@@ -302,18 +288,7 @@ class Engine:
         contract = window.check_contract(num_tokens)
         host_tokens = None if num_tokens is None else host_num_tokens(num_tokens)
         window.check_count(host_tokens)
-        if (
-            self._topology.kind == "ddp"
-            and self.defer_grad_sync
-            and window.length > 1
-            and not window.forward_done
-        ):
-            raise RuntimeError(
-                "backward() under DDP with deferred gradient sync, but this micro-batch's "
-                "forward did not go through the Engine; DDP decides in forward whether the "
-                "backward all-reduces, so call engine(...) instead of model(...) (or build the "
-                "Engine with defer_grad_sync=False)"
-            )
+        window.check_forward_seen(required=self._topology.kind == "ddp" and self.defer_grad_sync)
         scaled = window.scale(
             loss, num_tokens, host_tokens, grad_average_size=self._topology.grad_average_size
         )
@@ -323,7 +298,7 @@ class Engine:
         except BaseException as err:
             self._broken = f"{type(err).__name__}: {err}"
             raise
-        if self._wide_grads is not None and window.length > 1:
+        if window.length > 1:
             self._wide_grads.fold()
         window.record_backward(contract, num_tokens, host_tokens)
 
@@ -363,8 +338,7 @@ class Engine:
             return result_without_update(self.optimizer, counters)
         # The previous update's skip flag is long computed: reading it now does not stall.
         counters.settle()
-        if self._wide_grads is not None:
-            self._wide_grads.write_back()
+        self._wide_grads.write_back()
         # Host-only (is None tests): after the window's gradient reduction, every wrapper
         # (DDP, FSDP2) has set the gradients of the parameters the loss reached.
         if not any(p.grad is not None for p in self._params):
@@ -424,8 +398,7 @@ class Engine:
         window.reset()
 
     def _clear_grads(self) -> None:
-        if self._wide_grads is not None:
-            self._wide_grads.clear()
+        self._wide_grads.clear()
         self.module.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
 
