@@ -67,6 +67,9 @@ from train_engine import Engine, FSDP2Config, MasterWeightAdamW, apply_data_para
 from train_recipes.attention import CausalFastPath, sdpa_backends
 from train_recipes.modeling import compile_decoder_layers
 from train_recipes.sft import token_sum_loss
+
+# `device_name`, `free_memory`, `init_process_group`, `sync`, FULL and TINY stay importable from
+# here for the benchmarks next to this one.
 from train_testing.bench import (
     LLAMA_1P5B,
     LLAMA_TINY,
@@ -84,9 +87,6 @@ from train_testing.bench import (
     versions,
     write_json,
 )
-
-# `device_name`, `free_memory`, `init_process_group`, `sync`, FULL and TINY stay importable from
-# here for the benchmarks next to this one.
 from train_testing.tiny_hf import parameters_to
 from vocab_parallel import token_log_probs
 
