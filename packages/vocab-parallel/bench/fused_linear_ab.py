@@ -1,0 +1,340 @@
+"""Side-by-side A/B of the grads-in-forward linear loss against Liger's fused linear CE (CUDA only).
+
+# T tokens, C tokens per chunk, H hidden, V vocabulary
+
+Every variant is one forward+backward of the token-sum loss over hidden [T, H] and weight
+[V, H] (bf16), timed with CUDA events in turns (variant 1, 2, ..., 1, 2, ...) so that clock
+and power drift hit all of them alike; transient memory is the peak above the inputs minus the
+returned gradients, over the [T, V] bf16 logits. Variants:
+
+    ours_cC        vocab_parallel.linear_cross_entropy(..., chunk_size=C, fp32_weight_grad=False)
+    ours2s_cC      the same, each chunk's weight-gradient matmul on a second CUDA stream beside
+                   its hidden-gradient matmul (both read the chunk's gradient; a trial, patched in)
+    liger          liger_kernel's fused linear cross-entropy
+
+``--profile`` records a few back-to-back steps of the named variants with the CUDA and CPU
+activities and prints the GPU's busy time per kernel name and its idle gaps; ``--micro``
+times the chunk's matmuls alone at each chunk size (the weight-gradient accumulation as
+stored [V, H] and as the transposed [H, V] product).
+
+    python packages/vocab-parallel/bench/fused_linear_ab.py --tokens 16384 --chunks 768,816,1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+import vocab_parallel as vp
+from vocab_parallel import _fused_linear
+from vocab_parallel._triton_acc import AccConfig, add_at_b_
+
+IGNORE = -100
+GIB = 1 << 30
+
+
+@contextlib.contextmanager
+def _triton_acc(config: AccConfig) -> Iterator[None]:
+    """Patch the chunk matmuls so the weight-gradient accumulation runs Triton's add_at_b_."""
+    original = _fused_linear._chunk_matmuls
+
+    def chunk_matmuls(grad_logits, h_chunk, weight, grad_hidden, accumulator, start):  # type: ignore[no-untyped-def]
+        if grad_hidden is not None:
+            torch.mm(grad_logits, weight, out=grad_hidden[start : start + grad_logits.shape[0]])
+        if accumulator is None:
+            return
+        if start == 0:
+            torch.mm(grad_logits.T, h_chunk, out=accumulator)
+        else:
+            add_at_b_(accumulator, grad_logits, h_chunk, config=config)
+
+    _fused_linear._chunk_matmuls = chunk_matmuls
+    try:
+        yield
+    finally:
+        _fused_linear._chunk_matmuls = original
+
+
+@contextlib.contextmanager
+def _two_streams() -> Iterator[None]:
+    """Patch the chunk matmuls so the weight-gradient product runs on a second stream."""
+    original = _fused_linear._chunk_matmuls
+    side = torch.cuda.Stream()
+
+    def chunk_matmuls(grad_logits, h_chunk, weight, grad_hidden, accumulator, start):  # type: ignore[no-untyped-def]
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        if grad_hidden is not None:
+            torch.mm(grad_logits, weight, out=grad_hidden[start : start + grad_logits.shape[0]])
+        if accumulator is not None:
+            with torch.cuda.stream(side):
+                if start == 0:
+                    torch.mm(grad_logits.T, h_chunk, out=accumulator)
+                else:
+                    accumulator.addmm_(grad_logits.T, h_chunk)
+        # The chunk buffer is freed on the main stream after this: the next chunk's logits
+        # may reuse it only once the side stream is done reading it.
+        main.wait_stream(side)
+
+    _fused_linear._chunk_matmuls = chunk_matmuls
+    try:
+        yield
+    finally:
+        _fused_linear._chunk_matmuls = original
+
+
+def _event_ms(fn: Callable[[], object]) -> float:
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop)
+
+
+def _variants(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunks: list[int],
+    acc_config: AccConfig | None,
+) -> dict[str, Callable[[], object]]:
+    def clear() -> None:
+        hidden.grad = weight.grad = None
+
+    def ours(chunk: int, patch: str) -> Callable[[], object]:
+        def step() -> None:
+            clear()
+            if patch == "two_streams":
+                context: contextlib.AbstractContextManager[None] = _two_streams()
+            elif patch == "triton_acc" and acc_config is not None:
+                context = _triton_acc(acc_config)
+            else:
+                context = contextlib.nullcontext()
+            with context:
+                loss = vp.linear_cross_entropy(
+                    hidden, weight, labels, reduction="sum", chunk_size=chunk,
+                    fp32_weight_grad=False,
+                )  # fmt: skip
+                loss.backward()
+
+        return step
+
+    out: dict[str, Callable[[], object]] = {}
+    for chunk in chunks:
+        out[f"ours_c{chunk}"] = ours(chunk, "")
+        out[f"ours2s_c{chunk}"] = ours(chunk, "two_streams")
+        if acc_config is not None:
+            out[f"oursT_c{chunk}"] = ours(chunk, "triton_acc")
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError as err:  # a peer is optional: say so and time the rest
+        print(f"liger: not importable ({err})")
+    else:
+
+        def liger() -> None:
+            clear()
+            liger_fused_linear_cross_entropy(
+                hidden, weight, labels, ignore_index=IGNORE, reduction="sum"
+            ).backward()
+
+        out["liger"] = liger
+    return out
+
+
+def _grad_check(
+    variants: dict[str, Callable[[], object]],
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+) -> dict[str, float]:
+    """Worst relative gradient error of each variant against an fp32 matmul + cross-entropy."""
+    h32 = hidden.detach().float().requires_grad_()
+    w32 = weight.detach().float().requires_grad_()
+    loss = torch.nn.functional.cross_entropy(
+        h32 @ w32.T, labels, ignore_index=IGNORE, reduction="sum"
+    )
+    ref = torch.autograd.grad(loss, (h32, w32))
+    del loss, h32, w32
+    errors = {}
+    for name, step in variants.items():
+        step()
+        got = (hidden.grad, weight.grad)
+        errors[name] = max(
+            float((g.float() - r).norm() / r.norm()) for g, r in zip(got, ref, strict=True)
+        )
+    hidden.grad = weight.grad = None
+    return errors
+
+
+def _transient(step: Callable[[], object], logits_bytes: int) -> float:
+    """Peak memory of a step above what was allocated before it, over the logits' bytes.
+
+    The step frees the previous step's gradients before it allocates its own, so the
+    returned gradients cancel out and what remains is the step's transient memory.
+    """
+    step()  # warm: the allocator's blocks and the kernels exist
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / logits_bytes
+
+
+def _profile(name: str, step: Callable[[], object], steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [
+        e
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0
+    ]
+    intervals = sorted((e.time_range.start, e.time_range.end, e.name) for e in kernels)
+    busy_by_name: dict[str, float] = defaultdict(float)
+    for start, end, kname in intervals:
+        busy_by_name[kname[:70]] += (end - start) / 1e3
+    gaps, end_so_far = [], intervals[0][1]
+    for start, end, kname in intervals[1:]:
+        if start > end_so_far:
+            gaps.append(((start - end_so_far) / 1e3, kname[:50]))
+        end_so_far = max(end_so_far, end)
+    span = (end_so_far - intervals[0][0]) / 1e3
+    report = {
+        "variant": name,
+        "steps": steps,
+        "gpu_span_ms_per_step": span / steps,
+        "idle_ms_per_step": sum(g for g, _ in gaps) / steps,
+        "largest_gaps_ms": sorted(gaps, reverse=True)[:6],
+        "busy_ms_per_step": {
+            k: round(v / steps, 3)
+            for k, v in sorted(busy_by_name.items(), key=lambda kv: -kv[1])[:10]
+        },
+    }
+    print(json.dumps(report, indent=1), flush=True)
+    return report
+
+
+def _micro(weight: torch.Tensor, chunks: list[int], repeats: int) -> list[dict]:
+    """The chunk matmuls alone: milliseconds per call (median of CUDA-event timings)."""
+    v, h = weight.shape
+    acc = torch.zeros(v, h, device="cuda", dtype=weight.dtype)
+    acc_t = torch.zeros(h, v, device="cuda", dtype=weight.dtype)
+    rows = []
+    for c in chunks:
+        hid = torch.randn(c, h, device="cuda", dtype=weight.dtype)
+        grad = torch.randn(c, v, device="cuda", dtype=weight.dtype) * 1e-4
+        dh = torch.empty(c, h, device="cuda", dtype=weight.dtype)
+        timed = {
+            "logits": lambda hid=hid: hid @ weight.T,
+            "dH": lambda grad=grad, dh=dh: torch.mm(grad, weight, out=dh),
+            "dW_acc_VH": lambda grad=grad, hid=hid: acc.addmm_(grad.T, hid),
+            "dW_acc_HV": lambda grad=grad, hid=hid: acc_t.addmm_(hid.T, grad),
+            "dW_plain_VH": lambda grad=grad, hid=hid: torch.mm(grad.T, hid, out=acc),
+        }
+        row: dict = {"chunk": c}
+        for key, fn in timed.items():
+            for _ in range(3):
+                fn()
+            row[key] = round(statistics.median(_event_ms(fn) for _ in range(repeats)), 4)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--chunks", default="768,816,1024")
+    parser.add_argument("--repeats", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--only", default="", help="comma-separated variant names to keep")
+    parser.add_argument("--profile", default="", help="comma-separated variants to profile")
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--micro", action="store_true")
+    parser.add_argument(
+        "--triton-acc",
+        action="store_true",
+        help="add oursT_cC: the accumulation by add_at_b_ in the fastest config of a sweep "
+        "(acc_matmul.py) at the first chunk size",
+    )
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    t, v, h = args.tokens, args.vocab, args.hidden
+    chunks = [int(c) for c in args.chunks.split(",") if c]
+    torch.manual_seed(0)
+    hidden = torch.randn(t, h, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    weight = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5).requires_grad_()
+    labels = torch.randint(0, v, (t,), device="cuda")
+    labels[::16] = IGNORE
+    logits_bytes = t * v * 2
+    acc_config = None
+    if args.triton_acc:
+        from acc_matmul import sweep  # this folder's sweep (the script's folder is on sys.path)
+
+        acc_config = sweep(chunks[0], v, h, repeats=10)[1]
+        print(f"triton accumulation config: {acc_config}", flush=True)
+    variants = _variants(hidden, weight, labels, chunks, acc_config)
+    if args.only:
+        keep = set(args.only.split(","))
+        variants = {k: fn for k, fn in variants.items() if k in keep}
+    errors = _grad_check(variants, hidden, weight, labels)
+    transient = {name: _transient(step, logits_bytes) for name, step in variants.items()}
+    for _ in range(args.warmup):
+        for step in variants.values():
+            step()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.repeats):
+        for name, step in variants.items():
+            times[name].append(_event_ms(step))
+    medians = {name: statistics.median(ms) for name, ms in times.items()}
+    liger = medians.get("liger")
+    print(f"T={t} V={v} H={h} {torch.cuda.get_device_name()} torch {torch.__version__}")
+    print(f"{'variant':<16}{'median ms':>10}{'min':>9}{'max':>9}{'vs liger':>9}"
+          f"{'peak/logits':>12}{'grad err':>10}")  # fmt: skip
+    for name, ms in medians.items():
+        ratio = f"{liger / ms:.3f}x" if liger else "-"
+        print(
+            f"{name:<16}{ms:>10.2f}{min(times[name]):>9.2f}{max(times[name]):>9.2f}{ratio:>9}"
+            f"{transient[name]:>12.4f}{errors[name]:>10.2e}"
+        )
+    profiles = [_profile(n, variants[n], args.profile_steps) for n in args.profile.split(",") if n]
+    micro = _micro(weight.detach(), chunks, args.repeats) if args.micro else []
+    if args.out:
+        args.out.write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "tokens": t,
+                    "vocab": v,
+                    "hidden": h,
+                    "times_ms": times,
+                    "medians_ms": medians,
+                    "peak_over_logits": transient,
+                    "grad_rel_err": errors,
+                    "profiles": profiles,
+                    "micro": micro,
+                    "triton_acc_config": repr(acc_config),
+                },
+                indent=1,
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
