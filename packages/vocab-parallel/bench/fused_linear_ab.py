@@ -34,32 +34,9 @@ import torch
 
 import vocab_parallel as vp
 from vocab_parallel import _fused_linear
-from vocab_parallel._triton_acc import AccConfig, add_at_b_
 
 IGNORE = -100
 GIB = 1 << 30
-
-
-@contextlib.contextmanager
-def _triton_acc(config: AccConfig) -> Iterator[None]:
-    """Patch the chunk matmuls so the weight-gradient accumulation runs Triton's add_at_b_."""
-    original = _fused_linear._chunk_matmuls
-
-    def chunk_matmuls(grad_logits, h_chunk, weight, grad_hidden, accumulator, start):  # type: ignore[no-untyped-def]
-        if grad_hidden is not None:
-            torch.mm(grad_logits, weight, out=grad_hidden[start : start + grad_logits.shape[0]])
-        if accumulator is None:
-            return
-        if start == 0:
-            torch.mm(grad_logits.T, h_chunk, out=accumulator)
-        else:
-            add_at_b_(accumulator, grad_logits, h_chunk, config=config)
-
-    _fused_linear._chunk_matmuls = chunk_matmuls
-    try:
-        yield
-    finally:
-        _fused_linear._chunk_matmuls = original
 
 
 @contextlib.contextmanager
@@ -104,7 +81,6 @@ def _variants(
     weight: torch.Tensor,
     labels: torch.Tensor,
     chunks: list[int],
-    acc_config: AccConfig | None,
 ) -> dict[str, Callable[[], object]]:
     def clear() -> None:
         hidden.grad = weight.grad = None
@@ -114,8 +90,6 @@ def _variants(
             clear()
             if patch == "two_streams":
                 context: contextlib.AbstractContextManager[None] = _two_streams()
-            elif patch == "triton_acc" and acc_config is not None:
-                context = _triton_acc(acc_config)
             else:
                 context = contextlib.nullcontext()
             with context:
@@ -131,8 +105,6 @@ def _variants(
     for chunk in chunks:
         out[f"ours_c{chunk}"] = ours(chunk, "")
         out[f"ours2s_c{chunk}"] = ours(chunk, "two_streams")
-        if acc_config is not None:
-            out[f"oursT_c{chunk}"] = ours(chunk, "triton_acc")
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     except ImportError as err:  # a peer is optional: say so and time the rest
@@ -266,12 +238,6 @@ def main() -> None:
     parser.add_argument("--profile", default="", help="comma-separated variants to profile")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--micro", action="store_true")
-    parser.add_argument(
-        "--triton-acc",
-        action="store_true",
-        help="add oursT_cC: the accumulation by add_at_b_ in the fastest config of a sweep "
-        "(acc_matmul.py) at the first chunk size",
-    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     t, v, h = args.tokens, args.vocab, args.hidden
@@ -282,13 +248,7 @@ def main() -> None:
     labels = torch.randint(0, v, (t,), device="cuda")
     labels[::16] = IGNORE
     logits_bytes = t * v * 2
-    acc_config = None
-    if args.triton_acc:
-        from acc_matmul import sweep  # this folder's sweep (the script's folder is on sys.path)
-
-        acc_config = sweep(chunks[0], v, h, repeats=10)[1]
-        print(f"triton accumulation config: {acc_config}", flush=True)
-    variants = _variants(hidden, weight, labels, chunks, acc_config)
+    variants = _variants(hidden, weight, labels, chunks)
     if args.only:
         keep = set(args.only.split(","))
         variants = {k: fn for k, fn in variants.items() if k in keep}
@@ -329,7 +289,6 @@ def main() -> None:
                     "grad_rel_err": errors,
                     "profiles": profiles,
                     "micro": micro,
-                    "triton_acc_config": repr(acc_config),
                 },
                 indent=1,
             )
