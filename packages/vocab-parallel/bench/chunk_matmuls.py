@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from pathlib import Path
 
 import torch
 
@@ -33,30 +32,6 @@ def _time_ms(fn, repeats: int = 20) -> float:
         events[2 * i + 1].record()
     torch.cuda.synchronize()
     return statistics.median(events[2 * i].elapsed_time(events[2 * i + 1]) for i in range(repeats))
-
-
-def _idle_gaps(trace: dict, top: int = 8) -> str:
-    """GPU idle time between consecutive kernels of a chrome trace, and the largest gaps."""
-    gpu = sorted(
-        (
-            e
-            for e in trace.get("traceEvents", [])
-            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-        ),
-        key=lambda e: e["ts"],
-    )
-    if not gpu:
-        return "no GPU events"
-    gaps, end = [], gpu[0]["ts"] + gpu[0].get("dur", 0)
-    for e in gpu[1:]:
-        if e["ts"] > end:
-            gaps.append((e["ts"] - end, e["name"][:60]))
-        end = max(end, e["ts"] + e.get("dur", 0))
-    span = end - gpu[0]["ts"]
-    idle = sum(g for g, _ in gaps)
-    lines = [f"GPU span {span / 1e3:.2f} ms, idle {idle / 1e3:.2f} ms in {len(gaps)} gaps"]
-    lines += [f"  {g / 1e3:.3f} ms before {name}" for g, name in sorted(gaps, reverse=True)[:top]]
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -138,10 +113,10 @@ def main() -> None:
                         ),
                         flush=True,
                     )
-                    trace = Path(args.out or "chunk_matmuls.json").with_suffix(".trace.json")
-                    prof.export_chrome_trace(str(trace))
-                    print(_idle_gaps(json.loads(trace.read_text())), flush=True)
-                    trace.unlink()
+                    # this folder's timeline summary (the script's folder is on sys.path)
+                    from fused_linear_ab import gpu_timeline
+
+                    print(json.dumps(gpu_timeline(prof), indent=1), flush=True)
             del hidden, w, labels
     if args.out:
         with open(args.out, "w") as f:

@@ -13,9 +13,8 @@ returned gradients, over the [T, V] bf16 logits. Variants:
     liger          liger_kernel's fused linear cross-entropy
 
 ``--profile`` records a few back-to-back steps of the named variants with the CUDA and CPU
-activities and prints the GPU's busy time per kernel name and its idle gaps; ``--micro``
-times the chunk's matmuls alone at each chunk size (the weight-gradient accumulation as
-stored [V, H] and as the transposed [H, V] product).
+activities and prints the GPU's busy time per kernel name and its idle gaps. The chunk's
+matmuls alone, at each chunk size: ``chunk_matmuls.py``.
 
     python packages/vocab-parallel/bench/fused_linear_ab.py --tokens 16384 --chunks 768,816,1024
 """
@@ -161,6 +160,42 @@ def _transient(step: Callable[[], object], logits_bytes: int) -> float:
     return (torch.cuda.max_memory_allocated() - base) / logits_bytes
 
 
+def gpu_timeline(prof: torch.profiler.profile, steps: int = 1, top: int = 10) -> dict:
+    """Per step: the GPU's span, its idle time and largest gaps, and busy time per kernel name.
+
+    Args:
+        prof: a finished profile with the CUDA activity.
+        steps: how many steps it recorded (times are divided by it).
+        top: how many kernel names and gaps to keep.
+    """
+    kernels = [
+        e
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0
+    ]
+    intervals = sorted((e.time_range.start, e.time_range.end, e.name) for e in kernels)
+    if not intervals:
+        return {"steps": steps, "note": "no GPU events"}
+    busy_by_name: dict[str, float] = defaultdict(float)
+    for start, end, name in intervals:
+        busy_by_name[name[:70]] += (end - start) / 1e3
+    gaps, end_so_far = [], intervals[0][1]
+    for start, end, name in intervals[1:]:
+        if start > end_so_far:
+            gaps.append((round((start - end_so_far) / 1e3, 3), name[:50]))
+        end_so_far = max(end_so_far, end)
+    return {
+        "steps": steps,
+        "gpu_span_ms_per_step": (end_so_far - intervals[0][0]) / 1e3 / steps,
+        "idle_ms_per_step": sum(g for g, _ in gaps) / steps,
+        "largest_gaps_ms": sorted(gaps, reverse=True)[:top],
+        "busy_ms_per_step": {
+            k: round(v / steps, 3)
+            for k, v in sorted(busy_by_name.items(), key=lambda kv: -kv[1])[:top]
+        },
+    }
+
+
 def _profile(name: str, step: Callable[[], object], steps: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -169,61 +204,9 @@ def _profile(name: str, step: Callable[[], object], steps: int) -> dict:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    kernels = [
-        e
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0
-    ]
-    intervals = sorted((e.time_range.start, e.time_range.end, e.name) for e in kernels)
-    busy_by_name: dict[str, float] = defaultdict(float)
-    for start, end, kname in intervals:
-        busy_by_name[kname[:70]] += (end - start) / 1e3
-    gaps, end_so_far = [], intervals[0][1]
-    for start, end, kname in intervals[1:]:
-        if start > end_so_far:
-            gaps.append(((start - end_so_far) / 1e3, kname[:50]))
-        end_so_far = max(end_so_far, end)
-    span = (end_so_far - intervals[0][0]) / 1e3
-    report = {
-        "variant": name,
-        "steps": steps,
-        "gpu_span_ms_per_step": span / steps,
-        "idle_ms_per_step": sum(g for g, _ in gaps) / steps,
-        "largest_gaps_ms": sorted(gaps, reverse=True)[:6],
-        "busy_ms_per_step": {
-            k: round(v / steps, 3)
-            for k, v in sorted(busy_by_name.items(), key=lambda kv: -kv[1])[:10]
-        },
-    }
+    report = {"variant": name, **gpu_timeline(prof, steps)}
     print(json.dumps(report, indent=1), flush=True)
     return report
-
-
-def _micro(weight: torch.Tensor, chunks: list[int], repeats: int) -> list[dict]:
-    """The chunk matmuls alone: milliseconds per call (median of CUDA-event timings)."""
-    v, h = weight.shape
-    acc = torch.zeros(v, h, device="cuda", dtype=weight.dtype)
-    acc_t = torch.zeros(h, v, device="cuda", dtype=weight.dtype)
-    rows = []
-    for c in chunks:
-        hid = torch.randn(c, h, device="cuda", dtype=weight.dtype)
-        grad = torch.randn(c, v, device="cuda", dtype=weight.dtype) * 1e-4
-        dh = torch.empty(c, h, device="cuda", dtype=weight.dtype)
-        timed = {
-            "logits": lambda hid=hid: hid @ weight.T,
-            "dH": lambda grad=grad, dh=dh: torch.mm(grad, weight, out=dh),
-            "dW_acc_VH": lambda grad=grad, hid=hid: acc.addmm_(grad.T, hid),
-            "dW_acc_HV": lambda grad=grad, hid=hid: acc_t.addmm_(hid.T, grad),
-            "dW_plain_VH": lambda grad=grad, hid=hid: torch.mm(grad.T, hid, out=acc),
-        }
-        row: dict = {"chunk": c}
-        for key, fn in timed.items():
-            for _ in range(3):
-                fn()
-            row[key] = round(statistics.median(_event_ms(fn) for _ in range(repeats)), 4)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    return rows
 
 
 def main() -> None:
@@ -237,7 +220,6 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated variant names to keep")
     parser.add_argument("--profile", default="", help="comma-separated variants to profile")
     parser.add_argument("--profile-steps", type=int, default=3)
-    parser.add_argument("--micro", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     t, v, h = args.tokens, args.vocab, args.hidden
@@ -273,7 +255,6 @@ def main() -> None:
             f"{transient[name]:>12.4f}{errors[name]:>10.2e}"
         )
     profiles = [_profile(n, variants[n], args.profile_steps) for n in args.profile.split(",") if n]
-    micro = _micro(weight.detach(), chunks, args.repeats) if args.micro else []
     if args.out:
         args.out.write_text(
             json.dumps(
@@ -288,7 +269,6 @@ def main() -> None:
                     "peak_over_logits": transient,
                     "grad_rel_err": errors,
                     "profiles": profiles,
-                    "micro": micro,
                 },
                 indent=1,
             )
