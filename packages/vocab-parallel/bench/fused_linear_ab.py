@@ -10,6 +10,8 @@ returned gradients, over the [T, V] bf16 logits. Variants:
     ours_cC        vocab_parallel.linear_cross_entropy(..., chunk_size=C, fp32_weight_grad=False)
     ours2s_cC      the same, each chunk's weight-gradient matmul on a second CUDA stream beside
                    its hidden-gradient matmul (both read the chunk's gradient; a trial, patched in)
+    oursS{S}_cC    the same, the accumulation as one batched matmul over S vocabulary slices
+                   (``--slices``; a trial, patched in)
     liger          liger_kernel's fused linear cross-entropy
 
 ``--profile`` records a few back-to-back steps of the named variants with the CUDA and CPU
@@ -66,6 +68,32 @@ def _two_streams() -> Iterator[None]:
         _fused_linear._chunk_matmuls = original
 
 
+@contextlib.contextmanager
+def _sliced_accumulation(slices: int) -> Iterator[None]:
+    """Patch the chunk matmuls so the weight-gradient accumulation is one batched matmul over
+    ``slices`` equal vocabulary slices (the same sums; cuBLAS picks its kernel by shape)."""
+    original = _fused_linear._chunk_matmuls
+
+    def chunk_matmuls(grad_logits, h_chunk, weight, grad_hidden, accumulator, start):  # type: ignore[no-untyped-def]
+        c, v = grad_logits.shape
+        if grad_hidden is not None:
+            torch.mm(grad_logits, weight, out=grad_hidden[start : start + c])
+        if accumulator is None:
+            return
+        if start == 0:
+            torch.mm(grad_logits.T, h_chunk, out=accumulator)
+            return
+        acc3 = accumulator.view(slices, v // slices, -1)  # [S, V/S, H]
+        g3 = grad_logits.view(c, slices, v // slices).permute(1, 2, 0)  # [S, V/S, C], no copy
+        acc3.baddbmm_(g3, h_chunk.unsqueeze(0).expand(slices, -1, -1))
+
+    _fused_linear._chunk_matmuls = chunk_matmuls
+    try:
+        yield
+    finally:
+        _fused_linear._chunk_matmuls = original
+
+
 def _event_ms(fn: Callable[[], object]) -> float:
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -80,6 +108,7 @@ def _variants(
     weight: torch.Tensor,
     labels: torch.Tensor,
     chunks: list[int],
+    slices: list[int],
 ) -> dict[str, Callable[[], object]]:
     def clear() -> None:
         hidden.grad = weight.grad = None
@@ -89,6 +118,8 @@ def _variants(
             clear()
             if patch == "two_streams":
                 context: contextlib.AbstractContextManager[None] = _two_streams()
+            elif patch.startswith("slices"):
+                context = _sliced_accumulation(int(patch.removeprefix("slices")))
             else:
                 context = contextlib.nullcontext()
             with context:
@@ -104,6 +135,8 @@ def _variants(
     for chunk in chunks:
         out[f"ours_c{chunk}"] = ours(chunk, "")
         out[f"ours2s_c{chunk}"] = ours(chunk, "two_streams")
+        for count in slices:
+            out[f"oursS{count}_c{chunk}"] = ours(chunk, f"slices{count}")
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     except ImportError as err:  # a peer is optional: say so and time the rest
@@ -217,6 +250,12 @@ def main() -> None:
     parser.add_argument("--chunks", default="768,816,1024")
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--slices",
+        default="",
+        help="comma-separated S: add oursS{S}_cC, the accumulation batched over S vocabulary "
+        "slices",
+    )
     parser.add_argument("--only", default="", help="comma-separated variant names to keep")
     parser.add_argument("--profile", default="", help="comma-separated variants to profile")
     parser.add_argument("--profile-steps", type=int, default=3)
@@ -230,7 +269,10 @@ def main() -> None:
     labels = torch.randint(0, v, (t,), device="cuda")
     labels[::16] = IGNORE
     logits_bytes = t * v * 2
-    variants = _variants(hidden, weight, labels, chunks)
+    slices = [int(c) for c in args.slices.split(",") if c]
+    if any(v % count for count in slices):
+        parser.error(f"--slices {args.slices}: each must divide the vocabulary ({v})")
+    variants = _variants(hidden, weight, labels, chunks, slices)
     if args.only:
         keep = set(args.only.split(","))
         variants = {k: fn for k, fn in variants.items() if k in keep}

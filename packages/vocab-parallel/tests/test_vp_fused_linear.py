@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import vocab_parallel as vp
 from _vp_reference import make_labels, make_logits, ref_log_probs, upstream
-from vocab_parallel._fused_linear import fused_chunk_tokens
+from vocab_parallel._fused_linear import accumulate_weight_grad_, fused_chunk_tokens
 
 IGNORE = -100
 SHAPE, HIDDEN, VOCAB = (3, 11), 24, 150  # 33 tokens: chunks of 7 leave a ragged last chunk
@@ -216,6 +216,26 @@ def test_default_chunk_is_a_small_fraction_of_the_logits() -> None:
         assert rows * 151936 * 2 <= 151936 * hidden * 4 / 4 or rows == fused_chunk_tokens(
             tokens, 151936
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [34, 33])
+def test_weight_gradient_accumulation_in_vocabulary_halves_adds_the_chunk(
+    dtype: torch.dtype, vocab: int
+) -> None:
+    # The two-halves batched form (what CUDA runs for 16-bit accumulators) and the plain one
+    # both add grad_logits.T @ h_chunk; an odd vocabulary falls back to the plain form.
+    gen = torch.Generator().manual_seed(vocab)
+    grad_logits = torch.randn(12, vocab, generator=gen).to(dtype)
+    h_chunk = torch.randn(12, 8, generator=gen).to(dtype)
+    start = torch.randn(vocab, 8, generator=gen).to(dtype)
+    want = start.double() + grad_logits.double().T @ h_chunk.double()
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    for halves in (True, False):
+        accumulator = start.clone()
+        accumulate_weight_grad_(accumulator, grad_logits, h_chunk, halves=halves)
+        error = (accumulator.double() - want).abs() / want.abs().clamp(min=1.0)
+        assert error.max() <= tolerance, (halves, float(error.max()))
 
 
 class _NewStorages(TorchDispatchMode):
