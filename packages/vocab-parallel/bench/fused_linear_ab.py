@@ -11,7 +11,7 @@ returned gradients, over the [T, V] bf16 logits. Variants:
     ours2s_cC      the same, each chunk's weight-gradient matmul on a second CUDA stream beside
                    its hidden-gradient matmul (both read the chunk's gradient; a trial, patched in)
     oursS{S}_cC    the same, the accumulation as one batched matmul over S vocabulary slices
-                   (``--slices``; a trial, patched in)
+                   (``--slices``; a trial, patched in; the library runs S=2 on CUDA)
     liger          liger_kernel's fused linear cross-entropy
 
 ``--profile`` records a few back-to-back steps of the named variants with the CUDA and CPU
@@ -41,57 +41,46 @@ GIB = 1 << 30
 
 
 @contextlib.contextmanager
-def _two_streams() -> Iterator[None]:
-    """Patch the chunk matmuls so the weight-gradient product runs on a second stream."""
+def _patched(name: str, replacement: Callable[..., None]) -> Iterator[None]:
+    """Replace the function ``name`` of vocab_parallel._fused_linear while the block runs."""
+    original = getattr(_fused_linear, name)
+    setattr(_fused_linear, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(_fused_linear, name, original)
+
+
+def _two_streams() -> contextlib.AbstractContextManager[None]:
+    """The library's chunk matmuls, the weight-gradient one on a second stream."""
     original = _fused_linear._chunk_matmuls
     side = torch.cuda.Stream()
 
     def chunk_matmuls(grad_logits, h_chunk, weight, grad_hidden, accumulator, start):  # type: ignore[no-untyped-def]
         main = torch.cuda.current_stream()
         side.wait_stream(main)
-        if grad_hidden is not None:
-            torch.mm(grad_logits, weight, out=grad_hidden[start : start + grad_logits.shape[0]])
-        if accumulator is not None:
-            with torch.cuda.stream(side):
-                if start == 0:
-                    torch.mm(grad_logits.T, h_chunk, out=accumulator)
-                else:
-                    accumulator.addmm_(grad_logits.T, h_chunk)
+        original(grad_logits, h_chunk, weight, grad_hidden, None, start)
+        with torch.cuda.stream(side):
+            original(grad_logits, h_chunk, weight, None, accumulator, start)
         # The chunk buffer is freed on the main stream after this: the next chunk's logits
         # may reuse it only once the side stream is done reading it.
         main.wait_stream(side)
 
-    _fused_linear._chunk_matmuls = chunk_matmuls
-    try:
-        yield
-    finally:
-        _fused_linear._chunk_matmuls = original
+    return _patched("_chunk_matmuls", chunk_matmuls)
 
 
-@contextlib.contextmanager
-def _sliced_accumulation(slices: int) -> Iterator[None]:
-    """Patch the chunk matmuls so the weight-gradient accumulation is one batched matmul over
-    ``slices`` equal vocabulary slices (the same sums; cuBLAS picks its kernel by shape)."""
-    original = _fused_linear._chunk_matmuls
+def _sliced_accumulation(slices: int) -> contextlib.AbstractContextManager[None]:
+    """The library's accumulation (two vocabulary halves on CUDA) over ``slices`` equal
+    vocabulary slices instead: the same sums, one batched matmul; cuBLAS picks its kernel by
+    shape."""
 
-    def chunk_matmuls(grad_logits, h_chunk, weight, grad_hidden, accumulator, start):  # type: ignore[no-untyped-def]
+    def accumulate(accumulator, grad_logits, h_chunk):  # type: ignore[no-untyped-def]
         c, v = grad_logits.shape
-        if grad_hidden is not None:
-            torch.mm(grad_logits, weight, out=grad_hidden[start : start + c])
-        if accumulator is None:
-            return
-        if start == 0:
-            torch.mm(grad_logits.T, h_chunk, out=accumulator)
-            return
         acc3 = accumulator.view(slices, v // slices, -1)  # [S, V/S, H]
         g3 = grad_logits.view(c, slices, v // slices).permute(1, 2, 0)  # [S, V/S, C], no copy
         acc3.baddbmm_(g3, h_chunk.unsqueeze(0).expand(slices, -1, -1))
 
-    _fused_linear._chunk_matmuls = chunk_matmuls
-    try:
-        yield
-    finally:
-        _fused_linear._chunk_matmuls = original
+    return _patched("accumulate_weight_grad_", accumulate)
 
 
 def _event_ms(fn: Callable[[], object]) -> float:

@@ -98,11 +98,7 @@ def accumulate_weight_grad_(
     """
     c, vocab = grad_logits.shape
     if halves is None:
-        halves = (
-            accumulator.is_cuda
-            and accumulator.dtype == grad_logits.dtype
-            and accumulator.dtype in (torch.bfloat16, torch.float16)
-        )
+        halves = accumulator.is_cuda and accumulator.dtype in (torch.bfloat16, torch.float16)
     halves = (
         halves
         and vocab % 2 == 0
