@@ -90,19 +90,8 @@ def main() -> None:
             "coef_ptr": "*fp32",
             "coef_stride": "i64",
             "log_p_ptr": "*fp32",
-            "partial_ptr": "*fp32",
-            "sync_ptr": "*i32",
-            "n_rows": "i64",
         }
-        # The default stretch of a 152k vocabulary (19 programs a row) and a short row's one.
-        for segment, segments in ((kernels._SEGMENT, 19), (64, 1)):
-            segment_warps = kernels._loss_grad_config(segment)[1]
-            constexprs = {
-                "SEGMENTS": segments,
-                "SEGMENTS_POW2": triton.next_power_of_2(segments),
-                "SEGMENT": segment,
-            }
-            _compile(kernels._loss_grad_kernel, arguments, constexprs, num_warps=segment_warps)
+        _compile(kernels._loss_grad_kernel, arguments, {"BLOCK": kernels._MAX_BLOCK}, num_warps=4)
         # Backward's scaling of the stored gradients by the upstream gradient.
         arguments = {"x_ptr": dtype, "scale_ptr": "*fp32", "n": "i64"}
         _compile(kernels._scale_kernel, arguments, {"BLOCK": 4096}, num_warps=4)

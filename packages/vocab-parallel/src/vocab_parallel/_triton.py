@@ -158,69 +158,43 @@ def _loss_grad_kernel(
     coef_ptr,
     coef_stride,
     log_p_ptr,
-    partial_ptr,
-    sync_ptr,
-    n_rows,
-    SEGMENTS: tl.constexpr,
-    SEGMENTS_POW2: tl.constexpr,
-    SEGMENT: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    # Everything a grads-in-forward loss of sum_t c_t * log p(label_t) needs, in one launch,
-    # from the raw labels and coefficients, with one read and one write of the logits: each
-    # token row is cut into SEGMENTS stretches of SEGMENT columns, one program each, which
-    # keeps its stretch in registers while the row's programs agree on the softmax normalizer
-    # (a whole row, 300 KB at V=152k, fits no SM; read twice it costs a third more traffic).
-    # Each program publishes its stretch's (max, sum exp) and waits until all of its row have;
-    # then it writes g * (onehot - p), g = c / T, over its stretch, and the one holding the
-    # label writes log p(label). A label equal to ignore_index has g = 0 and log p = 0; one
-    # outside [0, V) (unvalidated) keeps g but has no onehot and log p = 0. coef_stride is 0
-    # for one coefficient shared by every row.
-    #
-    # No deadlock: a program takes its work item from a counter when it starts (sync_ptr[0]),
-    # not from its program id, so every smaller item belongs to a program that already runs.
-    # The lowest unfinished row therefore waits only on items not started yet, and those start
-    # as soon as any SEGMENTS programs fit on the GPU at once (the launcher's SEGMENTS <= 64).
-    item = tl.atomic_add(sync_ptr, 1).to(tl.int64)
-    row = item // SEGMENTS
-    segment = item - row * SEGMENTS
+    # One token row of whole-vocabulary logits, everything a grads-in-forward loss of
+    # sum_t c_t * log p(label_t) needs in one launch, from the raw labels and coefficients (no
+    # per-token tensors prepared on the host side): pass 1 the online softmax normalizer (as
+    # _stats_kernel), then log p(label), pass 2 the gradient g * (onehot - p), g = c / T,
+    # written over the logits (each stretch is read before it is written; the row was read just
+    # before, so part of it is still in L2). A label equal to ignore_index has g = 0 and
+    # log p = 0; one outside [0, V) (unvalidated) keeps g but has no onehot and log p = 0.
+    # coef_stride is 0 for one coefficient shared by every row.
+    row = tl.program_id(0).to(tl.int64)
     slab = row // rows_per_slab
     x_row = x_ptr + slab * stride_slab + (row - slab * rows_per_slab) * stride_row
-    cols = segment * SEGMENT + tl.arange(0, SEGMENT)
-    mask = cols < n_cols
-    z = tl.load(x_row + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-    m = tl.max(z, 0)
-    shift = tl.where(m == float("-inf"), 0.0, m)
-    # exp(-inf - shift) = 0: masked columns and an all--inf stretch add nothing.
-    s = tl.sum(tl.exp(z - shift), 0)
-    tl.store(partial_ptr + row * SEGMENTS + segment, m)
-    tl.store(partial_ptr + (n_rows + row) * SEGMENTS + segment, s)
-    # Release: the stores above are visible to whoever sees the count; acquire on the reads.
-    arrived = tl.atomic_add(sync_ptr + 1 + row, 1, sem="acq_rel") + 1
-    while arrived < SEGMENTS:
-        arrived = tl.atomic_add(sync_ptr + 1 + row, 0, sem="acquire")
-    parts = tl.arange(0, SEGMENTS_POW2)
-    has_part = parts < SEGMENTS
-    part_max = tl.load(
-        partial_ptr + row * SEGMENTS + parts, mask=has_part, other=float("-inf"), volatile=True
-    )
-    part_sum = tl.load(
-        partial_ptr + (n_rows + row) * SEGMENTS + parts, mask=has_part, other=0.0, volatile=True
-    )
-    row_max = tl.max(part_max, 0)
-    row_shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-    log_z = row_shift + tl.log(tl.sum(part_sum * tl.exp(part_max - row_shift), 0))
+    offsets = tl.arange(0, BLOCK)
+    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
+    s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offsets
+        z = tl.load(x_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32) * inv_t
+        m_new = tl.maximum(m, tl.max(z, 0))
+        c_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - c_new) + tl.sum(tl.exp(z - c_new), 0)
+        m = m_new
+    log_z = tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
     label = tl.load(labels_ptr + row)
     trained = label != ignore_index
     in_vocab = trained & (label >= 0) & (label < n_cols)
     target_col = tl.where(in_vocab, label, -1)
-    is_target = cols == target_col
-    holds_label = in_vocab & (target_col >= segment * SEGMENT)
-    holds_label = holds_label & (target_col < segment * SEGMENT + SEGMENT)
-    z_target = tl.sum(tl.where(is_target, z, 0.0), 0)
-    tl.store(log_p_ptr + row, z_target - log_z, mask=holds_label)
+    z_target = tl.load(x_row + tl.maximum(target_col, 0)).to(tl.float32) * inv_t
+    tl.store(log_p_ptr + row, tl.where(in_vocab, z_target - log_z, 0.0))
     g = tl.where(trained, tl.load(coef_ptr + row * coef_stride).to(tl.float32) * inv_t, 0.0)
-    grad = tl.where(is_target, g, 0.0) - g * tl.exp(z - log_z)
-    tl.store(x_row + cols, grad.to(x_ptr.dtype.element_ty), mask=mask)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offsets
+        mask = cols < n_cols
+        z = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_t
+        grad = tl.where(cols == target_col, g, 0.0) - g * tl.exp(z - log_z)
+        tl.store(x_row + cols, grad.to(x_ptr.dtype.element_ty), mask=mask)
 
 
 def loss_grad_(
@@ -230,7 +204,6 @@ def loss_grad_(
     labels: Tensor,
     ignore_index: int,
     coefficients: Tensor,
-    config: tuple[int, int] | None = None,
 ) -> Tensor:
     """Overwrite whole-vocabulary logits with the gradient of sum_t c_t * log p(label_t).
 
@@ -242,8 +215,6 @@ def loss_grad_(
         labels: [C] integer labels; ``ignore_index`` rows get no gradient and log p = 0.
         ignore_index: the label value without a target.
         coefficients: [C] or one (0-dim) float c_t, on the logits' device.
-        config: (SEGMENT columns per program, num_warps); default
-            :func:`_loss_grad_config` (benches sweep others).
 
     Returns:
         log p(label) [C] fp32 (0 for an ignored or out-of-range label).
@@ -261,14 +232,9 @@ def loss_grad_(
     if slabs * rows == 0 or v == 0:
         return log_p
     coef = coefficients.reshape(-1)
-    segment, warps = config or _loss_grad_config(v)
-    segments = triton.cdiv(v, segment)
-    # [2, N, S] fp32: each stretch's max and sum exp; [1 + N] int32: the work-item counter and
-    # each row's arrivals (zeroed: a few bytes a token next to the row's V logits).
-    partial = torch.empty((2, slabs * rows, segments), device=logits.device, dtype=torch.float32)
-    sync = torch.zeros(1 + slabs * rows, device=logits.device, dtype=torch.int32)
+    block, warps = _launch_config(v)
     with _on_device(logits):
-        _loss_grad_kernel[(slabs * rows * segments,)](
+        _loss_grad_kernel[(slabs * rows,)](
             x,
             x.stride(0),
             x.stride(1),
@@ -280,12 +246,7 @@ def loss_grad_(
             coef,
             coef.stride(0) if coef.numel() > 1 else 0,
             log_p,
-            partial,
-            sync,
-            slabs * rows,
-            SEGMENTS=segments,
-            SEGMENTS_POW2=triton.next_power_of_2(segments),
-            SEGMENT=segment,
+            BLOCK=block,
             num_warps=warps,
         )
     return log_p
@@ -334,29 +295,6 @@ def scale_(x: Tensor, scale: Tensor, *, max_programs: int | None = None) -> None
         programs = max(1, min(programs, max_programs))
     with _on_device(x):
         _scale_kernel[(programs,)](x, scale, n, BLOCK=block, num_warps=4)
-
-
-# Columns per program of the loss-and-gradient kernel and its warps, and the most programs one
-# row may be cut into (all of a row's programs must fit on the GPU at once; see the kernel).
-_SEGMENT = 8192
-_SEGMENT_WARPS = 8
-_MAX_SEGMENTS = 64
-
-
-def _loss_grad_config(n_cols: int) -> tuple[int, int]:
-    """(SEGMENT, num_warps) of the loss-and-gradient kernel for rows of ``n_cols`` columns.
-
-    _SEGMENT columns a program (fewer for a short row: one program then holds the whole row),
-    more for a row longer than _MAX_SEGMENTS of them. Triton's CPU interpreter runs programs
-    one after another, so a row's programs could never wait for each other there: it gets one
-    program per row.
-    """
-    whole_row = triton.next_power_of_2(max(n_cols, 16))
-    if interpreting():
-        return whole_row, 4
-    segment = max(_SEGMENT, triton.next_power_of_2(triton.cdiv(n_cols, _MAX_SEGMENTS)))
-    segment = min(segment, whole_row)
-    return segment, max(4, min(32, segment * _SEGMENT_WARPS // _SEGMENT))
 
 
 def _launch_config(n_cols: int) -> tuple[int, int]:
