@@ -6,7 +6,7 @@ of C tokens, timed alone, at the shapes of the fused linear loss (CUDA only).
 Per chunk: logits [C, V] = h_c @ W.T; dH_c [C, H] = G_c @ W (K = V, a small output: run
 plain and split over the vocabulary into S batched slices summed in fp32); dW [V, H] += G_c.T
 @ h_c (K = C, a large output read and written once per chunk: into a bf16 and an fp32
-accumulator). Each time is the median of CUDA-event-timed repeats, reported per 1k tokens
+accumulator; the bf16 one also as the library's two vocabulary halves and stored transposed). Each time is the median of CUDA-event-timed repeats, reported per 1k tokens
 so that chunk sizes compare directly (the full three matmuls over N tokens are N / 1k times
 the sum).
 
@@ -20,6 +20,8 @@ import json
 import statistics
 
 import torch
+
+from vocab_parallel._fused_linear import accumulate_weight_grad_
 
 
 def _time_ms(fn, repeats: int = 20) -> float:
@@ -51,6 +53,7 @@ def main() -> None:
     weight = torch.randn(v, h, device="cuda", dtype=dt, generator=gen) * 0.02
     acc16 = torch.randn(v, h, device="cuda", dtype=dt, generator=gen) * 1e-3
     acc32 = acc16.float()
+    acc16_t = acc16.T.contiguous()
     rows = []
     for c in (int(x) for x in args.chunks.split(",")):
         hid = torch.randn(c, h, device="cuda", dtype=dt, generator=gen)
@@ -71,6 +74,12 @@ def main() -> None:
 
             row[f"dH_split{s}"] = _time_ms(split)
         row["dW_bf16"] = _time_ms(lambda grad=grad, hid=hid: acc16.addmm_(grad.T, hid))
+        row["dW_halves"] = _time_ms(
+            lambda grad=grad, hid=hid: accumulate_weight_grad_(acc16, grad, hid, halves=True)
+        )
+        # The accumulator stored transposed, [H, V] += h_c.T @ G_c (a trial: the result would
+        # need one transposing copy at the end, ~0.5 ms at V=152k, H=4096).
+        row["dW_transposed"] = _time_ms(lambda grad=grad, hid=hid: acc16_t.addmm_(hid.T, grad))
         row["dW_fp32"] = _time_ms(
             lambda grad=grad, hid=hid: torch.addmm(
                 acc32, grad.T, hid, out_dtype=torch.float32, out=acc32

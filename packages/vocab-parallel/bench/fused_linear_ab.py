@@ -12,6 +12,8 @@ returned gradients, over the [T, V] bf16 logits. Variants:
                    its hidden-gradient matmul (both read the chunk's gradient; a trial, patched in)
     oursS{S}_cC    the same, the accumulation as one batched matmul over S vocabulary slices
                    (``--slices``; a trial, patched in; the library runs S=2 on CUDA)
+    ours_cC_bBwW   the same, the loss-and-gradient kernel launched with BLOCK=B, num_warps=W
+                   (``--loss-configs BxW,...``; a trial, patched in)
     liger          liger_kernel's fused linear cross-entropy
 
 ``--profile`` records a few back-to-back steps of the named variants with the CUDA and CPU
@@ -30,6 +32,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -41,14 +44,25 @@ GIB = 1 << 30
 
 
 @contextlib.contextmanager
-def _patched(name: str, replacement: Callable[..., None]) -> Iterator[None]:
-    """Replace the function ``name`` of vocab_parallel._fused_linear while the block runs."""
-    original = getattr(_fused_linear, name)
-    setattr(_fused_linear, name, replacement)
+def _patched(
+    name: str, replacement: Callable[..., object], module: ModuleType = _fused_linear
+) -> Iterator[None]:
+    """Replace the function ``name`` of ``module`` (the fused loss's) while the block runs."""
+    original = getattr(module, name)
+    setattr(module, name, replacement)
     try:
         yield
     finally:
-        setattr(_fused_linear, name, original)
+        setattr(module, name, original)
+
+
+def _loss_kernel_config(block: int, warps: int) -> contextlib.AbstractContextManager[None]:
+    """The row kernels launched with (BLOCK, num_warps) instead of the library's choice (in the
+    fused loss the loss-and-gradient kernel is the only one): fewer, wider programs keep fewer
+    rows in flight, so more of a row is still in L2 when its gradient pass reads it again."""
+    from vocab_parallel import _triton
+
+    return _patched("_launch_config", lambda n_cols: (block, warps), _triton)
 
 
 def _two_streams() -> contextlib.AbstractContextManager[None]:
@@ -98,6 +112,7 @@ def _variants(
     labels: torch.Tensor,
     chunks: list[int],
     slices: list[int],
+    loss_configs: list[str],
 ) -> dict[str, Callable[[], object]]:
     def clear() -> None:
         hidden.grad = weight.grad = None
@@ -109,6 +124,9 @@ def _variants(
                 context: contextlib.AbstractContextManager[None] = _two_streams()
             elif patch.startswith("slices"):
                 context = _sliced_accumulation(int(patch.removeprefix("slices")))
+            elif patch.startswith("config"):
+                block, warps = (int(x) for x in patch.removeprefix("config").split("x"))
+                context = _loss_kernel_config(block, warps)
             else:
                 context = contextlib.nullcontext()
             with context:
@@ -126,6 +144,9 @@ def _variants(
         out[f"ours2s_c{chunk}"] = ours(chunk, "two_streams")
         for count in slices:
             out[f"oursS{count}_c{chunk}"] = ours(chunk, f"slices{count}")
+        for config in loss_configs:
+            block, warps = config.split("x")
+            out[f"ours_c{chunk}_b{block}w{warps}"] = ours(chunk, f"config{config}")
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     except ImportError as err:  # a peer is optional: say so and time the rest
@@ -245,6 +266,11 @@ def main() -> None:
         help="comma-separated S: add oursS{S}_cC, the accumulation batched over S vocabulary "
         "slices",
     )
+    parser.add_argument(
+        "--loss-configs",
+        default="",
+        help="comma-separated BLOCKxWARPS: add ours_cC_bBwW, the loss kernel so launched",
+    )
     parser.add_argument("--only", default="", help="comma-separated variant names to keep")
     parser.add_argument("--profile", default="", help="comma-separated variants to profile")
     parser.add_argument("--profile-steps", type=int, default=3)
@@ -261,7 +287,8 @@ def main() -> None:
     slices = [int(c) for c in args.slices.split(",") if c]
     if any(v % count for count in slices):
         parser.error(f"--slices {args.slices}: each must divide the vocabulary ({v})")
-    variants = _variants(hidden, weight, labels, chunks, slices)
+    loss_configs = [c for c in args.loss_configs.split(",") if c]
+    variants = _variants(hidden, weight, labels, chunks, slices, loss_configs)
     if args.only:
         keep = set(args.only.split(","))
         variants = {k: fn for k, fn in variants.items() if k in keep}

@@ -132,10 +132,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
 
 def _profile(forms: dict[str, object], step: object, device: torch.device) -> None:
-    """Kernel table and GPU idle gaps of three back-to-back synchronised calls of each form."""
-    import tempfile
-
-    from chunk_matmuls import _idle_gaps
+    """Kernel table and GPU timeline of three back-to-back synchronised calls of each form."""
+    from fused_linear_ab import gpu_timeline  # this folder is on sys.path as the script's
     from torch.profiler import ProfilerActivity, profile
 
     for name, fn in forms.items():
@@ -149,10 +147,7 @@ def _profile(forms: dict[str, object], step: object, device: torch.device) -> No
                 sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60
             )
         )
-        with tempfile.TemporaryDirectory() as tmp:
-            trace = Path(tmp) / "trace.json"
-            prof.export_chrome_trace(str(trace))
-            print(_idle_gaps(json.loads(trace.read_text())), flush=True)
+        print(json.dumps(gpu_timeline(prof, steps=3), indent=1), flush=True)
 
 
 if __name__ == "__main__":
