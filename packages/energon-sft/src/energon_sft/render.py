@@ -106,7 +106,10 @@ def render_conversation(
         assistant_turns = assistant_turns[-1:]
     spans: list[tuple[int, int]] = []
     for i in assistant_turns:
-        upto = _render(tokenizer, msgs[: i + 1], tools, generation_prompt=False)
+        # The last turn's prefix is the whole conversation: its render is `full` (the usual
+        # single-answer chat then renders twice, not three times).
+        last = i == len(msgs) - 1
+        upto = full if last else _render(tokenizer, msgs[: i + 1], tools, generation_prompt=False)
         if not full.startswith(upto):
             raise BadSampleError(
                 "template_not_prefix_stable",
