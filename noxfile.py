@@ -7,6 +7,7 @@ Per package (tag = the package folder, so `uvx nox -t cp-sharder` runs both):
   tests-<pkg>     exact `uv sync --package <dist> --group test` (no other member present), then pytest
                   on the sources (editable, for development: `uvx nox -s tests-engine -- -m "not
                   slow"`). Only tests-testing is in the default run: that package has no wheel.
+Both run the recipes suite in two pytest-xdist workers, after its `serial` tests alone (PARALLEL).
 Whole workspace:
   lint            ruff check + ruff format --check
   typecheck       mypy on every member's sources (library packages, recipes, test helper)
@@ -76,17 +77,23 @@ def _cache_bytecode(session: nox.Session) -> None:
     session.env["PYTHONPYCACHEPREFIX"] = str(Path(session.create_tmp()) / "pycache")
 
 
+# Suites that run in two pytest-xdist workers (whole files to a worker, so a module's fixtures
+# are built once). recipes: on a 2-core host its 307 tests took 824 s in one process and 469 s
+# in two: most of its multi-rank tests wait on process start-ups, rendezvous and collectives.
+# cp-sharder ran slower in two (184 against 160 s): its tests keep both cores busy.
+PARALLEL = {"recipes": 2}
+
+
 def _pytest(session: nox.Session, folder: str, *extra: str) -> None:
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        f"packages/{folder}/tests",
-        "-p",
-        "no:cacheprovider",
-        *extra,
-        *session.posargs,
-    )
+    base = ["python", "-m", "pytest", f"packages/{folder}/tests", "-p", "no:cacheprovider"]
+    workers = PARALLEL.get(folder)
+    if workers is None or session.posargs:  # arguments given: one plain run, as asked
+        session.run(*base, *extra, *session.posargs)
+        return
+    # Tests marked `serial` assert wall-clock bounds (a watchdog's reaction time): alone first,
+    # then the rest in parallel.
+    session.run(*base, *extra, "-m", "serial")
+    session.run(*base, *extra, "-m", "not serial", "-n", str(workers), "--dist", "loadfile")
 
 
 def _test_group(folder: str) -> list[str]:

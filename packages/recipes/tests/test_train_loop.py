@@ -532,6 +532,7 @@ def test_summary_names_device_attention_startup_and_skips(tmp_path: Path) -> Non
 # ------------------------------------------------------------------------------ hung ranks
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_watchdog_names_a_rank_that_does_not_arrive(rank_pool: Any) -> None:
@@ -545,6 +546,7 @@ def test_watchdog_names_a_rank_that_does_not_arrive(rank_pool: Any) -> None:
     assert 1.0 <= result["after_s"] < 2.5, result
 
 
+@pytest.mark.serial
 @pytest.mark.timeout(120)
 def test_watchdog_names_a_sigstopped_rank(rank_pool: Any) -> None:
     """Rank 1 is SIGSTOPped inside step 5 (same step as rank 0): its heartbeat freezes."""
@@ -555,6 +557,7 @@ def test_watchdog_names_a_sigstopped_rank(rank_pool: Any) -> None:
     assert 3.0 - 0.15 <= result["after_s"] < 8.0, result
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_stopped_rank_fails_the_run_naming_it(demo_data: DemoSplit, tmp_path: Path) -> None:
