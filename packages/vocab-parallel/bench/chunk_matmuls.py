@@ -62,6 +62,11 @@ def main() -> None:
         row = {"chunk": c}
         row["logits"] = _time_ms(lambda hid=hid: hid @ weight.T)
         row["dH"] = _time_ms(lambda grad=grad, dh=dh: torch.mm(grad, weight, out=dh))
+        # The same product as [H, C] = W.T @ G.T, then copied transposed into the rows (a
+        # trial: cuBLAS tiles the [C, H] output, 96 tiles of 128 x 256 at C=768, differently).
+        row["dH_transposed"] = _time_ms(
+            lambda grad=grad, dh=dh: dh.copy_(torch.mm(weight.T, grad.T).T)
+        )
         for s in (int(x) for x in args.splits.split(",")):
             if v % s:
                 continue

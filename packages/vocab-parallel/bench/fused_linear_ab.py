@@ -10,6 +10,8 @@ returned gradients, over the [T, V] bf16 logits. Variants:
     ours_cC        vocab_parallel.linear_cross_entropy(..., chunk_size=C, fp32_weight_grad=False)
     ours2s_cC      the same, each chunk's weight-gradient matmul on a second CUDA stream beside
                    its hidden-gradient matmul (both read the chunk's gradient; a trial, patched in)
+    oursHT_cC      the same, the hidden-gradient rows as [H, C] = W.T @ G.T copied transposed
+                   (a trial, patched in)
     oursS{S}_cC    the same, the accumulation as one batched matmul over S vocabulary slices
                    (``--slices``; a trial, patched in; the library runs S=2 on CUDA)
     ours_cC_bBwW   the same, the loss-and-gradient kernel launched with BLOCK=B, num_warps=W
@@ -83,6 +85,20 @@ def _two_streams() -> contextlib.AbstractContextManager[None]:
     return _patched("_chunk_matmuls", chunk_matmuls)
 
 
+def _transposed_hidden_grad() -> contextlib.AbstractContextManager[None]:
+    """The library's chunk matmuls, the hidden-gradient rows formed as [H, C] = W.T @ G.T and
+    copied transposed (cuBLAS tiles that output differently from [C, H])."""
+    original = _fused_linear._chunk_matmuls
+
+    def chunk_matmuls(grad_logits, h_chunk, weight, grad_hidden, accumulator, start):  # type: ignore[no-untyped-def]
+        if grad_hidden is not None:
+            rows = grad_hidden[start : start + grad_logits.shape[0]]
+            rows.copy_(torch.mm(weight.T, grad_logits.T).T)
+        original(grad_logits, h_chunk, weight, None, accumulator, start)
+
+    return _patched("_chunk_matmuls", chunk_matmuls)
+
+
 def _sliced_accumulation(slices: int) -> contextlib.AbstractContextManager[None]:
     """The library's accumulation (two vocabulary halves on CUDA) over ``slices`` equal
     vocabulary slices instead: the same sums, one batched matmul; cuBLAS picks its kernel by
@@ -122,6 +138,8 @@ def _variants(
             clear()
             if patch == "two_streams":
                 context: contextlib.AbstractContextManager[None] = _two_streams()
+            elif patch == "transposed_dh":
+                context = _transposed_hidden_grad()
             elif patch.startswith("slices"):
                 context = _sliced_accumulation(int(patch.removeprefix("slices")))
             elif patch.startswith("config"):
@@ -142,6 +160,7 @@ def _variants(
     for chunk in chunks:
         out[f"ours_c{chunk}"] = ours(chunk, "")
         out[f"ours2s_c{chunk}"] = ours(chunk, "two_streams")
+        out[f"oursHT_c{chunk}"] = ours(chunk, "transposed_dh")
         for count in slices:
             out[f"oursS{count}_c{chunk}"] = ours(chunk, f"slices{count}")
         for config in loss_configs:
