@@ -33,6 +33,7 @@ import json
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 
@@ -128,26 +129,19 @@ def _variants(
     labels: torch.Tensor,
     chunks: list[int],
     slices: list[int],
-    loss_configs: list[str],
+    loss_configs: list[tuple[int, int]],
 ) -> dict[str, Callable[[], object]]:
     def clear() -> None:
         hidden.grad = weight.grad = None
 
-    def ours(chunk: int, patch: str) -> Callable[[], object]:
+    def ours(
+        chunk: int, patch: Callable[[], contextlib.AbstractContextManager[None]]
+    ) -> Callable[[], object]:
+        """One step of the library's loss, with the trial ``patch`` (a fresh context) in force."""
+
         def step() -> None:
             clear()
-            if patch == "two_streams":
-                context: contextlib.AbstractContextManager[None] = _two_streams()
-            elif patch == "transposed_dh":
-                context = _transposed_hidden_grad()
-            elif patch.startswith("slices"):
-                context = _sliced_accumulation(int(patch.removeprefix("slices")))
-            elif patch.startswith("config"):
-                block, warps = (int(x) for x in patch.removeprefix("config").split("x"))
-                context = _loss_kernel_config(block, warps)
-            else:
-                context = contextlib.nullcontext()
-            with context:
+            with patch():
                 loss = vp.linear_cross_entropy(
                     hidden, weight, labels, reduction="sum", chunk_size=chunk,
                     fp32_weight_grad=False,
@@ -158,14 +152,15 @@ def _variants(
 
     out: dict[str, Callable[[], object]] = {}
     for chunk in chunks:
-        out[f"ours_c{chunk}"] = ours(chunk, "")
-        out[f"ours2s_c{chunk}"] = ours(chunk, "two_streams")
-        out[f"oursHT_c{chunk}"] = ours(chunk, "transposed_dh")
+        out[f"ours_c{chunk}"] = ours(chunk, contextlib.nullcontext)
+        out[f"ours2s_c{chunk}"] = ours(chunk, _two_streams)
+        out[f"oursHT_c{chunk}"] = ours(chunk, _transposed_hidden_grad)
         for count in slices:
-            out[f"oursS{count}_c{chunk}"] = ours(chunk, f"slices{count}")
-        for config in loss_configs:
-            block, warps = config.split("x")
-            out[f"ours_c{chunk}_b{block}w{warps}"] = ours(chunk, f"config{config}")
+            out[f"oursS{count}_c{chunk}"] = ours(chunk, partial(_sliced_accumulation, count))
+        for block, warps in loss_configs:
+            out[f"ours_c{chunk}_b{block}w{warps}"] = ours(
+                chunk, partial(_loss_kernel_config, block, warps)
+            )
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     except ImportError as err:  # a peer is optional: say so and time the rest
@@ -306,7 +301,13 @@ def main() -> None:
     slices = [int(c) for c in args.slices.split(",") if c]
     if any(v % count for count in slices):
         parser.error(f"--slices {args.slices}: each must divide the vocabulary ({v})")
-    loss_configs = [c for c in args.loss_configs.split(",") if c]
+    try:
+        loss_configs = [
+            (int(block), int(warps))
+            for block, warps in (c.split("x") for c in args.loss_configs.split(",") if c)
+        ]
+    except ValueError:
+        parser.error(f"--loss-configs {args.loss_configs}: expected BLOCKxWARPS,... (4096x4)")
     variants = _variants(hidden, weight, labels, chunks, slices, loss_configs)
     if args.only:
         keep = set(args.only.split(","))
