@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from functools import partial
 
 import torch
 
@@ -92,6 +93,27 @@ def main() -> None:
             )
         )
         row["dW_plain"] = _time_ms(lambda grad=grad, hid=hid: grad.T @ hid)
+        # Trials of the operands' layouts (cuBLAS picks its kernel per layout): the chunk's
+        # hidden rows transposed ([H, C], a 6 MB copy per chunk) so that both operands of the
+        # accumulation have the tokens (its K) contiguous; and the logits gradient stored
+        # transposed ([V, C], as the logits matmul W @ h_c.T would write it), for all three.
+        hid_t = hid.T.contiguous()
+        grad_t = grad.T.contiguous()
+        row["dW_hT"] = _time_ms(lambda grad=grad, hid_t=hid_t: acc16.addmm_(grad.T, hid_t.T))
+        row["dW_gT"] = _time_ms(lambda grad_t=grad_t, hid=hid: acc16.addmm_(grad_t, hid))
+        row["dW_gT_hT"] = _time_ms(lambda grad_t=grad_t, hid_t=hid_t: acc16.addmm_(grad_t, hid_t.T))
+
+        def gt_halves(grad_t=grad_t, hid=hid, hid_t=None) -> None:
+            other = hid if hid_t is None else hid_t.T
+            acc16.view(2, v // 2, h).baddbmm_(
+                grad_t.view(2, v // 2, grad_t.shape[1]), other.unsqueeze(0).expand(2, -1, -1)
+            )
+
+        row["dW_gT_halves"] = _time_ms(gt_halves)
+        row["dW_gT_hT_halves"] = _time_ms(partial(gt_halves, hid_t=hid_t))
+        row["dH_gT"] = _time_ms(lambda grad_t=grad_t, dh=dh: torch.mm(grad_t.T, weight, out=dh))
+        row["logits_T"] = _time_ms(lambda hid=hid: torch.mm(weight, hid.T))
+        del hid_t, grad_t
         k = 1024 / c
         best_dh = min(val for key, val in row.items() if key.startswith("dH"))
         row["three_bf16_per_1k"] = k * (row["logits"] + best_dh + row["dW_bf16"])
