@@ -7,9 +7,10 @@ Per chunk: logits [C, V] = h_c @ W.T; dH_c [C, H] = G_c @ W (K = V, a small outp
 plain, transposed, and split over the vocabulary into S batched slices summed in fp32); dW
 [V, H] += G_c.T @ h_c (K = C, a large output read and written once per chunk: into a bf16 and
 an fp32 accumulator; the bf16 one also as the library's two vocabulary halves and stored
-transposed). Each time is the median of CUDA-event-timed repeats, reported per 1k tokens so
-that chunk sizes compare directly (the full three matmuls over N tokens are N / 1k times the
-sum).
+transposed). The ``*_hT`` / ``*_gT`` rows are layout trials: the chunk's hidden rows and the
+logits gradient stored transposed, so that cuBLAS sees other operand orders. Each time is the
+median of CUDA-event-timed repeats; ``three_bf16_per_1k`` is reported per 1k tokens so that
+chunk sizes compare directly (the full three matmuls over N tokens are N / 1k times it).
 
     python packages/vocab-parallel/bench/chunk_matmuls.py --chunks 256,384,512,768,1024,2048
 """

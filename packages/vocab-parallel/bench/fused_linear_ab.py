@@ -16,8 +16,6 @@ returned gradients, over the [T, V] bf16 logits. Variants:
                    (``--slices``; a trial, patched in; the library runs S=2 on CUDA)
     ours_cC_bBwW   the same, the loss-and-gradient kernel launched with BLOCK=B, num_warps=W
                    (``--loss-configs BxW,...``; a trial, patched in)
-    ours_cC_oXY    the same, the loss kernel's two passes over a row walking it forward (f)
-                   or from its last column back (r) (``--loss-orders fr,...``; a trial)
     liger          liger_kernel's fused linear cross-entropy
 
 ``--profile`` records a few back-to-back steps of the named variants with the CUDA and CPU
@@ -68,29 +66,6 @@ def _loss_kernel_config(block: int, warps: int) -> contextlib.AbstractContextMan
     from vocab_parallel import _triton
 
     return _patched("_launch_config", lambda n_cols: (block, warps), _triton)
-
-
-class _PassOrder:
-    """Stands in for the loss kernel: launches it with its two passes over a row in the given
-    directions (each ``True`` walks the row from its last column back)."""
-
-    def __init__(self, kernel, reverse_first: bool, reverse_second: bool) -> None:  # type: ignore[no-untyped-def]
-        self.kernel = kernel
-        self.flags = {"REVERSE_FIRST": reverse_first, "REVERSE_SECOND": reverse_second}
-
-    def __getitem__(self, grid):  # type: ignore[no-untyped-def]
-        launch = self.kernel[grid]
-        return lambda *args, **kwargs: launch(*args, **kwargs, **self.flags)
-
-
-def _loss_pass_order(order: str) -> contextlib.AbstractContextManager[None]:
-    """The loss kernel's statistics and gradient passes over each row in the directions of
-    ``order`` (two letters, f forward or r reversed): a reversed gradient pass starts on the
-    columns the statistics pass read last, which are the likeliest still in L2."""
-    from vocab_parallel import _triton
-
-    proxy = _PassOrder(_triton._loss_grad_kernel, order[0] == "r", order[1] == "r")
-    return _patched("_loss_grad_kernel", proxy, _triton)
 
 
 def _two_streams() -> contextlib.AbstractContextManager[None]:
@@ -155,7 +130,6 @@ def _variants(
     chunks: list[int],
     slices: list[int],
     loss_configs: list[tuple[int, int]],
-    loss_orders: list[str],
 ) -> dict[str, Callable[[], object]]:
     def clear() -> None:
         hidden.grad = weight.grad = None
@@ -187,8 +161,6 @@ def _variants(
             out[f"ours_c{chunk}_b{block}w{warps}"] = ours(
                 chunk, partial(_loss_kernel_config, block, warps)
             )
-        for order in loss_orders:
-            out[f"ours_c{chunk}_o{order}"] = ours(chunk, partial(_loss_pass_order, order))
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     except ImportError as err:  # a peer is optional: say so and time the rest
@@ -313,12 +285,6 @@ def main() -> None:
         default="",
         help="comma-separated BLOCKxWARPS: add ours_cC_bBwW, the loss kernel so launched",
     )
-    parser.add_argument(
-        "--loss-orders",
-        default="",
-        help="comma-separated pass directions (ff, fr, rf, rr): add ours_cC_oXY, the loss "
-        "kernel's statistics (X) and gradient (Y) passes walking each row forward or reversed",
-    )
     parser.add_argument("--only", default="", help="comma-separated variant names to keep")
     parser.add_argument("--profile", default="", help="comma-separated variants to profile")
     parser.add_argument("--profile-steps", type=int, default=3)
@@ -342,10 +308,7 @@ def main() -> None:
         ]
     except ValueError:
         parser.error(f"--loss-configs {args.loss_configs}: expected BLOCKxWARPS,... (4096x4)")
-    loss_orders = [c for c in args.loss_orders.split(",") if c]
-    if any(len(o) != 2 or set(o) - {"f", "r"} for o in loss_orders):
-        parser.error(f"--loss-orders {args.loss_orders}: expected two of f/r each (fr,rf,...)")
-    variants = _variants(hidden, weight, labels, chunks, slices, loss_configs, loss_orders)
+    variants = _variants(hidden, weight, labels, chunks, slices, loss_configs)
     if args.only:
         keep = set(args.only.split(","))
         variants = {k: fn for k, fn in variants.items() if k in keep}

@@ -91,13 +91,7 @@ def main() -> None:
             "coef_stride": "i64",
             "log_p_ptr": "*fp32",
         }
-        for reverse_first, reverse_second in ((False, False), (True, True)):
-            constexprs = {
-                "BLOCK": kernels._MAX_BLOCK,
-                "REVERSE_FIRST": reverse_first,
-                "REVERSE_SECOND": reverse_second,
-            }
-            _compile(kernels._loss_grad_kernel, arguments, constexprs, num_warps=4)
+        _compile(kernels._loss_grad_kernel, arguments, {"BLOCK": kernels._MAX_BLOCK}, num_warps=4)
         # Backward's scaling of the stored gradients by the upstream gradient.
         arguments = {"x_ptr": dtype, "scale_ptr": "*fp32", "n": "i64"}
         _compile(kernels._scale_kernel, arguments, {"BLOCK": 4096}, num_warps=4)

@@ -159,8 +159,6 @@ def _loss_grad_kernel(
     coef_stride,
     log_p_ptr,
     BLOCK: tl.constexpr,
-    REVERSE_FIRST: tl.constexpr = False,
-    REVERSE_SECOND: tl.constexpr = False,
 ):
     # One token row of whole-vocabulary logits, everything a grads-in-forward loss of
     # sum_t c_t * log p(label_t) needs in one launch, from the raw labels and coefficients (no
@@ -176,12 +174,8 @@ def _loss_grad_kernel(
     offsets = tl.arange(0, BLOCK)
     m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
     s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
-    n_blocks = tl.cdiv(n_cols, BLOCK)
-    for i in range(0, n_blocks):
-        if REVERSE_FIRST:
-            cols = (n_blocks - 1 - i) * BLOCK + offsets
-        else:
-            cols = i * BLOCK + offsets
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offsets
         z = tl.load(x_row + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32) * inv_t
         m_new = tl.maximum(m, tl.max(z, 0))
         c_new = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -195,11 +189,8 @@ def _loss_grad_kernel(
     z_target = tl.load(x_row + tl.maximum(target_col, 0)).to(tl.float32) * inv_t
     tl.store(log_p_ptr + row, tl.where(in_vocab, z_target - log_z, 0.0))
     g = tl.where(trained, tl.load(coef_ptr + row * coef_stride).to(tl.float32) * inv_t, 0.0)
-    for i in range(0, n_blocks):
-        if REVERSE_SECOND:
-            cols = (n_blocks - 1 - i) * BLOCK + offsets
-        else:
-            cols = i * BLOCK + offsets
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offsets
         mask = cols < n_cols
         z = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_t
         grad = tl.where(cols == target_col, g, 0.0) - g * tl.exp(z - log_z)
