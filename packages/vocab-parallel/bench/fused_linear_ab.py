@@ -18,9 +18,11 @@ returned gradients, over the [T, V] bf16 logits. Variants:
                    (``--loss-configs BxW,...``; a trial, patched in)
     liger          liger_kernel's fused linear cross-entropy
 
-``--profile`` records a few back-to-back steps of the named variants with the CUDA and CPU
-activities and prints the GPU's busy time per kernel name and its idle gaps. The chunk's
-matmuls alone, at each chunk size: ``chunk_matmuls.py``.
+``--board`` samples the GPU's power draw and SM clock during the timed turns (through
+``nvidia-smi``) and reports them next to the times. ``--profile`` records a few back-to-back
+steps of the named variants with the CUDA and CPU activities and prints the GPU's busy time per
+kernel name and its idle gaps. The chunk's matmuls alone, at each chunk size:
+``chunk_matmuls.py``.
 
     python packages/vocab-parallel/bench/fused_linear_ab.py --tokens 16384 --chunks 768,816,1024
 """
@@ -30,7 +32,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shutil
 import statistics
+import subprocess
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -112,6 +116,53 @@ def _sliced_accumulation(slices: int) -> contextlib.AbstractContextManager[None]
         acc3.baddbmm_(g3, h_chunk.unsqueeze(0).expand(slices, -1, -1))
 
     return _patched("accumulate_weight_grad_", accumulate)
+
+
+@contextlib.contextmanager
+def _board_samples(report: dict[str, object]) -> Iterator[None]:
+    """While the block runs, sample the GPU's power draw and SM clock every 200 ms through
+    ``nvidia-smi``; on exit put their medians and ranges, and the board's limits, in ``report``.
+
+    A loop at the board's power limit runs at lower clocks than its kernels alone, so the
+    samples say whether a comparison was made power-bound (both sides alike, in turns).
+    """
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        report["note"] = "nvidia-smi not found: no power or clock samples"
+        yield
+        return
+    query = "power.draw,clocks.sm,power.limit,clocks.max.sm"
+    with subprocess.Popen(
+        [smi, f"--query-gpu={query}", "--format=csv,noheader,nounits", "-lms", "200", "-i",
+         str(torch.cuda.current_device())],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    ) as sampler:  # fmt: skip
+        try:
+            yield
+        finally:
+            sampler.terminate()
+            out, _ = sampler.communicate(timeout=10)
+    rows = []
+    for line in out.splitlines():
+        try:
+            rows.append([float(x) for x in line.split(",")])
+        except ValueError:  # a field nvidia-smi reports as [N/A] on this board
+            continue
+    if not rows:
+        report["note"] = "nvidia-smi gave no readable samples"
+        return
+    power, clock = [r[0] for r in rows], [r[1] for r in rows]
+    report.update(
+        samples=len(rows),
+        power_w_median=statistics.median(power),
+        power_w_range=[min(power), max(power)],
+        sm_mhz_median=statistics.median(clock),
+        sm_mhz_range=[min(clock), max(clock)],
+        power_limit_w=rows[0][2],
+        sm_mhz_max=rows[0][3],
+    )
 
 
 def _event_ms(fn: Callable[[], object]) -> float:
@@ -285,6 +336,11 @@ def main() -> None:
         default="",
         help="comma-separated BLOCKxWARPS: add ours_cC_bBwW, the loss kernel so launched",
     )
+    parser.add_argument(
+        "--board",
+        action="store_true",
+        help="sample the GPU's power draw and SM clock (nvidia-smi) during the timed turns",
+    )
     parser.add_argument("--only", default="", help="comma-separated variant names to keep")
     parser.add_argument("--profile", default="", help="comma-separated variants to profile")
     parser.add_argument("--profile-steps", type=int, default=3)
@@ -318,9 +374,11 @@ def main() -> None:
         for step in variants.values():
             step()
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.repeats):
-        for name, step in variants.items():
-            times[name].append(_event_ms(step))
+    board: dict[str, object] = {}
+    with _board_samples(board) if args.board else contextlib.nullcontext():
+        for _ in range(args.repeats):
+            for name, step in variants.items():
+                times[name].append(_event_ms(step))
     medians = {name: statistics.median(ms) for name, ms in times.items()}
     liger = medians.get("liger")
     print(f"T={t} V={v} H={h} {torch.cuda.get_device_name()} torch {torch.__version__}")
@@ -332,6 +390,8 @@ def main() -> None:
             f"{name:<16}{ms:>10.2f}{min(times[name]):>9.2f}{max(times[name]):>9.2f}{ratio:>9}"
             f"{transient[name]:>12.4f}{errors[name]:>10.2e}"
         )
+    if board:
+        print(f"board during the timed turns: {json.dumps(board)}")
     profiles = [_profile(n, variants[n], args.profile_steps) for n in args.profile.split(",") if n]
     if args.out:
         args.out.write_text(
@@ -346,6 +406,7 @@ def main() -> None:
                     "medians_ms": medians,
                     "peak_over_logits": transient,
                     "grad_rel_err": errors,
+                    "board": board,
                     "profiles": profiles,
                 },
                 indent=1,
