@@ -38,6 +38,8 @@ skips it; the reference needs the memory of an fp32 step once, before the varian
 
 Model FLOPs per token = 6 * parameters + 6 * layers * hidden * sequence (causal attention);
 MFU is against the dense bf16 peak given by ``--peak-tflops`` (989 for H100/H200 SXM).
+``--board`` samples the GPU's power draw and SM clock during each variant's timed steps (a step
+held at the board's power limit runs below its top clock).
 
     python packages/recipes/bench/sft_step.py --out sft_step.json
     python packages/recipes/bench/sft_step.py --variants recipes --profile recipes
@@ -47,6 +49,7 @@ MFU is against the dense bf16 peak given by ``--peak-tflops`` (989 for H100/H200
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import statistics
@@ -74,6 +77,7 @@ from train_testing.bench import (
     LLAMA_1P5B,
     LLAMA_TINY,
     add_sft_step_arguments,
+    board_samples,
     device_name,
     flops_per_token,
     fmt,
@@ -341,10 +345,18 @@ def run_variant(
             check = _step_check.errors(step.model, loss, ref)
             step.update()
         warmup_s = warm_up(step, data, args)
-        times = timed_steps(step, data, args)
+        board: dict[str, object] = {}
+        sampling = (
+            board_samples(board, gpu_index=torch.cuda.current_device())
+            if args.board and args.device == "cuda"
+            else contextlib.nullcontext()
+        )
+        with sampling:
+            times = timed_steps(step, data, args)
         if variant.name in (args.profile or "").split(",") and out_dir is not None:
             profile(step, data, args, out_dir / f"profile_{variant.name}.txt")
-    return {**result_row(variant.name, times, warmup_s, n_params, config, args), **check}
+    row = {**result_row(variant.name, times, warmup_s, n_params, config, args), **check}
+    return {**row, "board": board} if board else row
 
 
 def warm_up(step: Callable[[dict], None], data: list[dict], args: argparse.Namespace) -> float:
@@ -502,6 +514,12 @@ def main() -> None:
         "--no-check",
         action="store_true",
         help="skip the exactness check of each variant against the fp32 reference",
+    )
+    parser.add_argument(
+        "--board",
+        action="store_true",
+        help="sample the GPU's power draw and SM clock (nvidia-smi) during each variant's timed "
+        "steps; each JSON row gets a `board` summary",
     )
     parser.add_argument("--quick", action="store_true", help="tiny model, CPU is fine (no compile)")
     parser.add_argument("--out", default=None, help="JSON output path")

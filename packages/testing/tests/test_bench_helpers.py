@@ -1,11 +1,14 @@
-"""train_testing.bench: table layout, JSON output, timing turns, and the --quick runner."""
+"""train_testing.bench: table layout, JSON output, timing turns, board samples, and the --quick
+runner."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ import pytest
 from train_testing.bench import (
     LLAMA_1P5B,
     alternating_medians,
+    board_samples,
     flops_per_token,
     fmt,
     format_table,
@@ -21,6 +25,7 @@ from train_testing.bench import (
     versions,
     write_json,
 )
+from train_testing.bench.board import summarise
 from train_testing.bench.quick import run_quick
 
 
@@ -131,3 +136,61 @@ def test_run_quick_fails_with_the_scripts_output(tmp_path: Path) -> None:
 def test_run_quick_skips_when_the_script_is_not_shipped(tmp_path: Path) -> None:
     with pytest.raises(pytest.skip.Exception, match="not shipped here"):
         run_quick(tmp_path / "absent.py", tmp_path)
+
+
+def _fake_smi(directory: Path, lines: list[str]) -> None:
+    """An ``nvidia-smi`` on PATH that prints ``lines`` (then sleeps) each sampling period."""
+    body = "".join(f"echo '{line}'\n" for line in lines)
+    script = directory / "nvidia-smi"
+    script.write_text(f"#!/bin/sh\nwhile true; do\n{body}sleep 0.05\ndone\n")
+    script.chmod(0o755)
+
+
+def test_board_samples_summarise_power_and_clock(tmp_path: Path, monkeypatch) -> None:
+    _fake_smi(
+        tmp_path,
+        ["690.5, 1470, 700.00, 1980", "[N/A], 1500, 700.00, 1980", "699.5, 1530, 700.00, 1980"],
+    )
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    report: dict[str, object] = {}
+    with board_samples(report, period_ms=50):
+        time.sleep(0.5)
+    assert isinstance(report["samples"], int) and report["samples"] >= 2
+    # the [N/A] line is dropped; the other two alternate
+    assert report["power_w_range"] == [690.5, 699.5]
+    assert report["sm_mhz_range"] == [1470.0, 1530.0]
+    assert 690.5 <= report["power_w_median"] <= 699.5
+    assert report["power_limit_w"] == 700.0 and report["sm_mhz_max"] == 1980.0
+
+
+def test_board_samples_without_nvidia_smi_note_it_and_run_the_block(
+    tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no nvidia-smi
+    report: dict[str, object] = {}
+    ran = []
+    with board_samples(report):
+        ran.append(True)
+    assert ran == [True]
+    assert report == {"note": "nvidia-smi not found: no power or clock samples"}
+
+
+def test_board_samples_stop_the_sampler_when_the_block_raises(tmp_path: Path, monkeypatch) -> None:
+    _fake_smi(tmp_path, ["650, 1600, 700, 1980"])
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    report: dict[str, object] = {}
+
+    def failing_block() -> None:
+        with board_samples(report, period_ms=50):
+            time.sleep(0.3)
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        failing_block()
+    assert report["sm_mhz_median"] == 1600.0
+
+
+def test_board_summary_of_unreadable_output() -> None:
+    assert summarise("[N/A], [N/A], [N/A], [N/A]\n1, 2\n") == {
+        "note": "nvidia-smi gave no readable samples"
+    }

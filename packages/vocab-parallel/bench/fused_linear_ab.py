@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shutil
 import statistics
-import subprocess
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -44,6 +42,7 @@ from types import ModuleType
 import torch
 
 import vocab_parallel as vp
+from train_testing.bench import board_samples
 from vocab_parallel import _fused_linear
 
 IGNORE = -100
@@ -116,53 +115,6 @@ def _sliced_accumulation(slices: int) -> contextlib.AbstractContextManager[None]
         acc3.baddbmm_(g3, h_chunk.unsqueeze(0).expand(slices, -1, -1))
 
     return _patched("accumulate_weight_grad_", accumulate)
-
-
-@contextlib.contextmanager
-def _board_samples(report: dict[str, object]) -> Iterator[None]:
-    """While the block runs, sample the GPU's power draw and SM clock every 200 ms through
-    ``nvidia-smi``; on exit put their medians and ranges, and the board's limits, in ``report``.
-
-    A loop at the board's power limit runs at lower clocks than its kernels alone, so the
-    samples say whether a comparison was made power-bound (both sides alike, in turns).
-    """
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        report["note"] = "nvidia-smi not found: no power or clock samples"
-        yield
-        return
-    query = "power.draw,clocks.sm,power.limit,clocks.max.sm"
-    with subprocess.Popen(
-        [smi, f"--query-gpu={query}", "--format=csv,noheader,nounits", "-lms", "200", "-i",
-         str(torch.cuda.current_device())],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    ) as sampler:  # fmt: skip
-        try:
-            yield
-        finally:
-            sampler.terminate()
-            out, _ = sampler.communicate(timeout=10)
-    rows = []
-    for line in out.splitlines():
-        try:
-            rows.append([float(x) for x in line.split(",")])
-        except ValueError:  # a field nvidia-smi reports as [N/A] on this board
-            continue
-    if not rows:
-        report["note"] = "nvidia-smi gave no readable samples"
-        return
-    power, clock = [r[0] for r in rows], [r[1] for r in rows]
-    report.update(
-        samples=len(rows),
-        power_w_median=statistics.median(power),
-        power_w_range=[min(power), max(power)],
-        sm_mhz_median=statistics.median(clock),
-        sm_mhz_range=[min(clock), max(clock)],
-        power_limit_w=rows[0][2],
-        sm_mhz_max=rows[0][3],
-    )
 
 
 def _event_ms(fn: Callable[[], object]) -> float:
@@ -375,7 +327,12 @@ def main() -> None:
             step()
     times: dict[str, list[float]] = {name: [] for name in variants}
     board: dict[str, object] = {}
-    with _board_samples(board) if args.board else contextlib.nullcontext():
+    sampling = (
+        board_samples(board, gpu_index=torch.cuda.current_device())
+        if args.board
+        else contextlib.nullcontext()
+    )
+    with sampling:
         for _ in range(args.repeats):
             for name, step in variants.items():
                 times[name].append(_event_ms(step))
