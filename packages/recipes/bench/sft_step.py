@@ -87,6 +87,7 @@ from train_testing.bench import (
     peak_gib,
     print_lines,
     resolve_sft_step_sizes,
+    smi_gpu_id,
     sync,
     versions,
     write_json,
@@ -347,7 +348,7 @@ def run_variant(
         warmup_s = warm_up(step, data, args)
         board: dict[str, object] = {}
         sampling = (
-            board_samples(board, gpu_index=torch.cuda.current_device())
+            board_samples(board, gpu=smi_gpu_id(torch.cuda.current_device()))
             if args.board and args.device == "cuda"
             else contextlib.nullcontext()
         )

@@ -42,7 +42,7 @@ from types import ModuleType
 import torch
 
 import vocab_parallel as vp
-from train_testing.bench import board_samples
+from train_testing.bench import board_samples, smi_gpu_id
 from vocab_parallel import _fused_linear
 
 IGNORE = -100
@@ -328,7 +328,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in variants}
     board: dict[str, object] = {}
     sampling = (
-        board_samples(board, gpu_index=torch.cuda.current_device())
+        board_samples(board, gpu=smi_gpu_id(torch.cuda.current_device()))
         if args.board
         else contextlib.nullcontext()
     )

@@ -11,13 +11,14 @@ has. Importing this package imports torch, never pytest; the ``--quick`` runner 
 - runtime: :func:`add_device_argument`, :func:`init_process_group`, :func:`sync`,
   :func:`free_memory`, :func:`peak_gib`, :func:`time_ms`, :func:`times_ms`,
   :func:`alternating_medians`.
-- board: :func:`board_samples` (the GPU's power draw and SM clock during a timed part).
+- board: :func:`board_samples` (the GPU's power draw and SM clock during a timed part),
+  :func:`smi_gpu_id`.
 - the SFT-step model: :data:`LLAMA_1P5B`, :data:`LLAMA_TINY`, :func:`llama_dims`,
   :func:`llama_config`, :func:`flops_per_token`, :func:`add_sft_step_arguments`,
   :func:`resolve_sft_step_sizes`.
 """
 
-from train_testing.bench.board import board_samples
+from train_testing.bench.board import board_samples, smi_gpu_id
 from train_testing.bench.llama import (
     LLAMA_1P5B,
     LLAMA_TINY,
@@ -72,6 +73,7 @@ __all__ = [
     "print_table",
     "report",
     "resolve_sft_step_sizes",
+    "smi_gpu_id",
     "sync",
     "time_ms",
     "times_ms",

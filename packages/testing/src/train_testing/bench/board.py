@@ -17,9 +17,21 @@ from collections.abc import Iterator
 _QUERY = ("power.draw", "clocks.sm", "power.limit", "clocks.max.sm")
 
 
+def smi_gpu_id(device_index: int) -> str:
+    """The ``nvidia-smi -i`` id of torch's CUDA device ``device_index``.
+
+    Its UUID, which names the same board whatever ``CUDA_VISIBLE_DEVICES`` or the enumeration
+    order is (torch's device index need not be nvidia-smi's).
+    """
+    import torch
+
+    uuid = str(torch.cuda.get_device_properties(device_index).uuid)
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+
+
 @contextlib.contextmanager
 def board_samples(
-    report: dict[str, object], *, gpu_index: int = 0, period_ms: int = 200
+    report: dict[str, object], *, gpu: str = "0", period_ms: int = 200
 ) -> Iterator[None]:
     """Sample the board every ``period_ms`` while the block runs; summarise into ``report``.
 
@@ -31,7 +43,7 @@ def board_samples(
 
     Args:
         report: filled in place (the caller's JSON row).
-        gpu_index: the ``nvidia-smi -i`` index of the board.
+        gpu: the board as ``nvidia-smi -i`` takes it (:func:`smi_gpu_id` of a torch device).
         period_ms: the sampling period.
     """
     smi = shutil.which("nvidia-smi")
@@ -46,7 +58,7 @@ def board_samples(
         "-lms",
         str(period_ms),
         "-i",
-        str(gpu_index),
+        gpu,
     ]
     with subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
@@ -55,7 +67,11 @@ def board_samples(
             yield
         finally:  # also when the block raised: what was sampled until then is reported
             sampler.terminate()
-            out, _ = sampler.communicate(timeout=30)
+            try:
+                out, _ = sampler.communicate(timeout=10)
+            except subprocess.TimeoutExpired:  # it ignored the terminate
+                sampler.kill()
+                out, _ = sampler.communicate()
             report.update(summarise(out))
 
 
