@@ -34,7 +34,7 @@ if [[ $what == bench || $what == all ]]; then
   step 120 python3 packages/engine/bench/overhead.py --device cuda --hidden 4096 --batch 8192 --steps 5 --fused --out "$OUT/engine_overhead_gpu_bound_fused.json"
   step 60 python3 packages/engine/bench/clip.py --device cuda --out "$OUT/engine_clip.json"
   step 240 python3 packages/engine/bench/sft_llama.py --device cuda --baseline --out "$OUT/engine_sft_llama.json"
-  step 420 python3 packages/recipes/bench/sft_step.py --variants fsdp2,fsdp2+compile,recipes,recipes-hf-mask,recipes-cp1 --profile recipes --out "$OUT/sft_step.json"
+  step 420 python3 packages/recipes/bench/sft_step.py --variants fsdp2,fsdp2+compile,recipes,recipes-hf-mask,recipes-cp1 --profile recipes --board --out "$OUT/sft_step.json"
   # Needs megatron-energon and its dependencies importable (carry their wheels; see packages/recipes/README.md).
   step 360 python3 packages/recipes/bench/loader_vs_step.py --device cuda --out "$OUT/loader_vs_step.json"
 fi
@@ -49,6 +49,6 @@ if [[ $what == round4 || $what == round4-tests ]]; then
   step 120 python3 packages/engine/bench/master_adamw.py --device cuda --hidden 2048 --layers 16 --out "$OUT/master_adamw.json"
 fi
 if [[ $what == round4 || $what == round4-bench ]]; then
-  step 480 python3 packages/recipes/bench/sft_step.py --variants recipes-lean-chunk,recipes-master,fsdp2+liger --lean-loss-chunk 8192 --steps 10 --warmup 2 --out "$OUT/sft_step_round4.json"
+  step 480 python3 packages/recipes/bench/sft_step.py --variants recipes-lean-chunk,recipes-master,fsdp2+liger --lean-loss-chunk 8192 --steps 10 --warmup 2 --board --out "$OUT/sft_step_round4.json"
   step 420 python3 packages/recipes/bench/loader_vs_step.py --device cuda --step-only --step-variants varlen+linearpatch+fusedadam+compile,varlen+linearpatch+fusedadam+compile+allpositions --out "$OUT/vlm_trained_rows.json"
 fi
