@@ -194,3 +194,16 @@ def test_board_summary_of_unreadable_output() -> None:
     assert summarise("[N/A], [N/A], [N/A], [N/A]\n1, 2\n") == {
         "note": "nvidia-smi gave no readable samples"
     }
+
+
+def test_board_samples_keep_sampling_past_a_pipe_buffer(tmp_path: Path, monkeypatch) -> None:
+    # A sampler that writes fast: more than a pipe's 64 KiB (about 2400 lines) within the
+    # block. Samples read only at the end must still all arrive (nothing blocks the sampler).
+    script = tmp_path / "nvidia-smi"
+    script.write_text("#!/bin/sh\nwhile true; do echo '690.5, 1470, 700.00, 1980'; done\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    report: dict[str, object] = {}
+    with board_samples(report):
+        time.sleep(0.5)
+    assert isinstance(report["samples"], int) and report["samples"] > 5000

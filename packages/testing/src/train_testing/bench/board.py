@@ -11,6 +11,7 @@ import contextlib
 import shutil
 import statistics
 import subprocess
+import tempfile
 from collections.abc import Iterator
 
 # What each sample holds, in this order (nvidia-smi's field names).
@@ -60,19 +61,23 @@ def board_samples(
         "-i",
         gpu,
     ]
-    with subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    ) as sampler:
+    # Into a file, not a pipe: nobody reads while the block runs, and a full pipe would stop
+    # the sampling of a long block without a word.
+    with (
+        tempfile.TemporaryFile("w+") as samples,
+        subprocess.Popen(command, stdout=samples, stderr=subprocess.DEVNULL, text=True) as sampler,
+    ):
         try:
             yield
         finally:  # also when the block raised: what was sampled until then is reported
             sampler.terminate()
             try:
-                out, _ = sampler.communicate(timeout=10)
+                sampler.wait(timeout=10)
             except subprocess.TimeoutExpired:  # it ignored the terminate
                 sampler.kill()
-                out, _ = sampler.communicate()
-            report.update(summarise(out))
+                sampler.wait()
+            samples.seek(0)
+            report.update(summarise(samples.read()))
 
 
 def summarise(csv_text: str) -> dict[str, object]:
