@@ -12,6 +12,10 @@ returned gradients, over the [T, V] bf16 logits. Variants:
                    its hidden-gradient matmul (both read the chunk's gradient; a trial, patched in)
     oursHT_cC      the same, the hidden-gradient rows as [H, C] = W.T @ G.T copied transposed
                    (a trial, patched in)
+    oursLH_cC      the same, the logits as one batched matmul over the two vocabulary halves
+                   written through a strided view (a trial, patched in)
+    oursHK{S}_cC   the same, the hidden-gradient rows split over S vocabulary slices (split K,
+                   summed in fp32; S = 2, 4; a trial); oursLHK{S}_cC both trials at once
     oursS{S}_cC    the same, the accumulation as one batched matmul over S vocabulary slices
                    (``--slices``; a trial, patched in; the library runs S=2 on CUDA)
     ours_cC_bBwW   the same, the loss-and-gradient kernel launched with BLOCK=B, num_warps=W
@@ -69,6 +73,48 @@ def _loss_kernel_config(block: int, warps: int) -> contextlib.AbstractContextMan
     from vocab_parallel import _triton
 
     return _patched("_launch_config", lambda n_cols: (block, warps), _triton)
+
+
+def _halves_logits() -> contextlib.AbstractContextManager[None]:
+    """The chunk's logits as one batched matmul over the two vocabulary halves, written through
+    a strided view into the [C, V] buffer (as the accumulation's halves: cuBLAS picks its kernel
+    by shape, and in a power-bound loop a kernel's energy sets its time)."""
+
+    def chunk_logits(h_chunk, weight):  # type: ignore[no-untyped-def]
+        c, (v, h) = h_chunk.shape[0], weight.shape
+        out = torch.empty(c, v, dtype=h_chunk.dtype, device=h_chunk.device)
+        out.view(c, 2, v // 2).transpose(0, 1).baddbmm_(
+            h_chunk.unsqueeze(0).expand(2, -1, -1), weight.view(2, v // 2, h).transpose(1, 2),
+            beta=0,
+        )  # fmt: skip
+        return out
+
+    return _patched("_chunk_logits", chunk_logits)
+
+
+def _split_hidden_grad(slices: int) -> contextlib.AbstractContextManager[None]:
+    """The chunk's hidden-gradient rows as ``slices`` batched products over vocabulary slices
+    (split K), summed in fp32 and rounded once."""
+    original = _fused_linear._chunk_matmuls
+
+    def chunk_matmuls(grad_logits, h_chunk, weight, grad_hidden, accumulator, start):  # type: ignore[no-untyped-def]
+        if grad_hidden is not None:
+            c, v = grad_logits.shape
+            part = torch.bmm(
+                grad_logits.view(c, slices, v // slices).transpose(0, 1),
+                weight.view(slices, v // slices, -1),
+                out_dtype=torch.float32,
+            )
+            grad_hidden[start : start + c].copy_(part.sum(0))
+        original(grad_logits, h_chunk, weight, None, accumulator, start)
+
+    return _patched("_chunk_matmuls", chunk_matmuls)
+
+
+@contextlib.contextmanager
+def _halves_logits_split_hidden_grad(slices: int) -> Iterator[None]:
+    with _halves_logits(), _split_hidden_grad(slices):
+        yield
 
 
 def _two_streams() -> contextlib.AbstractContextManager[None]:
@@ -158,6 +204,12 @@ def _variants(
         out[f"ours_c{chunk}"] = ours(chunk, contextlib.nullcontext)
         out[f"ours2s_c{chunk}"] = ours(chunk, _two_streams)
         out[f"oursHT_c{chunk}"] = ours(chunk, _transposed_hidden_grad)
+        out[f"oursLH_c{chunk}"] = ours(chunk, _halves_logits)
+        for count in (2, 4):
+            out[f"oursHK{count}_c{chunk}"] = ours(chunk, partial(_split_hidden_grad, count))
+            out[f"oursLHK{count}_c{chunk}"] = ours(
+                chunk, partial(_halves_logits_split_hidden_grad, count)
+            )
         for count in slices:
             out[f"oursS{count}_c{chunk}"] = ours(chunk, partial(_sliced_accumulation, count))
         for block, warps in loss_configs:

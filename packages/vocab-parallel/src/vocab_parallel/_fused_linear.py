@@ -114,6 +114,11 @@ def accumulate_weight_grad_(
     acc_halves.baddbmm_(grad_halves, h_chunk.unsqueeze(0).expand(2, -1, -1))
 
 
+def _chunk_logits(h_chunk: Tensor, weight: Tensor) -> Tensor:
+    """One chunk's logits [C, Vl] = h_chunk [C, H] @ weight [Vl, H].T, in the inputs' dtype."""
+    return h_chunk @ weight.T
+
+
 def _chunk_matmuls(
     grad_logits: Tensor,
     h_chunk: Tensor,
@@ -196,7 +201,7 @@ class FusedLinearLoss(torch.autograd.Function):
             if one_kernel:
                 stop = min(start + plan.chunk_size, n)
                 h_chunk = hidden[start:stop]
-                grad_logits = h_chunk @ weight.T  # [C, Vl]: overwritten by its gradient
+                grad_logits = _chunk_logits(h_chunk, weight)  # overwritten by its gradient
                 from vocab_parallel import _triton
 
                 log_p[start:stop] = _triton.loss_grad_(
