@@ -87,7 +87,6 @@ from train_testing.bench import (
     peak_gib,
     print_lines,
     resolve_sft_step_sizes,
-    smi_gpu_id,
     sync,
     versions,
     write_json,
@@ -348,7 +347,7 @@ def run_variant(
         warmup_s = warm_up(step, data, args)
         board: dict[str, object] = {}
         sampling = (
-            board_samples(board, gpu=smi_gpu_id(torch.cuda.current_device()))
+            board_samples(board)
             if args.board and args.device == "cuda"
             else contextlib.nullcontext()
         )

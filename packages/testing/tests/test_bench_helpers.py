@@ -153,7 +153,7 @@ def test_board_samples_summarise_power_and_clock(tmp_path: Path, monkeypatch) ->
     )
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     report: dict[str, object] = {}
-    with board_samples(report, period_ms=50):
+    with board_samples(report, gpu="0", period_ms=50):
         time.sleep(0.5)
     assert isinstance(report["samples"], int) and report["samples"] >= 2
     # the [N/A] line is dropped; the other two alternate
@@ -181,7 +181,7 @@ def test_board_samples_stop_the_sampler_when_the_block_raises(tmp_path: Path, mo
     report: dict[str, object] = {}
 
     def failing_block() -> None:
-        with board_samples(report, period_ms=50):
+        with board_samples(report, gpu="0", period_ms=50):
             time.sleep(0.3)
             raise RuntimeError("boom")
 
@@ -204,6 +204,6 @@ def test_board_samples_keep_sampling_past_a_pipe_buffer(tmp_path: Path, monkeypa
     script.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     report: dict[str, object] = {}
-    with board_samples(report):
+    with board_samples(report, gpu="0"):
         time.sleep(0.5)
     assert isinstance(report["samples"], int) and report["samples"] > 5000

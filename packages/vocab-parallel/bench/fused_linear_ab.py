@@ -46,7 +46,7 @@ from types import ModuleType
 import torch
 
 import vocab_parallel as vp
-from train_testing.bench import board_samples, smi_gpu_id
+from train_testing.bench import board_samples
 from vocab_parallel import _fused_linear
 
 IGNORE = -100
@@ -92,23 +92,34 @@ def _halves_logits() -> contextlib.AbstractContextManager[None]:
     return _patched("_chunk_logits", chunk_logits)
 
 
-def _split_hidden_grad(slices: int) -> contextlib.AbstractContextManager[None]:
-    """The chunk's hidden-gradient rows as ``slices`` batched products over vocabulary slices
-    (split K), summed in fp32 and rounded once."""
+def _hidden_grad_formed(
+    form: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> contextlib.AbstractContextManager[None]:
+    """The library's chunk matmuls, the chunk's hidden-gradient rows formed by ``form(G, W)``
+    instead ([C, H], copied into the rows; the weight gradient as the library forms it)."""
     original = _fused_linear._chunk_matmuls
 
     def chunk_matmuls(grad_logits, h_chunk, weight, grad_hidden, accumulator, start):  # type: ignore[no-untyped-def]
         if grad_hidden is not None:
-            c, v = grad_logits.shape
-            part = torch.bmm(
-                grad_logits.view(c, slices, v // slices).transpose(0, 1),
-                weight.view(slices, v // slices, -1),
-                out_dtype=torch.float32,
-            )
-            grad_hidden[start : start + c].copy_(part.sum(0))
+            grad_hidden[start : start + grad_logits.shape[0]].copy_(form(grad_logits, weight))
         original(grad_logits, h_chunk, weight, None, accumulator, start)
 
     return _patched("_chunk_matmuls", chunk_matmuls)
+
+
+def _split_hidden_grad(slices: int) -> contextlib.AbstractContextManager[None]:
+    """The chunk's hidden-gradient rows as ``slices`` batched products over vocabulary slices
+    (split K), summed in fp32 and rounded once."""
+
+    def form(grad_logits: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        c, v = grad_logits.shape
+        return torch.bmm(
+            grad_logits.view(c, slices, v // slices).transpose(0, 1),
+            weight.view(slices, v // slices, -1),
+            out_dtype=torch.float32,
+        ).sum(0)
+
+    return _hidden_grad_formed(form)
 
 
 @contextlib.contextmanager
@@ -136,17 +147,9 @@ def _two_streams() -> contextlib.AbstractContextManager[None]:
 
 
 def _transposed_hidden_grad() -> contextlib.AbstractContextManager[None]:
-    """The library's chunk matmuls, the hidden-gradient rows formed as [H, C] = W.T @ G.T and
-    copied transposed (cuBLAS tiles that output differently from [C, H])."""
-    original = _fused_linear._chunk_matmuls
-
-    def chunk_matmuls(grad_logits, h_chunk, weight, grad_hidden, accumulator, start):  # type: ignore[no-untyped-def]
-        if grad_hidden is not None:
-            rows = grad_hidden[start : start + grad_logits.shape[0]]
-            rows.copy_(torch.mm(weight.T, grad_logits.T).T)
-        original(grad_logits, h_chunk, weight, None, accumulator, start)
-
-    return _patched("_chunk_matmuls", chunk_matmuls)
+    """The chunk's hidden-gradient rows formed as [H, C] = W.T @ G.T and copied transposed
+    (cuBLAS tiles that output differently from [C, H])."""
+    return _hidden_grad_formed(lambda grad_logits, weight: torch.mm(weight.T, grad_logits.T).T)
 
 
 def _sliced_accumulation(slices: int) -> contextlib.AbstractContextManager[None]:
@@ -379,11 +382,7 @@ def main() -> None:
             step()
     times: dict[str, list[float]] = {name: [] for name in variants}
     board: dict[str, object] = {}
-    sampling = (
-        board_samples(board, gpu=smi_gpu_id(torch.cuda.current_device()))
-        if args.board
-        else contextlib.nullcontext()
-    )
+    sampling = board_samples(board) if args.board else contextlib.nullcontext()
     with sampling:
         for _ in range(args.repeats):
             for name, step in variants.items():

@@ -217,7 +217,7 @@ class FusedLinearLoss(torch.autograd.Function):
             stop = min(start + plan.chunk_size, n)
             h_chunk = hidden[start:stop]
             # [C, Vl]: with its gradient, the only logits-sized buffers.
-            logits = _mm_fp32(h_chunk, weight.T) if fp32_logits else h_chunk @ weight.T
+            logits = _mm_fp32(h_chunk, weight.T) if fp32_logits else _chunk_logits(h_chunk, weight)
             index, in_shard = targets.index[start:stop], targets.in_shard[start:stop]
             target = logits.new_zeros(stop - start, dtype=torch.float32)
             if local_vocab:

@@ -14,6 +14,8 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 
+import torch
+
 # What each sample holds, in this order (nvidia-smi's field names).
 _QUERY = ("power.draw", "clocks.sm", "power.limit", "clocks.max.sm")
 
@@ -24,15 +26,13 @@ def smi_gpu_id(device_index: int) -> str:
     Its UUID, which names the same board whatever ``CUDA_VISIBLE_DEVICES`` or the enumeration
     order is (torch's device index need not be nvidia-smi's).
     """
-    import torch
-
     uuid = str(torch.cuda.get_device_properties(device_index).uuid)
     return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
 
 
 @contextlib.contextmanager
 def board_samples(
-    report: dict[str, object], *, gpu: str = "0", period_ms: int = 200
+    report: dict[str, object], *, gpu: str | None = None, period_ms: int = 200
 ) -> Iterator[None]:
     """Sample the board every ``period_ms`` while the block runs; summarise into ``report``.
 
@@ -44,7 +44,8 @@ def board_samples(
 
     Args:
         report: filled in place (the caller's JSON row).
-        gpu: the board as ``nvidia-smi -i`` takes it (:func:`smi_gpu_id` of a torch device).
+        gpu: the board as ``nvidia-smi -i`` takes it; None: torch's current CUDA device
+            (:func:`smi_gpu_id`).
         period_ms: the sampling period.
     """
     smi = shutil.which("nvidia-smi")
@@ -59,7 +60,7 @@ def board_samples(
         "-lms",
         str(period_ms),
         "-i",
-        gpu,
+        smi_gpu_id(torch.cuda.current_device()) if gpu is None else gpu,
     ]
     # Into a file, not a pipe: nobody reads while the block runs, and a full pipe would stop
     # the sampling of a long block without a word.
