@@ -20,6 +20,10 @@ returned gradients, over the [T, V] bf16 logits. Variants:
                    (``--slices``; a trial, patched in; the library runs S=2 on CUDA)
     ours_cC_bBwW   the same, the loss-and-gradient kernel launched with BLOCK=B, num_warps=W
                    (``--loss-configs BxW,...``; a trial, patched in)
+    oursQ{P}_cC    the same, products P through quack's CuTe-DSL GEMMs (``--quack-from`` a
+                   ``quack_gemms.py`` JSON: its fastest config per product and chunk; P is L for
+                   the logits, H the hidden gradient, W the weight-gradient accumulation in
+                   ``--quack-acc-mode``, LHW all three; a trial, patched in)
     liger          liger_kernel's fused linear cross-entropy
 
 ``--board`` samples the GPU's power draw and SM clock during the timed turns (through
@@ -166,6 +170,31 @@ def _sliced_accumulation(slices: int) -> contextlib.AbstractContextManager[None]
     return _patched("accumulate_weight_grad_", accumulate)
 
 
+@contextlib.contextmanager
+def _quack_products(best: dict[str, str], products: str, acc_mode: str) -> Iterator[None]:
+    """The chunk products named in ``products`` (L, H, W) through quack's GEMMs, with the
+    configs ``best`` names (``_quack.py``)."""
+    import _quack
+
+    with contextlib.ExitStack() as stack:
+        if "L" in products:
+            stack.enter_context(_patched("_chunk_logits", _quack.logits_fn(best["logits"])))
+        if "H" in products:
+            hgrad = _quack.hgrad_fn(best["hgrad"])
+            original = _fused_linear._chunk_matmuls
+
+            def chunk_matmuls(grad_logits, h_chunk, weight, grad_hidden, accumulator, start):  # type: ignore[no-untyped-def]
+                if grad_hidden is not None:
+                    hgrad(grad_logits, weight, grad_hidden[start : start + grad_logits.shape[0]])
+                original(grad_logits, h_chunk, weight, None, accumulator, start)
+
+            stack.enter_context(_patched("_chunk_matmuls", chunk_matmuls))
+        if "W" in products:
+            choice = _quack.QuackChoice(config=best[f"acc_{acc_mode}"], mode=acc_mode)
+            stack.enter_context(_patched("accumulate_weight_grad_", _quack.acc_fn(choice)))
+        yield
+
+
 def _event_ms(fn: Callable[[], object]) -> float:
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -182,6 +211,8 @@ def _variants(
     chunks: list[int],
     slices: list[int],
     loss_configs: list[tuple[int, int]],
+    quack_best: dict[str, dict[str, str]],
+    quack_acc_mode: str,
 ) -> dict[str, Callable[[], object]]:
     def clear() -> None:
         hidden.grad = weight.grad = None
@@ -219,6 +250,12 @@ def _variants(
             out[f"ours_c{chunk}_b{block}w{warps}"] = ours(
                 chunk, partial(_loss_kernel_config, block, warps)
             )
+        if str(chunk) in quack_best:
+            for products in ("W", "L", "H", "LHW"):
+                out[f"oursQ{products}_c{chunk}"] = ours(
+                    chunk,
+                    partial(_quack_products, quack_best[str(chunk)], products, quack_acc_mode),
+                )
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     except ImportError as err:  # a peer is optional: say so and time the rest
@@ -348,6 +385,13 @@ def main() -> None:
         action="store_true",
         help="sample the GPU's power draw and SM clock (nvidia-smi) during the timed turns",
     )
+    parser.add_argument(
+        "--quack-from",
+        type=Path,
+        default=None,
+        help="a quack_gemms.py JSON: add oursQ{W,L,H,LHW}_cC with its fastest configs",
+    )
+    parser.add_argument("--quack-acc-mode", choices=("load", "reduce"), default="load")
     parser.add_argument("--only", default="", help="comma-separated variant names to keep")
     parser.add_argument("--profile", default="", help="comma-separated variants to profile")
     parser.add_argument("--profile-steps", type=int, default=3)
@@ -371,7 +415,15 @@ def main() -> None:
         ]
     except ValueError:
         parser.error(f"--loss-configs {args.loss_configs}: expected BLOCKxWARPS,... (4096x4)")
-    variants = _variants(hidden, weight, labels, chunks, slices, loss_configs)
+    quack_best = json.loads(args.quack_from.read_text())["best"] if args.quack_from else {}
+    if quack_best and not all(str(chunk) in quack_best for chunk in chunks):
+        parser.error(
+            f"--quack-from {args.quack_from} has configs for chunks {sorted(quack_best)}, not all "
+            f"of --chunks {args.chunks}; run quack_gemms.py --chunks {args.chunks}"
+        )
+    variants = _variants(
+        hidden, weight, labels, chunks, slices, loss_configs, quack_best, args.quack_acc_mode
+    )
     if args.only:
         keep = set(args.only.split(","))
         variants = {k: fn for k, fn in variants.items() if k in keep}

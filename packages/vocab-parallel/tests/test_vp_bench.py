@@ -39,7 +39,7 @@ def test_bench_quick_runs_and_writes_json(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["loss_grad_configs.py", "steady_state.py"])
+@pytest.mark.parametrize("script", ["loss_grad_configs.py", "steady_state.py", "quack_gemms.py"])
 def test_cuda_only_benches_say_so_on_the_cpu(script: str) -> None:
     """The GPU-only benches stop with a one-line message naming what they need, not a trace."""
     import os
