@@ -12,11 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from train_testing.bench import (
     LLAMA_1P5B,
     alternating_medians,
     board_samples,
+    event_median_ms,
+    event_ms,
     flops_per_token,
     fmt,
     format_table,
@@ -80,6 +83,19 @@ def test_alternating_medians_warms_up_then_takes_turns() -> None:
     medians = alternating_medians(variants, repeats=3, measure=measure)
     assert medians == {"a": 2.0, "b": 20.0}
     assert calls == ["a", "b"] + ["a", "b"] * 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU")
+def test_event_timers_order_device_work_by_its_length() -> None:
+    """A kernel that spins 10x longer on the device times longer, though the host returns from
+    launching either at once (the timers read device time, not host time)."""
+    cycles = 2_000_000
+    short = event_median_ms(lambda: torch.cuda._sleep(cycles), warmup=1, repeats=5)
+    long = event_median_ms(lambda: torch.cuda._sleep(10 * cycles), warmup=1, repeats=5)
+    assert 0 < short < long
+    assert 5 * short < long < 20 * short
+    one = event_ms(lambda: torch.cuda._sleep(10 * cycles))
+    assert 0.5 * long < one < 2 * long
 
 
 def test_llama_dims_are_fresh_copies_of_the_1p5b_config() -> None:

@@ -19,24 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from functools import partial
 
 import torch
 
+from train_testing.bench import event_median_ms
 from vocab_parallel._fused_linear import accumulate_weight_grad_
-
-
-def _time_ms(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(2 * repeats)]
-    for i in range(repeats):
-        events[2 * i].record()
-        fn()
-        events[2 * i + 1].record()
-    torch.cuda.synchronize()
-    return statistics.median(events[2 * i].elapsed_time(events[2 * i + 1]) for i in range(repeats))
 
 
 def main() -> None:
@@ -63,11 +51,11 @@ def main() -> None:
         grad = torch.randn(c, v, device="cuda", dtype=dt, generator=gen) * 1e-4
         dh = torch.empty(c, h, device="cuda", dtype=dt)
         row = {"chunk": c}
-        row["logits"] = _time_ms(lambda hid=hid: hid @ weight.T)
-        row["dH"] = _time_ms(lambda grad=grad, dh=dh: torch.mm(grad, weight, out=dh))
+        row["logits"] = event_median_ms(lambda hid=hid: hid @ weight.T)
+        row["dH"] = event_median_ms(lambda grad=grad, dh=dh: torch.mm(grad, weight, out=dh))
         # The same product as [H, C] = W.T @ G.T, then copied transposed into the rows (a
         # trial: cuBLAS tiles the [C, H] output, 96 tiles of 128 x 256 at C=768, differently).
-        row["dH_transposed"] = _time_ms(
+        row["dH_transposed"] = event_median_ms(
             lambda grad=grad, dh=dh: dh.copy_(torch.mm(weight.T, grad.T).T)
         )
         for s in (int(x) for x in args.splits.split(",")):
@@ -80,29 +68,33 @@ def main() -> None:
                 part = torch.bmm(g3, w3, out_dtype=torch.float32)
                 dh.copy_(part.sum(0))
 
-            row[f"dH_split{s}"] = _time_ms(split)
-        row["dW_bf16"] = _time_ms(lambda grad=grad, hid=hid: acc16.addmm_(grad.T, hid))
-        row["dW_halves"] = _time_ms(
+            row[f"dH_split{s}"] = event_median_ms(split)
+        row["dW_bf16"] = event_median_ms(lambda grad=grad, hid=hid: acc16.addmm_(grad.T, hid))
+        row["dW_halves"] = event_median_ms(
             lambda grad=grad, hid=hid: accumulate_weight_grad_(acc16, grad, hid, halves=True)
         )
         # The accumulator stored transposed, [H, V] += h_c.T @ G_c (a trial: the result would
         # need one transposing copy at the end, ~0.5 ms at V=152k, H=4096).
-        row["dW_transposed"] = _time_ms(lambda grad=grad, hid=hid: acc16_t.addmm_(hid.T, grad))
-        row["dW_fp32"] = _time_ms(
+        row["dW_transposed"] = event_median_ms(
+            lambda grad=grad, hid=hid: acc16_t.addmm_(hid.T, grad)
+        )
+        row["dW_fp32"] = event_median_ms(
             lambda grad=grad, hid=hid: torch.addmm(
                 acc32, grad.T, hid, out_dtype=torch.float32, out=acc32
             )
         )
-        row["dW_plain"] = _time_ms(lambda grad=grad, hid=hid: grad.T @ hid)
+        row["dW_plain"] = event_median_ms(lambda grad=grad, hid=hid: grad.T @ hid)
         # Trials of the operands' layouts (cuBLAS picks its kernel per layout): the chunk's
         # hidden rows transposed ([H, C], a 6 MB copy per chunk) so that both operands of the
         # accumulation have the tokens (its K) contiguous; and the logits gradient stored
         # transposed ([V, C], as the logits matmul W @ h_c.T would write it), for all three.
         hid_t = hid.T.contiguous()
         grad_t = grad.T.contiguous()
-        row["dW_hT"] = _time_ms(lambda grad=grad, hid_t=hid_t: acc16.addmm_(grad.T, hid_t.T))
-        row["dW_gT"] = _time_ms(lambda grad_t=grad_t, hid=hid: acc16.addmm_(grad_t, hid))
-        row["dW_gT_hT"] = _time_ms(lambda grad_t=grad_t, hid_t=hid_t: acc16.addmm_(grad_t, hid_t.T))
+        row["dW_hT"] = event_median_ms(lambda grad=grad, hid_t=hid_t: acc16.addmm_(grad.T, hid_t.T))
+        row["dW_gT"] = event_median_ms(lambda grad_t=grad_t, hid=hid: acc16.addmm_(grad_t, hid))
+        row["dW_gT_hT"] = event_median_ms(
+            lambda grad_t=grad_t, hid_t=hid_t: acc16.addmm_(grad_t, hid_t.T)
+        )
 
         def gt_halves(grad_t=grad_t, hid=hid, hid_t=None) -> None:
             other = hid if hid_t is None else hid_t.T
@@ -110,10 +102,12 @@ def main() -> None:
                 grad_t.view(2, v // 2, grad_t.shape[1]), other.unsqueeze(0).expand(2, -1, -1)
             )
 
-        row["dW_gT_halves"] = _time_ms(gt_halves)
-        row["dW_gT_hT_halves"] = _time_ms(partial(gt_halves, hid_t=hid_t))
-        row["dH_gT"] = _time_ms(lambda grad_t=grad_t, dh=dh: torch.mm(grad_t.T, weight, out=dh))
-        row["logits_T"] = _time_ms(lambda hid=hid: torch.mm(weight, hid.T))
+        row["dW_gT_halves"] = event_median_ms(gt_halves)
+        row["dW_gT_hT_halves"] = event_median_ms(partial(gt_halves, hid_t=hid_t))
+        row["dH_gT"] = event_median_ms(
+            lambda grad_t=grad_t, dh=dh: torch.mm(grad_t.T, weight, out=dh)
+        )
+        row["logits_T"] = event_median_ms(lambda hid=hid: torch.mm(weight, hid.T))
         del hid_t, grad_t
         k = 1024 / c
         best_dh = min(val for key, val in row.items() if key.startswith("dH"))
@@ -137,7 +131,7 @@ def main() -> None:
                         hidden, w, labels, reduction="sum", chunk_size=c, fp32_weight_grad=False
                     ).backward()
 
-                full.append({"tokens": n, "chunk": c, "ms": _time_ms(step, repeats=5)})
+                full.append({"tokens": n, "chunk": c, "ms": event_median_ms(step, repeats=5)})
                 print(json.dumps(full[-1]), flush=True)
                 if f"{n}:{c}" in args.profile.split(","):
                     from torch.profiler import ProfilerActivity, profile

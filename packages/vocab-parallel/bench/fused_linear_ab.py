@@ -50,7 +50,7 @@ from types import ModuleType
 import torch
 
 import vocab_parallel as vp
-from train_testing.bench import board_samples
+from train_testing.bench import board_samples, event_ms
 from vocab_parallel import _fused_linear
 
 IGNORE = -100
@@ -193,15 +193,6 @@ def _quack_products(best: dict[str, str], products: str, acc_mode: str) -> Itera
             choice = _quack.QuackChoice(config=best[f"acc_{acc_mode}"], mode=acc_mode)
             stack.enter_context(_patched("accumulate_weight_grad_", _quack.acc_fn(choice)))
         yield
-
-
-def _event_ms(fn: Callable[[], object]) -> float:
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    stop.record()
-    stop.synchronize()
-    return start.elapsed_time(stop)
 
 
 def _variants(
@@ -438,7 +429,7 @@ def main() -> None:
     with sampling:
         for _ in range(args.repeats):
             for name, step in variants.items():
-                times[name].append(_event_ms(step))
+                times[name].append(event_ms(step))
     medians = {name: statistics.median(ms) for name, ms in times.items()}
     liger = medians.get("liger")
     print(f"T={t} V={v} H={h} {torch.cuda.get_device_name()} torch {torch.__version__}")

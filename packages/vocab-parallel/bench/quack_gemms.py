@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 from _quack import QuackChoice, acc_fn, hgrad_fn, logits_fn
 
+from train_testing.bench import event_median_ms
 from vocab_parallel._fused_linear import accumulate_weight_grad_
 
 log = logging.getLogger("quack_gemms")
@@ -36,18 +36,6 @@ CONFIGS = (
 )
 SWAPPED = "128x192:pp:2x1:swap,128x256:coop:2x1:swap,256x128:coop:2x1:swap"
 SPLIT_K = "128x192:pp:2x1:k2,128x256:coop:2x1:k2,128x192:pp:1x2:k2"
-
-
-def _time_ms(fn: Callable[[], object], repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(2 * repeats)]
-    for i in range(repeats):
-        events[2 * i].record()
-        fn()
-        events[2 * i + 1].record()
-    torch.cuda.synchronize()
-    return statistics.median(events[2 * i].elapsed_time(events[2 * i + 1]) for i in range(repeats))
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor, base: torch.Tensor | None = None) -> float:
@@ -95,7 +83,7 @@ def _sweep_chunk(
             base = old.double() if product == "acc" else None
             row["rel_err"] = _rel(out, refs[product], base)
             acc.copy_(old)
-            row["ms"] = round(_time_ms(run, args.repeats), 4)
+            row["ms"] = round(event_median_ms(run, repeats=args.repeats), 4)
         except Exception as err:  # a trial config may not build: say so, go on
             row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
         else:

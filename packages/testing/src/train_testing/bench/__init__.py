@@ -10,7 +10,7 @@ has. Importing this package imports torch, never pytest; the ``--quick`` runner 
   :func:`environment`.
 - runtime: :func:`add_device_argument`, :func:`init_process_group`, :func:`sync`,
   :func:`free_memory`, :func:`peak_gib`, :func:`time_ms`, :func:`times_ms`,
-  :func:`alternating_medians`.
+  :func:`event_ms`, :func:`event_median_ms` (CUDA events), :func:`alternating_medians`.
 - board: :func:`board_samples` (the GPU's power draw and SM clock during a timed part),
   :func:`smi_gpu_id`.
 - the SFT-step model: :data:`LLAMA_1P5B`, :data:`LLAMA_TINY`, :func:`llama_dims`,
@@ -43,6 +43,8 @@ from train_testing.bench.runtime import (
     GIB,
     add_device_argument,
     alternating_medians,
+    event_median_ms,
+    event_ms,
     free_memory,
     init_process_group,
     peak_gib,
@@ -61,6 +63,8 @@ __all__ = [
     "board_samples",
     "device_name",
     "environment",
+    "event_median_ms",
+    "event_ms",
     "flops_per_token",
     "fmt",
     "format_table",

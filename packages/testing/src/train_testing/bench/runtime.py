@@ -109,6 +109,39 @@ def times_ms(
     return out
 
 
+def event_ms(fn: Callable[[], Any]) -> float:
+    """Milliseconds of one call on the current CUDA stream, between two CUDA events.
+
+    The host waits for the second event only; nothing else is synchronised.
+    """
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop)
+
+
+def event_median_ms(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 20) -> float:
+    """Median milliseconds of ``repeats`` back-to-back calls after ``warmup`` (CUDA events).
+
+    Each call sits between two events on the current stream; the host waits once, after the
+    last call, so the calls queue without host gaps between them.
+    """
+    for _ in range(warmup):
+        fn()
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(repeats)
+    ]
+    for start, stop in events:
+        start.record()
+        fn()
+        stop.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(stop) for start, stop in events)
+
+
 def alternating_medians(
     variants: Mapping[str, Callable[[], Any]],
     *,
