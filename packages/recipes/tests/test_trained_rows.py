@@ -2,8 +2,9 @@
 gradients of the input embeddings and the head's weight equal the all-positions fused loss and
 an independent float64 reference (plain PyTorch log-softmax on ``hidden @ W.T``), on a tiny
 Llama with prompt-like and padding spans, a row without a trained token, a batch without any
-(K == 0) and one trained everywhere (K == B*S); the count helper reads the count on the CPU
-without touching a device."""
+(K == 0) and one trained everywhere (K == B*S); the head's matmuls see K rows; the count helper
+reads the count on the CPU without touching a device, and the loss then selects the rows
+without the synchronising ``torch.nonzero``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from _scale_workers import tiny_hf_model
 from train_recipes.fused_loss import token_sum_loss_of
 from train_recipes.trained_rows import TrainedRows
+from vocab_parallel import _fused_linear
 
 _B, _S, _V = 3, 10, 101
 
@@ -70,23 +72,31 @@ def test_trained_rows_loss_equals_all_positions_and_float64_reference(
     model = tiny_hf_model("llama")  # float64, untied head
     labels = _labels(kind)
     embeds = torch.randn(_B, _S, model.config.hidden_size, dtype=torch.float64)
-    shapes: list[tuple[int, ...]] = []
+    calls: list[tuple[tuple[int, ...], object, object]] = []
     original = vp.linear_cross_entropy
 
     def spy(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        shapes.append(tuple(hidden.shape))
+        calls.append((tuple(hidden.shape), kwargs["skip_ignored"], kwargs["trained_count"]))
         return original(hidden, *args, **kwargs)
+
+    logit_rows: list[int] = []
+    chunk_logits = _fused_linear._chunk_logits
+
+    def count_rows(h_chunk: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        logit_rows.append(h_chunk.shape[0])
+        return chunk_logits(h_chunk, weight)
 
     monkeypatch.setattr(vp, "linear_cross_entropy", spy)
     ref = _loss_and_grads(model, embeds, labels, "reference")
     off = _loss_and_grads(model, embeds, labels, "all positions")
+    monkeypatch.setattr(_fused_linear, "_chunk_logits", count_rows)
     on = _loss_and_grads(model, embeds, labels, "trained only")
 
     k = int((labels != -100).sum())
     full = (_B, _S, model.config.hidden_size)
-    # Selection only where it applies: K rows for "mixed"; K == 0 and K == B*S take every row.
-    expected = (k, full[-1]) if kind == "mixed" else full
-    assert shapes == [full, expected], (kind, k, shapes)
+    assert calls == [(full, False, None), (full, True, k)], (kind, k, calls)
+    # Only the K trained positions reach the head's matmuls (none at all for K == 0).
+    assert sum(logit_rows) == k, (kind, k, logit_rows)
     # The fused loss computes in fp32 whatever the input dtype: ~1e-7 relative.
     for name, got in (("all positions", off), ("trained only", on)):
         assert got[0] == pytest.approx(ref[0], rel=1e-6, abs=1e-12), name
@@ -105,8 +115,8 @@ def test_trained_rows_loss_equals_all_positions_and_float64_reference(
 def test_trained_rows_on_cpu_read_the_count_without_a_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The CPU path never creates a CUDA event, synchronises or pins memory; the rows are the
-    trained ones, in order, and their gradient goes back to those positions only."""
+    """The CPU path never creates a CUDA event, synchronises or pins memory; the loss given its
+    count finds the rows without torch.nonzero and equals the float64 reference."""
 
     def no_cuda(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("the CPU path touched CUDA")
@@ -120,16 +130,22 @@ def test_trained_rows_on_cpu_read_the_count_without_a_device(
     trained = (labels != -100).reshape(-1)
     assert rows.positions == _B * _S
     assert rows.count() == int(trained.sum()) == 11  # 4 + 0 + 7
-    hidden = torch.randn(_B, _S, 4, dtype=torch.float64, requires_grad=True)
-    picked, picked_labels = rows.select(hidden)
-    positions = [i for i in range(_B * _S) if trained[i]]
-    torch.testing.assert_close(picked, hidden.detach().reshape(-1, 4)[positions], rtol=0, atol=0)
-    assert picked_labels.tolist() == labels.reshape(-1)[positions].tolist()
-    picked.sum().backward()
-    assert hidden.grad is not None
-    assert hidden.grad.reshape(-1, 4).sum(-1).ne(0).tolist() == trained.tolist()
-    with pytest.raises(ValueError, match="positions but the labels have 30"):
-        rows.select(torch.zeros(_B, _S - 1, 4))
+    # The loss, given that count, selects the rows with nonzero_static: never torch.nonzero,
+    # which would read the number back from the device.
+    torch.manual_seed(0)
+    model = tiny_hf_model("llama")
+    embeds = torch.randn(_B, _S, model.config.hidden_size, dtype=torch.float64)
+    ref_loss, _, ref_head = _loss_and_grads(model, embeds, labels, "reference")
+
+    def no_sync(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the trained rows were found with torch.nonzero")
+
+    monkeypatch.setattr(torch, "nonzero", no_sync)
+    loss, _, head = _loss_and_grads(model, embeds, labels, "trained only")
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert head is not None and ref_head is not None
+    # The fused loss computes in fp32: ~1e-7 of the gradient's scale.
+    assert float((head - ref_head).abs().max()) <= 1e-5 * float(ref_head.abs().max())
 
 
 def test_trained_rows_of_cp_local_labels_count_only_those() -> None:
@@ -138,10 +154,7 @@ def test_trained_rows_of_cp_local_labels_count_only_those() -> None:
     local = labels[:, ::2]  # strided, as a zig-zag shard's view could be
     rows = TrainedRows(local)
     assert rows.positions == local.numel()
-    assert rows.count() == int((local != -100).sum())
-    picked, picked_labels = rows.select(torch.arange(local.numel(), dtype=torch.float64)[:, None])
-    assert picked_labels.tolist() == [int(v) for v in local.reshape(-1) if v != -100]
-    assert picked.shape == (rows.count(), 1)
+    assert rows.count() == int((local != -100).sum()) > 0
 
 
 def test_trained_only_switch_is_a_documented_key_a_resume_applies() -> None:

@@ -8,6 +8,8 @@ and power drift hit all of them alike; transient memory is the peak above the in
 returned gradients, over the [T, V] bf16 logits. Variants:
 
     ours_cC        vocab_parallel.linear_cross_entropy(..., chunk_size=C, fp32_weight_grad=False)
+                   (the ignored tokens left out of the matmuls: ``skip_ignored``, the default)
+    oursAll_cC     the same with skip_ignored=False: every token through the matmuls
     ours2s_cC      the same, each chunk's weight-gradient matmul on a second CUDA stream beside
                    its hidden-gradient matmul (both read the chunk's gradient; a trial, patched in)
     oursHT_cC      the same, the hidden-gradient rows as [H, C] = W.T @ G.T copied transposed
@@ -103,10 +105,10 @@ def _hidden_grad_formed(
     instead ([C, H], copied into the rows; the weight gradient as the library forms it)."""
     original = _fused_linear._chunk_matmuls
 
-    def chunk_matmuls(grad_logits, h_chunk, weight, grad_hidden, accumulator, start):  # type: ignore[no-untyped-def]
-        if grad_hidden is not None:
-            grad_hidden[start : start + grad_logits.shape[0]].copy_(form(grad_logits, weight))
-        original(grad_logits, h_chunk, weight, None, accumulator, start)
+    def chunk_matmuls(grad_logits, h_chunk, weight, hidden_rows, accumulator, first):  # type: ignore[no-untyped-def]
+        if hidden_rows is not None:
+            hidden_rows.copy_(form(grad_logits, weight))
+        original(grad_logits, h_chunk, weight, None, accumulator, first)
 
     return _patched("_chunk_matmuls", chunk_matmuls)
 
@@ -137,12 +139,12 @@ def _two_streams() -> contextlib.AbstractContextManager[None]:
     original = _fused_linear._chunk_matmuls
     side = torch.cuda.Stream()
 
-    def chunk_matmuls(grad_logits, h_chunk, weight, grad_hidden, accumulator, start):  # type: ignore[no-untyped-def]
+    def chunk_matmuls(grad_logits, h_chunk, weight, hidden_rows, accumulator, first):  # type: ignore[no-untyped-def]
         main = torch.cuda.current_stream()
         side.wait_stream(main)
-        original(grad_logits, h_chunk, weight, grad_hidden, None, start)
+        original(grad_logits, h_chunk, weight, hidden_rows, None, first)
         with torch.cuda.stream(side):
-            original(grad_logits, h_chunk, weight, None, accumulator, start)
+            original(grad_logits, h_chunk, weight, None, accumulator, first)
         # The chunk buffer is freed on the main stream after this: the next chunk's logits
         # may reuse it only once the side stream is done reading it.
         main.wait_stream(side)
@@ -183,10 +185,10 @@ def _quack_products(best: dict[str, str], products: str, acc_mode: str) -> Itera
             hgrad = _quack.hgrad_fn(best["hgrad"])
             original = _fused_linear._chunk_matmuls
 
-            def chunk_matmuls(grad_logits, h_chunk, weight, grad_hidden, accumulator, start):  # type: ignore[no-untyped-def]
-                if grad_hidden is not None:
-                    hgrad(grad_logits, weight, grad_hidden[start : start + grad_logits.shape[0]])
-                original(grad_logits, h_chunk, weight, None, accumulator, start)
+            def chunk_matmuls(grad_logits, h_chunk, weight, hidden_rows, accumulator, first):  # type: ignore[no-untyped-def]
+                if hidden_rows is not None:
+                    hgrad(grad_logits, weight, hidden_rows)
+                original(grad_logits, h_chunk, weight, None, accumulator, first)
 
             stack.enter_context(_patched("_chunk_matmuls", chunk_matmuls))
         if "W" in products:
@@ -209,7 +211,9 @@ def _variants(
         hidden.grad = weight.grad = None
 
     def ours(
-        chunk: int, patch: Callable[[], contextlib.AbstractContextManager[None]]
+        chunk: int,
+        patch: Callable[[], contextlib.AbstractContextManager[None]],
+        skip_ignored: bool = True,
     ) -> Callable[[], object]:
         """One step of the library's loss, with the trial ``patch`` (a fresh context) in force."""
 
@@ -218,7 +222,7 @@ def _variants(
             with patch():
                 loss = vp.linear_cross_entropy(
                     hidden, weight, labels, reduction="sum", chunk_size=chunk,
-                    fp32_weight_grad=False,
+                    fp32_weight_grad=False, skip_ignored=skip_ignored,
                 )  # fmt: skip
                 loss.backward()
 
@@ -227,6 +231,7 @@ def _variants(
     out: dict[str, Callable[[], object]] = {}
     for chunk in chunks:
         out[f"ours_c{chunk}"] = ours(chunk, contextlib.nullcontext)
+        out[f"oursAll_c{chunk}"] = ours(chunk, contextlib.nullcontext, skip_ignored=False)
         out[f"ours2s_c{chunk}"] = ours(chunk, _two_streams)
         out[f"oursHT_c{chunk}"] = ours(chunk, _transposed_hidden_grad)
         out[f"oursLH_c{chunk}"] = ours(chunk, _halves_logits)
@@ -358,6 +363,12 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--chunks", default="768,816,1024")
+    parser.add_argument(
+        "--ignore-every",
+        type=int,
+        default=16,
+        help="label every K-th token ignore_index (0: none), as the earlier rounds' 16",
+    )
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument(
@@ -394,7 +405,8 @@ def main() -> None:
     hidden = torch.randn(t, h, device="cuda", dtype=torch.bfloat16).requires_grad_()
     weight = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) / h**0.5).requires_grad_()
     labels = torch.randint(0, v, (t,), device="cuda")
-    labels[::16] = IGNORE
+    if args.ignore_every:
+        labels[:: args.ignore_every] = IGNORE
     logits_bytes = t * v * 2
     slices = [int(c) for c in args.slices.split(",") if c]
     if any(v % count for count in slices):

@@ -327,3 +327,78 @@ def test_autocast_runs_in_its_dtype_and_returns_fp32_gradients() -> None:
     torch.testing.assert_close(w32.grad, w16.grad.float(), rtol=0, atol=0)
     ref = -ref_log_probs(hidden.double() @ weight.double().T, labels, 1.0, IGNORE).sum()
     assert abs(loss.item() - ref.item()) <= 2e-2 * max(1.0, abs(ref.item()))
+
+
+@pytest.mark.parametrize("function", ["cross_entropy", "token_loss"])
+def test_skipping_ignored_tokens_forms_only_the_trained_rows(
+    function: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``skip_ignored`` (the default) sends only the labelled tokens through the matmuls, in
+    ragged chunks, with the same loss, log-probs and gradients as forming every token, and
+    ``trained_count`` finds them without the synchronising ``torch.nonzero``."""
+    from vocab_parallel import _fused_linear
+
+    hidden, weight, labels = _inputs(torch.float32, 12)
+    valid = labels != IGNORE
+    k = int(valid.sum())
+    assert 0 < k < labels.numel()  # the test can fail: some tokens are ignored, some not
+    coef = upstream(SHAPE, seed=12).float()
+    rows: list[int] = []
+    chunk_logits = _fused_linear._chunk_logits
+
+    def count_rows(h_chunk: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        rows.append(h_chunk.shape[0])
+        return chunk_logits(h_chunk, w)
+
+    monkeypatch.setattr(_fused_linear, "_chunk_logits", count_rows)
+
+    def run(**options: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = hidden.clone().requires_grad_()
+        w = weight.clone().requires_grad_()
+        if function == "cross_entropy":
+            loss = vp.linear_cross_entropy(h, w, labels, chunk_size=7, **options)  # type: ignore[arg-type]
+            log_p = torch.zeros(())
+        else:
+            loss, log_p = vp.fused_linear_token_loss(
+                h,
+                w,
+                labels,
+                coef,
+                chunk_size=7,
+                return_log_probs=True,
+                **options,  # type: ignore[arg-type]
+            )
+        loss.backward()
+        assert h.grad is not None and w.grad is not None
+        return loss.detach(), log_p, h.grad, w.grad
+
+    every = run(skip_ignored=False)
+    assert sum(rows) == labels.numel() and max(rows) == 7
+    rows.clear()
+    skipped = run()
+    assert sum(rows) == k and rows[-1] == (k % 7 or 7), rows  # ragged chunks of trained rows
+    rows.clear()
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **kw: pytest.fail("torch.nonzero ran"))
+    counted = run(trained_count=k, validate=True)
+    assert sum(rows) == k
+    for got in (skipped, counted):
+        for a, b in zip(got, every, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert not skipped[2][~valid].any()  # the ignored rows' hidden gradient is exactly 0
+    if function == "token_loss":
+        assert not skipped[1][~valid].any()
+        ref_loss, ref_h, ref_w = _reference(hidden, weight, labels, coef.double(), 1.0)
+        assert abs(float(skipped[0]) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+        assert _rel(skipped[2], ref_h) <= 2e-6 and _rel(skipped[3], ref_w) <= 2e-6
+
+
+def test_trained_count_is_checked() -> None:
+    hidden, weight, labels = _inputs(torch.float32, 13)
+    k = int((labels != IGNORE).sum())
+    with pytest.raises(ValueError, match=r"outside \[0, 33\]"):
+        vp.linear_cross_entropy(hidden, weight, labels, trained_count=34)
+    with pytest.raises(ValueError, match=f"trained_count={k - 1}, but {k} labels"):
+        vp.linear_cross_entropy(hidden, weight, labels, trained_count=k - 1, validate=True)
+    # Not skipping: the count is not needed, and nothing reads it.
+    loss = vp.linear_cross_entropy(hidden, weight, labels, skip_ignored=False, trained_count=34)
+    assert torch.isfinite(loss)

@@ -71,12 +71,11 @@ class ModelConfig:
             usual peak); each chunk also reads and writes the head's whole weight gradient
             once, so fewer, larger chunks run faster. None: vocab-parallel's default, 1/20 of
             the micro batch's logits.
-        fused_loss_trained_only: give the fused linear loss only the trained positions' hidden
-            states (labels != -100 on this rank, after cp sharding): prompts, padding and
-            image tokens (30-60% of SFT positions, ~75% of VLM ones) skip the head's three
-            logits-sized matmuls. The same loss and gradients up to summation order; the count
-            reaches the host without a sync. Tensor parallelism, and micro batches with no or
-            only trained positions, run all positions either way. False: all positions.
+        fused_loss_trained_only: the fused linear loss forms only the trained positions
+            (labels != -100 on this rank, after cp sharding): prompts, padding and image tokens
+            (30-60% of SFT positions, ~75% of VLM ones) skip the head's three logits-sized
+            matmuls, with tensor parallelism too. The same loss and gradients up to summation
+            order; their count reaches the host without a sync. False: all positions.
         sdpa_backends: scaled_dot_product_attention backends to allow, in priority order
             ("cudnn", "flash", "efficient", "math"); None leaves torch's choice.
         activation_checkpointing: recompute each checkpointed decoder layer's activations in

@@ -2,9 +2,10 @@
 
 The model runs with its output projection passed through, and vocab-parallel's grads-in-forward
 linear cross-entropy turns the final hidden states and the projection weight into the loss and
-both gradients, chunk by chunk. By default only the trained positions' hidden states reach
-it (``train_recipes.trained_rows``): the head's three logits-sized matmuls per token are not
-spent on prompts, padding and image tokens.
+both gradients, chunk by chunk. By default it forms only the trained positions (its
+``skip_ignored``, given their number counted without a host sync by
+``train_recipes.trained_rows``): the head's three logits-sized matmuls per token are not spent
+on prompts, padding and image tokens.
 
 # B batch, S (local) sequence, H hidden, V vocabulary, K trained positions
 
@@ -104,12 +105,11 @@ def fused_token_sum_loss(
         labels: [B, S] already shifted, -100 where nothing is trained.
         chunk_tokens: tokens per chunk of the loss (``model.fused_loss_chunk_tokens``); None:
             vocab-parallel's default.
-        trained_only: give the loss only the K trained positions' hidden states [K, H]
-            (``model.fused_loss_trained_only``); the same loss and gradients up to summation
-            order, without a host sync. All positions go in where the selection cannot apply
-            or saves nothing: tensor parallelism (DTensor hidden states), K == 0 (the graph
-            must still reach the head and the hidden states, so every rank's collectives
-            match) and K == B*S.
+        trained_only: the loss forms only the K trained positions (vocab-parallel's
+            ``skip_ignored`` with ``trained_count=K``, K counted before the forward;
+            ``model.fused_loss_trained_only``): the same loss and gradients up to summation
+            order, without a host sync, under tensor parallelism too. False: every position
+            goes through the head's matmuls.
 
     Returns:
         0-dim float32 tensor; its gradients were formed in forward (backward scales them).
@@ -146,8 +146,6 @@ def fused_token_sum_loss(
             "leave the output projection in the root FSDP2 unit (as apply_data_parallel does), "
             "not in a unit of its own"
         )
-    if rows is not None and not isinstance(hidden, DTensor) and 0 < rows.count() < rows.positions:
-        hidden, labels = rows.select(hidden)  # [K, H], [K]
     # The head's gradient is summed over the chunks in its own dtype, not in an fp32 buffer
     # the size of the head (1 GiB for a 128k x 2048 head) that would be alive at the end of
     # forward, with every activation: the peak. Its error stays at the bf16 rounding floor
@@ -160,6 +158,8 @@ def fused_token_sum_loss(
         reduction="sum",
         chunk_size=chunk_tokens,
         fp32_weight_grad=False,
+        skip_ignored=rows is not None,
+        trained_count=None if rows is None else rows.count(),
     )
 
 

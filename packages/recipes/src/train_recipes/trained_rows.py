@@ -1,18 +1,19 @@
-"""The trained positions of a micro-batch, selected without a host synchronisation.
+"""The number of trained positions of a micro-batch, on the host without a synchronisation.
 
-# B batch, S (local) sequence, T positions (B*S), K trained positions, H hidden
+# B batch, S (local) sequence, T positions (B*S), K trained positions
 
 The fused loss's output projection costs three [T, V] matmuls, but only the K positions with a
 label (labels != -100) contribute: prompts, padding and image tokens (30-60% of SFT positions,
-~75% of a VLM batch) give zero loss and zero gradients. Selecting the trained rows first makes
-the head's work proportional to K.
+~75% of a VLM batch) give zero loss and zero gradients. vocab-parallel's fused loss leaves them
+out of its matmuls (``skip_ignored``), which makes the head's work proportional to K.
 
-A selection needs K on the host (it is a shape), and ``mask.nonzero()`` or boolean indexing would
-read it by synchronising with the GPU mid-step. :class:`TrainedRows` instead counts on the
+Selecting them needs K on the host (it is a shape), and ``mask.nonzero()`` or boolean indexing
+would read it by synchronising with the GPU mid-step. :class:`TrainedRows` instead counts on the
 device as soon as the labels exist, before the model's forward is launched, and copies the count
 asynchronously into pinned host memory behind a CUDA event. After the forward the host waits on
 that event: the GPU passed it long before (it was queued ahead of the whole forward), so the
-wait costs nothing, and ``torch.nonzero_static`` with that size (no sync) gives the indices.
+wait costs nothing, and the loss, given K (``trained_count``), selects the positions with
+``torch.nonzero_static`` of that size (no sync).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ __all__ = ["TrainedRows"]
 
 
 class TrainedRows:
-    """The trained positions of one micro-batch's labels; construct it before the forward.
+    """How many of a micro-batch's positions are trained; construct it before the forward.
 
     On CUDA the count reaches the host through an asynchronous copy to pinned memory (an event
     marks its arrival), so neither the construction nor :meth:`count` synchronises the stream.
@@ -37,12 +38,11 @@ class TrainedRows:
         ignore_index: the label value of untrained positions.
     """
 
-    __slots__ = ("_count", "_labels", "_mask", "_ready")
+    __slots__ = ("_count", "_positions", "_ready")
 
     def __init__(self, labels: Tensor, *, ignore_index: int = -100) -> None:
-        self._labels = labels.reshape(-1)  # [T]
-        self._mask = self._labels != ignore_index  # [T] bool
-        count = self._mask.sum()
+        self._positions = labels.numel()  # T
+        count = (labels != ignore_index).sum()
         self._ready: torch.cuda.Event | None = None
         if count.is_cuda:
             host = torch.empty((), dtype=count.dtype, pin_memory=True)
@@ -55,33 +55,10 @@ class TrainedRows:
     @property
     def positions(self) -> int:
         """T: the number of positions (trained or not)."""
-        return self._labels.numel()
+        return self._positions
 
     def count(self) -> int:
         """K: the number of trained positions (waits for the copy on CUDA; no stream sync)."""
         if self._ready is not None:
             self._ready.synchronize()  # host waits for the event only, not for the stream
         return int(self._count)
-
-    def select(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
-        """The rows of ``hidden`` at the trained positions, and their labels, in order.
-
-        Args:
-            hidden: [B, S, H] (leading dims as the labels'), e.g. the final hidden states.
-
-        Returns:
-            ([K, H] rows of ``hidden``, [K] labels); the rows' gradient flows back into
-            ``hidden`` at those positions (zero elsewhere).
-
-        Raises:
-            ValueError: ``hidden``'s leading dims do not hold as many positions as the labels.
-        """
-        flat = hidden.reshape(-1, hidden.shape[-1])  # [T, H]
-        if flat.shape[0] != self.positions:
-            raise ValueError(
-                f"hidden {tuple(hidden.shape)} has {flat.shape[0]} positions but the labels have "
-                f"{self.positions}; pass the hidden states of the same (local) batch as the labels"
-            )
-        # nonzero_static takes K from the host: no device-to-host read of the size.
-        index = torch.nonzero_static(self._mask, size=self.count()).squeeze(1)  # [K]
-        return flat.index_select(0, index), self._labels.index_select(0, index)

@@ -123,23 +123,83 @@ def _chunk_matmuls(
     grad_logits: Tensor,
     h_chunk: Tensor,
     weight: Tensor,
-    grad_hidden: Tensor | None,
+    hidden_rows: Tensor | None,
     accumulator: Tensor | None,
-    start: int,
+    first: bool,
 ) -> None:
     """Form one chunk's gradients on one rank.
 
-    The chunk's hidden-gradient rows are grad_logits [C, Vl] @ weight [Vl, H]; its share of the
-    weight gradient is accumulator [Vl, H] += grad_logits.T @ h_chunk.
+    The chunk's hidden-gradient rows are hidden_rows [C, H] = grad_logits [C, Vl] @ weight
+    [Vl, H]; its share of the weight gradient is accumulator [Vl, H] += grad_logits.T @ h_chunk
+    (written, not added, for the ``first`` chunk of an uninitialised accumulator of the
+    operands' dtype).
     """
-    if grad_hidden is not None:
-        torch.mm(grad_logits, weight, out=grad_hidden[start : start + grad_logits.shape[0]])
+    if hidden_rows is not None:
+        torch.mm(grad_logits, weight, out=hidden_rows)
     if accumulator is None:
         return
-    if start == 0 and accumulator.dtype == grad_logits.dtype:
+    if first and accumulator.dtype == grad_logits.dtype:
         torch.mm(grad_logits.T, h_chunk, out=accumulator)
     else:
         accumulate_weight_grad_(accumulator, grad_logits, h_chunk)
+
+
+def trained_rows(valid: Tensor, trained_count: int | None, *, check: bool) -> Tensor | None:
+    """The positions [M] of the tokens to form (``valid``, [N] bool), or None for all N.
+
+    ``trained_count`` (M, known on the host) lets the positions be found without reading their
+    number back from the device; without it, finding them waits for the device once. ``check``
+    compares a given count with the device's (one more wait).
+
+    Raises:
+        ValueError: ``trained_count`` outside [0, N], or (``check``) not the number of True.
+    """
+    n = valid.shape[0]
+    if trained_count is None:
+        rows = torch.nonzero(valid).squeeze(1)
+    else:
+        if not 0 <= trained_count <= n:
+            raise ValueError(
+                f"trained_count={trained_count} is outside [0, {n}] (the number of tokens); pass "
+                "the number of labels that are not ignore_index, or None to count them"
+            )
+        if check and (actual := int(valid.sum())) != trained_count:
+            raise ValueError(
+                f"trained_count={trained_count}, but {actual} labels are not ignore_index; pass "
+                "their exact number (a smaller one would drop trained tokens), or None"
+            )
+        rows = torch.nonzero_static(valid, size=trained_count).squeeze(1)
+    return None if rows.shape[0] == n else rows
+
+
+class _Rows:
+    """One chunk's token positions: a slice of all N tokens, or an index into them."""
+
+    __slots__ = ("index", "select")
+
+    def __init__(self, select: slice | Tensor) -> None:
+        self.select = select
+        self.index = select if isinstance(select, Tensor) else None
+
+    def hidden(self, hidden: Tensor) -> Tensor:
+        """The chunk's hidden rows [C, H] (a view for a slice, a gathered copy for an index)."""
+        return hidden[self.select] if self.index is None else hidden.index_select(0, self.index)
+
+    def grad_rows(self, grad_hidden: Tensor | None, width: int, like: Tensor) -> Tensor | None:
+        """Where the chunk's hidden-gradient rows [C, H] are written.
+
+        The rows themselves for a slice; for an index a buffer that :meth:`scatter` puts back.
+        """
+        if grad_hidden is None:
+            return None
+        if self.index is None:
+            return grad_hidden[self.select]
+        return like.new_empty((self.index.shape[0], width))
+
+    def scatter(self, grad_hidden: Tensor | None, rows: Tensor | None) -> None:
+        """Put the buffer of :meth:`grad_rows` into the gradient's rows (a slice wrote them)."""
+        if grad_hidden is not None and rows is not None and self.index is not None:
+            grad_hidden.index_copy_(0, self.index, rows)
 
 
 class FusedLinearLoss(torch.autograd.Function):
@@ -166,13 +226,24 @@ class FusedLinearLoss(torch.autograd.Function):
         need_weight: bool,
         fp32_logits: bool,
         fp32_weight_grad: bool,
+        skip_ignored: bool,
+        trained_count: int | None,
     ) -> tuple[Tensor, Tensor]:
         n = hidden.shape[0]
         local_vocab = weight.shape[0]
         inv_t = plan.inv_temperature
         targets = locate_targets(labels, plan=plan, local_vocab=local_vocab)
         coef = torch.where(targets.valid, coefficients.float(), 0.0)
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        # Tokens labelled ignore_index add nothing to the loss or either gradient: with
+        # ``skip_ignored`` they are left out of the matmuls (their hidden-gradient rows stay 0).
+        # Labels are replicated over the vocabulary ranks, so every rank keeps the same tokens.
+        rows = None
+        if skip_ignored and n:
+            rows = trained_rows(targets.valid, trained_count, check=plan.validate)
+        m = n if rows is None else rows.shape[0]
+        grad_hidden = None
+        if need_hidden:
+            grad_hidden = torch.empty_like(hidden) if rows is None else torch.zeros_like(hidden)
         accumulator = None
         # The whole vocabulary on this rank, Triton, gradients wanted and the chunk logits in
         # the input dtype: one kernel per chunk does the softmax, the log-probs and the
@@ -186,7 +257,7 @@ class FusedLinearLoss(torch.autograd.Function):
         )
         if need_weight:
             acc_dtype = torch.float32 if fp32_weight_grad else weight.dtype
-            if one_kernel and acc_dtype == weight.dtype and n:
+            if one_kernel and acc_dtype == weight.dtype and m:
                 # The first chunk's matmul writes every element (no zero fill, no first read).
                 accumulator = torch.empty(weight.shape, dtype=acc_dtype, device=weight.device)
             else:
@@ -197,28 +268,31 @@ class FusedLinearLoss(torch.autograd.Function):
         if not one_kernel:  # the one kernel forms these itself from the labels and coef
             g_all = coef * inv_t
             target_grad = torch.where(targets.in_shard, g_all, 0.0)
-        for start in range(0, n, plan.chunk_size):
+        width = hidden.shape[1]
+        for start in range(0, m, plan.chunk_size):
+            stop = min(start + plan.chunk_size, m)
+            chunk = _Rows(slice(start, stop) if rows is None else rows[start:stop])
+            sel = chunk.select
+            h_chunk = chunk.hidden(hidden)
             if one_kernel:
-                stop = min(start + plan.chunk_size, n)
-                h_chunk = hidden[start:stop]
                 grad_logits = _chunk_logits(h_chunk, weight)  # overwritten by its gradient
                 from vocab_parallel import _triton
 
-                log_p[start:stop] = _triton.loss_grad_(
+                log_p[sel] = _triton.loss_grad_(
                     grad_logits,
                     inv_temperature=inv_t,
-                    labels=labels[start:stop],
+                    labels=labels[sel],
                     ignore_index=plan.ignore_index,
-                    coefficients=coef[start:stop],
+                    coefficients=coef[sel],
                 )
-                _chunk_matmuls(grad_logits, h_chunk, weight, grad_hidden, accumulator, start)
+                hidden_rows = chunk.grad_rows(grad_hidden, width, h_chunk)
+                _chunk_matmuls(grad_logits, h_chunk, weight, hidden_rows, accumulator, start == 0)
+                chunk.scatter(grad_hidden, hidden_rows)
                 del grad_logits
                 continue
-            stop = min(start + plan.chunk_size, n)
-            h_chunk = hidden[start:stop]
             # [C, Vl]: with its gradient, the only logits-sized buffers.
             logits = _mm_fp32(h_chunk, weight.T) if fp32_logits else _chunk_logits(h_chunk, weight)
-            index, in_shard = targets.index[start:stop], targets.in_shard[start:stop]
+            index, in_shard = targets.index[sel], targets.in_shard[sel]
             target = logits.new_zeros(stop - start, dtype=torch.float32)
             if local_vocab:
                 picked = logits.gather(1, index.unsqueeze(-1)).squeeze(-1)
@@ -238,30 +312,32 @@ class FusedLinearLoss(torch.autograd.Function):
             if glob.invalid_labels:
                 raise_invalid(labels, plan=plan, count=glob.invalid_labels)
             chunk_log_p = (glob.target - glob.shift) - glob.log_sum_exp
-            log_p[start:stop] = torch.where(targets.valid[start:stop], chunk_log_p, 0.0)
+            log_p[sel] = torch.where(targets.valid[sel], chunk_log_p, 0.0)
             if grad_hidden is None and accumulator is None:
                 continue
             if local_vocab:
                 terms = GradTerms(
                     log_normalizer=glob.log_normalizer,
-                    grad_all=g_all[start:stop],
+                    grad_all=g_all[sel],
                     target_index=index,
-                    target_grad=target_grad[start:stop],
+                    target_grad=target_grad[sel],
                 )
                 grad_logits = _chunk_logits_grad(logits, terms, plan=plan, dtype=hidden.dtype)
             else:  # a rank without vocabulary rows still joins the hidden-gradient sum
                 grad_logits = logits
             del logits
-            if grad_hidden is not None:
+            hidden_rows = chunk.grad_rows(grad_hidden, width, h_chunk)
+            if hidden_rows is not None:
                 if plan.layout.group is None:
-                    torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
+                    torch.mm(grad_logits, weight, out=hidden_rows)
                 else:
                     # Each rank saw only its vocabulary rows: the chunk's hidden gradient is a
                     # sum over ranks, taken in fp32 ([C, H], independent of V).
                     partial = _mm_fp32(grad_logits, weight)
                     dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=plan.layout.group)
-                    grad_hidden[start:stop].copy_(partial)
+                    hidden_rows.copy_(partial)
                     del partial
+                chunk.scatter(grad_hidden, hidden_rows)
             if accumulator is not None:
                 accumulate_weight_grad_(accumulator, grad_logits, h_chunk)
             del grad_logits
@@ -290,4 +366,4 @@ class FusedLinearLoss(torch.autograd.Function):
             for grad in (grad_hidden, grad_weight):
                 if grad is not None:
                     scale_by_upstream_(grad, grad_loss, backend=ctx.backend)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None

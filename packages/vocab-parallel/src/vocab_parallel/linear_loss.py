@@ -39,6 +39,8 @@ def _fused_loss(
     backend: str,
     fp32_logits: bool,
     fp32_weight_grad: bool,
+    skip_ignored: bool,
+    trained_count: int | None,
     vocab_group: VocabGroup | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, log_p [...], valid [...]) with loss = sum_t c_t * log p(label_t)."""
@@ -112,6 +114,8 @@ def _fused_loss(
             need_weight,
             bool(fp32_logits),
             bool(fp32_weight_grad),
+            bool(skip_ignored),
+            trained_count,
         )
     return loss, log_p.view(batch_shape), (labels != ignore_index)
 
@@ -129,6 +133,8 @@ def fused_linear_token_loss(
     backend: Backend = "auto",
     fp32_logits: bool = False,
     fp32_weight_grad: bool = True,
+    skip_ignored: bool = True,
+    trained_count: int | None = None,
     return_log_probs: bool = False,
     vocab_group: VocabGroup | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -176,6 +182,16 @@ def fused_linear_token_loss(
             accumulator traffic, but each chunk's partial sum is rounded, which roughly
             triples the weight gradient's error at 24 chunks; the scheme of other fused
             cross-entropy libraries). The hidden gradient is one matmul per chunk either way.
+        skip_ignored: leave the tokens labelled ``ignore_index`` out of the matmuls (they add
+            nothing to the loss or the gradients; their hidden-gradient rows are 0): in SFT,
+            where prompts are not trained, the loss then costs in proportion to the trained
+            tokens only. Finding them reads their number back from the device once (the host
+            waits for the work queued so far) unless ``trained_count`` is given. False: every
+            token goes through the matmuls, and no such read (e.g. under CUDA-graph capture).
+        trained_count: the number of labels that are not ``ignore_index``, when the host knows
+            it (e.g. counted by the data loader, or copied back asynchronously before the
+            model's forward): then skipping needs no read from the device. It must be exact: a
+            smaller number would drop trained tokens (``validate=True`` checks it, one read).
         return_log_probs: also return log p(label) [...] (fp32, not differentiable, 0 where
             ignored), e.g. for logging.
         vocab_group: for a plain local weight shard ``[Vl, H]`` (Megatron's output layer): its
@@ -202,6 +218,8 @@ def fused_linear_token_loss(
         backend=backend,
         fp32_logits=fp32_logits,
         fp32_weight_grad=fp32_weight_grad,
+        skip_ignored=skip_ignored,
+        trained_count=trained_count,
         vocab_group=vocab_group,
     )
     return (loss, log_p) if return_log_probs else loss
@@ -220,6 +238,8 @@ def linear_cross_entropy(
     backend: Backend = "auto",
     fp32_logits: bool = False,
     fp32_weight_grad: bool = True,
+    skip_ignored: bool = True,
+    trained_count: int | None = None,
     vocab_group: VocabGroup | None = None,
 ) -> Tensor:
     """``F.cross_entropy(hidden @ weight.T / temperature, labels)``, gradients formed in forward.
@@ -241,6 +261,9 @@ def linear_cross_entropy(
         backend: "auto", "torch" or "triton".
         fp32_logits: keep chunk logits in fp32.
         fp32_weight_grad: sum the weight gradient in fp32.
+        skip_ignored: leave ignored tokens out of the matmuls (one read of their number from
+            the device unless ``trained_count`` is given).
+        trained_count: the exact number of labels that are not ``ignore_index``, if known.
         vocab_group: as in :func:`fused_linear_token_loss`.
         reduction: "mean" or "sum" (per-token losses: use
             :func:`vocab_parallel.linear_token_log_probs`).
@@ -273,6 +296,8 @@ def linear_cross_entropy(
         backend=backend,
         fp32_logits=fp32_logits,
         fp32_weight_grad=fp32_weight_grad,
+        skip_ignored=skip_ignored,
+        trained_count=trained_count,
         vocab_group=vocab_group,
     )
     if valid_count is not None:
