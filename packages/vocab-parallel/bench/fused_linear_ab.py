@@ -106,9 +106,10 @@ def _hidden_grad_formed(
     original = _fused_linear._chunk_matmuls
 
     def chunk_matmuls(grad_logits, h_chunk, weight, hidden_rows, accumulator, first):  # type: ignore[no-untyped-def]
+        # The weight gradient first: the hidden rows may be h_chunk's gathered buffer.
+        original(grad_logits, h_chunk, weight, None, accumulator, first)
         if hidden_rows is not None:
             hidden_rows.copy_(form(grad_logits, weight))
-        original(grad_logits, h_chunk, weight, None, accumulator, first)
 
     return _patched("_chunk_matmuls", chunk_matmuls)
 
@@ -140,6 +141,10 @@ def _two_streams() -> contextlib.AbstractContextManager[None]:
     side = torch.cuda.Stream()
 
     def chunk_matmuls(grad_logits, h_chunk, weight, hidden_rows, accumulator, first):  # type: ignore[no-untyped-def]
+        if hidden_rows is not None and hidden_rows.data_ptr() == h_chunk.data_ptr():
+            # A gathered chunk's hidden rows reuse its buffer: the products must take turns.
+            original(grad_logits, h_chunk, weight, hidden_rows, accumulator, first)
+            return
         main = torch.cuda.current_stream()
         side.wait_stream(main)
         original(grad_logits, h_chunk, weight, hidden_rows, None, first)
@@ -186,9 +191,9 @@ def _quack_products(best: dict[str, str], products: str, acc_mode: str) -> Itera
             original = _fused_linear._chunk_matmuls
 
             def chunk_matmuls(grad_logits, h_chunk, weight, hidden_rows, accumulator, first):  # type: ignore[no-untyped-def]
-                if hidden_rows is not None:
-                    hgrad(grad_logits, weight, hidden_rows)
                 original(grad_logits, h_chunk, weight, None, accumulator, first)
+                if hidden_rows is not None:  # after: it may be h_chunk's gathered buffer
+                    hgrad(grad_logits, weight, hidden_rows)
 
             stack.enter_context(_patched("_chunk_matmuls", chunk_matmuls))
         if "W" in products:

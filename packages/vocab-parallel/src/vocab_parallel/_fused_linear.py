@@ -129,19 +129,18 @@ def _chunk_matmuls(
 ) -> None:
     """Form one chunk's gradients on one rank.
 
-    The chunk's hidden-gradient rows are hidden_rows [C, H] = grad_logits [C, Vl] @ weight
-    [Vl, H]; its share of the weight gradient is accumulator [Vl, H] += grad_logits.T @ h_chunk
-    (written, not added, for the ``first`` chunk of an uninitialised accumulator of the
-    operands' dtype).
+    Its share of the weight gradient is accumulator [Vl, H] += grad_logits.T @ h_chunk (written,
+    not added, for the ``first`` chunk of an uninitialised accumulator of the operands' dtype);
+    then its hidden-gradient rows are hidden_rows [C, H] = grad_logits [C, Vl] @ weight [Vl, H]
+    (in that order, so that ``hidden_rows`` may be ``h_chunk``'s own gathered buffer).
     """
+    if accumulator is not None:
+        if first and accumulator.dtype == grad_logits.dtype:
+            torch.mm(grad_logits.T, h_chunk, out=accumulator)
+        else:
+            accumulate_weight_grad_(accumulator, grad_logits, h_chunk)
     if hidden_rows is not None:
         torch.mm(grad_logits, weight, out=hidden_rows)
-    if accumulator is None:
-        return
-    if first and accumulator.dtype == grad_logits.dtype:
-        torch.mm(grad_logits.T, h_chunk, out=accumulator)
-    else:
-        accumulate_weight_grad_(accumulator, grad_logits, h_chunk)
 
 
 def trained_rows(valid: Tensor, trained_count: int | None, *, check: bool) -> Tensor | None:
@@ -185,16 +184,15 @@ class _Rows:
         """The chunk's hidden rows [C, H] (a view for a slice, a gathered copy for an index)."""
         return hidden[self.select] if self.index is None else hidden.index_select(0, self.index)
 
-    def grad_rows(self, grad_hidden: Tensor | None, width: int, like: Tensor) -> Tensor | None:
+    def grad_rows(self, grad_hidden: Tensor | None, h_chunk: Tensor) -> Tensor | None:
         """Where the chunk's hidden-gradient rows [C, H] are written.
 
-        The rows themselves for a slice; for an index a buffer that :meth:`scatter` puts back.
+        The rows themselves for a slice; for an index the chunk's gathered hidden rows (no
+        longer read once the weight gradient has its share), which :meth:`scatter` puts back.
         """
         if grad_hidden is None:
             return None
-        if self.index is None:
-            return grad_hidden[self.select]
-        return like.new_empty((self.index.shape[0], width))
+        return grad_hidden[self.select] if self.index is None else h_chunk
 
     def scatter(self, grad_hidden: Tensor | None, rows: Tensor | None) -> None:
         """Put the buffer of :meth:`grad_rows` into the gradient's rows (a slice wrote them)."""
@@ -268,7 +266,6 @@ class FusedLinearLoss(torch.autograd.Function):
         if not one_kernel:  # the one kernel forms these itself from the labels and coef
             g_all = coef * inv_t
             target_grad = torch.where(targets.in_shard, g_all, 0.0)
-        width = hidden.shape[1]
         for start in range(0, m, plan.chunk_size):
             stop = min(start + plan.chunk_size, m)
             chunk = _Rows(slice(start, stop) if rows is None else rows[start:stop])
@@ -285,7 +282,7 @@ class FusedLinearLoss(torch.autograd.Function):
                     ignore_index=plan.ignore_index,
                     coefficients=coef[sel],
                 )
-                hidden_rows = chunk.grad_rows(grad_hidden, width, h_chunk)
+                hidden_rows = chunk.grad_rows(grad_hidden, h_chunk)
                 _chunk_matmuls(grad_logits, h_chunk, weight, hidden_rows, accumulator, start == 0)
                 chunk.scatter(grad_hidden, hidden_rows)
                 del grad_logits
@@ -326,7 +323,9 @@ class FusedLinearLoss(torch.autograd.Function):
             else:  # a rank without vocabulary rows still joins the hidden-gradient sum
                 grad_logits = logits
             del logits
-            hidden_rows = chunk.grad_rows(grad_hidden, width, h_chunk)
+            if accumulator is not None:  # first: the hidden rows may reuse h_chunk's buffer
+                accumulate_weight_grad_(accumulator, grad_logits, h_chunk)
+            hidden_rows = chunk.grad_rows(grad_hidden, h_chunk)
             if hidden_rows is not None:
                 if plan.layout.group is None:
                     torch.mm(grad_logits, weight, out=hidden_rows)
@@ -338,8 +337,6 @@ class FusedLinearLoss(torch.autograd.Function):
                     hidden_rows.copy_(partial)
                     del partial
                 chunk.scatter(grad_hidden, hidden_rows)
-            if accumulator is not None:
-                accumulate_weight_grad_(accumulator, grad_logits, h_chunk)
             del grad_logits
         grad_weight = None
         if accumulator is not None:
