@@ -210,6 +210,9 @@ class FusedLinearLoss(torch.autograd.Function):
     they are rounded to the input dtype, as any matmul returns them, and their gradient
     overwrites them); ``fp32_weight_grad`` sums the weight gradient over the chunks in an fp32
     buffer (else in the weight's dtype: each chunk's partial sum is rounded once).
+    ``skip_ignored`` walks only the tokens whose label is not ``ignore_index`` (found with
+    :func:`trained_rows`, given ``trained_count`` when the host knows it); the others' hidden
+    gradient rows are 0.
     """
 
     @staticmethod
