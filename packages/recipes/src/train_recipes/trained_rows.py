@@ -38,10 +38,9 @@ class TrainedRows:
         ignore_index: the label value of untrained positions.
     """
 
-    __slots__ = ("_count", "_positions", "_ready")
+    __slots__ = ("_count", "_ready")
 
     def __init__(self, labels: Tensor, *, ignore_index: int = -100) -> None:
-        self._positions = labels.numel()  # T
         count = (labels != ignore_index).sum()
         self._ready: torch.cuda.Event | None = None
         if count.is_cuda:
@@ -51,11 +50,6 @@ class TrainedRows:
             self._ready.record()  # on the current stream, behind the copy
             count = host
         self._count = count  # a host tensor: reading it never touches the device
-
-    @property
-    def positions(self) -> int:
-        """T: the number of positions (trained or not)."""
-        return self._positions
 
     def count(self) -> int:
         """K: the number of trained positions (waits for the copy on CUDA; no stream sync)."""

@@ -174,11 +174,15 @@ def trained_rows(valid: Tensor, trained_count: int | None, *, check: bool) -> Te
 class _Rows:
     """One chunk's token positions: a slice of all N tokens, or an index into them."""
 
-    __slots__ = ("index", "select")
+    __slots__ = ("select",)
 
     def __init__(self, select: slice | Tensor) -> None:
         self.select = select
-        self.index = select if isinstance(select, Tensor) else None
+
+    @property
+    def index(self) -> Tensor | None:
+        """The positions [C] when the chunk is gathered, else None (a slice)."""
+        return self.select if isinstance(self.select, Tensor) else None
 
     def hidden(self, hidden: Tensor) -> Tensor:
         """The chunk's hidden rows [C, H] (a view for a slice, a gathered copy for an index)."""
@@ -326,20 +330,20 @@ class FusedLinearLoss(torch.autograd.Function):
             else:  # a rank without vocabulary rows still joins the hidden-gradient sum
                 grad_logits = logits
             del logits
-            if accumulator is not None:  # first: the hidden rows may reuse h_chunk's buffer
-                accumulate_weight_grad_(accumulator, grad_logits, h_chunk)
             hidden_rows = chunk.grad_rows(grad_hidden, h_chunk)
-            if hidden_rows is not None:
-                if plan.layout.group is None:
-                    torch.mm(grad_logits, weight, out=hidden_rows)
-                else:
-                    # Each rank saw only its vocabulary rows: the chunk's hidden gradient is a
-                    # sum over ranks, taken in fp32 ([C, H], independent of V).
-                    partial = _mm_fp32(grad_logits, weight)
-                    dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=plan.layout.group)
-                    hidden_rows.copy_(partial)
-                    del partial
-                chunk.scatter(grad_hidden, hidden_rows)
+            sharded = plan.layout.group is not None
+            # The accumulator was zero-filled here: every chunk adds (first=False).
+            local_rows = None if sharded else hidden_rows
+            _chunk_matmuls(grad_logits, h_chunk, weight, local_rows, accumulator, False)
+            if hidden_rows is not None and sharded:
+                # Each rank saw only its vocabulary rows: the chunk's hidden gradient is a sum
+                # over ranks, taken in fp32 ([C, H], independent of V); h_chunk is no longer
+                # read, so the rows may be its gathered buffer.
+                partial = _mm_fp32(grad_logits, weight)
+                dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=plan.layout.group)
+                hidden_rows.copy_(partial)
+                del partial
+            chunk.scatter(grad_hidden, hidden_rows)
             del grad_logits
         grad_weight = None
         if accumulator is not None:
