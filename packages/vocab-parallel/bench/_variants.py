@@ -172,6 +172,7 @@ def linear_variants(
     out = {
         "naive_linear": make(lambda: naive_loss(hidden @ weight.T, labels)),
         "fused_linear": make(recompute_form),
+        "fused_linear_all": make(lambda: recompute_form(skip_ignored=False)),
     }
     if device.type == "cuda":
         for rows in linear_blocks:

@@ -3,8 +3,9 @@ ours and their peers side by side in one process.
 
     python packages/vocab-parallel/bench/log_probs.py --device cuda --tokens 8192 --vocab 151936
 
-Every variant computes the token-sum loss sum_t -log p(label_t) (1/16 of the labels are
-ignore_index) for T tokens over V entries and backpropagates it.
+Every variant computes the token-sum loss sum_t -log p(label_t) (every 16th label is
+ignore_index; --ignore-every 2 ignores half, as an RL batch whose prompts are half its tokens)
+for T tokens over V entries and backpropagates it.
 
 On logits [T, V] (baseline: naive):
     naive             -log_softmax(logits.float()).gather(...).sum()
@@ -15,7 +16,9 @@ On logits [T, V] (baseline: naive):
     liger_ce          liger_kernel's cross-entropy (in place too; CUDA, optional import)
 On hidden [T, H] and the projection weight [V, H] (baseline: naive_linear):
     naive_linear      hidden @ weight.T, then naive
-    fused_linear      vocab_parallel.linear_token_log_probs (recomputes the logits in backward)
+    fused_linear      vocab_parallel.linear_token_log_probs (recomputes the logits in backward;
+                      the ignored tokens are left out of its matmuls)
+    fused_linear_all  the same with skip_ignored=False (every token through the matmuls)
     fused_linear_bN   the same with N vocabulary rows per block (--linear-blocks, CUDA)
     grads_in_forward  vocab_parallel.linear_cross_entropy(reduction="sum"): gradients formed
                       in forward (defaults: bf16 chunk logits, fp32 weight-gradient sum)
@@ -135,6 +138,29 @@ def _check(
     return loss_err, grad_err
 
 
+def _wanted(only: str) -> set[str]:
+    return {name.strip() for name in only.split(",") if name.strip()}
+
+
+def _selected(variants: dict[str, Variant], only: str) -> dict[str, Variant]:
+    """The variants named in ``only`` (comma-separated; empty: all), baselines always kept."""
+    if not only:
+        return variants
+    wanted = _wanted(only)
+    return {
+        name: variant
+        for name, variant in variants.items()
+        if name in wanted or name in ("naive", "naive_linear")
+    }
+
+
+def _check_only(only: str, *known: dict[str, Variant]) -> None:
+    """Stop with one line when ``--only`` names a variant this run does not have."""
+    names = {name for variants in known for name in variants}
+    if unknown := sorted(_wanted(only) - names):
+        raise SystemExit(f"--only: no variant {', '.join(unknown)}; this run has {sorted(names)}")
+
+
 def _measure(
     variants: dict[str, Variant],
     *,
@@ -202,8 +228,21 @@ def main(argv: list[str] | None = None) -> list[Row]:
         default="",
         help="comma-separated tokens per chunk: extra grads_in_forward(_fast)_cN rows (CUDA)",
     )
+    parser.add_argument(
+        "--ignore-every",
+        type=int,
+        default=16,
+        help="every K-th label is ignore_index (default 16; 2: half the tokens, as RL prompts)",
+    )
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated variants to run besides the baselines naive and naive_linear",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default: stdout only)")
     args = parser.parse_args(argv)
+    if args.ignore_every < 1:
+        parser.error(f"--ignore-every must be >= 1, got {args.ignore_every}")
     if args.quick:
         args.tokens, args.vocab, args.hidden = 64, 1000, 32
         args.repeats, args.warmup = 2, 1
@@ -213,7 +252,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     torch.manual_seed(0)
     t, v, h = args.tokens, args.vocab, args.hidden
     labels = torch.randint(0, v, (t,), device=device)
-    labels[::16] = IGNORE
+    labels[:: args.ignore_every] = IGNORE
     logits = torch.randn(t, v, device=device, dtype=dtype).requires_grad_()
     logits_bytes = logits.numel() * logits.element_size()
 
@@ -222,8 +261,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
     reference = _reference([logits], loss_of_logits)
     floors = {"logits": _rounding_floor(reference[1], dtype)}
+    on_logits = logits_variants(logits, labels, device)
+    if args.no_linear:
+        _check_only(args.only, on_logits)
     rows = _measure(
-        logits_variants(logits, labels, device),
+        _selected(on_logits, args.only),
         device=device,
         args=args,
         logits_bytes=logits_bytes,
@@ -247,8 +289,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
             linear_blocks=_ints(args.linear_blocks),
             fused_chunks=_ints(args.fused_chunks),
         )
+        _check_only(args.only, on_logits, variants)
         rows += _measure(
-            variants, device=device, args=args, logits_bytes=logits_bytes, reference=reference
+            _selected(variants, args.only),
+            device=device,
+            args=args,
+            logits_bytes=logits_bytes,
+            reference=reference,
         )
         del reference
 
@@ -278,6 +325,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         "peers": _peer_versions(),
         "python": platform.python_version(),
         "tokens": t,
+        "ignore_every": args.ignore_every,
         "vocab": v,
         "hidden": h,
         "dtype": args.dtype,

@@ -18,7 +18,15 @@ def test_bench_quick_runs_and_writes_json(tmp_path: Path) -> None:
     assert "x floor" in result.stdout
     report = result.report
     rows = {row["variant"]: row for row in report["rows"]}
-    ours = ["naive", "ours", "ours_in_place", "naive_linear", "fused_linear", "grads_in_forward"]
+    ours = [
+        "naive",
+        "ours",
+        "ours_in_place",
+        "naive_linear",
+        "fused_linear",
+        "fused_linear_all",
+        "grads_in_forward",
+    ]
     peers = ["liger_ce", "liger_fused_linear", "cce", "cce_exact"]
     variants = ["grads_in_forward_fast", "grads_in_forward_exact"]
     assert list(rows) == [*ours[:3], "liger_ce", *ours[3:], *variants, *peers[1:]]
@@ -36,6 +44,29 @@ def test_bench_quick_runs_and_writes_json(tmp_path: Path) -> None:
     for name in peers:  # the peers need CUDA (or are not installed): a row says which
         assert rows[name]["status"] in ("needs CUDA", "not installed"), rows[name]
         assert rows[name]["median_ms"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bench_only_and_ignore_every(tmp_path: Path) -> None:
+    """``--only`` keeps the named rows and the baselines; ``--ignore-every`` sets the labels."""
+    result = run_quick(
+        BENCH, tmp_path, "--device", "cpu", "--ignore-every", "2", "--only", "fused_linear_all"
+    )
+    rows = [row["variant"] for row in result.report["rows"]]
+    assert rows == ["naive", "naive_linear", "fused_linear_all"]
+    assert result.report["ignore_every"] == 2
+    import subprocess
+    import sys
+
+    bad = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--device", "cpu", "--only", "fused_lin"],
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert bad.returncode != 0 and "--only: no variant fused_lin" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 @pytest.mark.slow

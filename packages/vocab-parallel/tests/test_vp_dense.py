@@ -140,6 +140,104 @@ def test_linear_token_log_probs_matches_reference(dtype: torch.dtype, chunk_size
     assert torch.all(h.grad[labels == IGNORE] == 0)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_linear_log_probs_skip_ignored_forms_only_trained_rows(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``skip_ignored`` (the default) sends only the labelled tokens through the forward and
+    the recomputing backward, with the log-probs and gradients of forming every token, 0 and
+    a zero hidden gradient at the ignored positions; ``trained_count`` avoids torch.nonzero."""
+    from vocab_parallel import _linear
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+        if not torch.cuda.is_available():
+            pytest.skip("the Triton backend runs on CUDA; its CPU twin is the torch case")
+    device = "cuda" if backend == "triton" else "cpu"
+    dtype = torch.bfloat16 if backend == "triton" else torch.float32
+    shape = (4, 9)
+    gen = torch.Generator().manual_seed(16)
+    hidden = torch.randn(*shape, 16, generator=gen).to(device, dtype)
+    weight = (torch.randn(VOCAB, 16, generator=gen) * 0.5).to(device, dtype)
+    labels = reference.make_labels(shape, VOCAB, seed=16, ignore_fraction=0.5).to(device)
+    valid = labels != IGNORE
+    trained = int(valid.sum())
+    assert 0 < trained < labels.numel()  # the test can fail: some tokens are ignored, some not
+    coef = reference.upstream(shape, seed=16).to(device)
+    forward_rows: list[int] = []
+    backward_rows: list[int] = []
+    stats, grad = _linear._blockwise_stats, _linear._chunk_logits_grad
+
+    def count_forward(h: torch.Tensor, *args: object, **kw: object):  # type: ignore[no-untyped-def]
+        forward_rows.append(h.shape[0])
+        return stats(h, *args, **kw)  # type: ignore[arg-type]
+
+    def count_backward(logits: torch.Tensor, *args: object, **kw: object):  # type: ignore[no-untyped-def]
+        backward_rows.append(logits.shape[0])
+        return grad(logits, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_linear, "_blockwise_stats", count_forward)
+    monkeypatch.setattr(_linear, "_chunk_logits_grad", count_backward)
+
+    def run(**options: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        forward_rows.clear()
+        backward_rows.clear()
+        h = hidden.clone().requires_grad_()
+        w = weight.clone().requires_grad_()
+        out = vp.linear_token_log_probs(
+            h,
+            w,
+            labels,
+            temperature=1.3,
+            chunk_size=20,
+            backend=backend,
+            **options,  # type: ignore[arg-type]
+        )
+        (out.double() * coef).sum().backward()
+        assert h.grad is not None and w.grad is not None
+        return out.detach(), h.grad, w.grad
+
+    every = run(skip_ignored=False)
+    assert forward_rows == [labels.numel()] and set(backward_rows) == {labels.numel()}
+    skipped = run()
+    assert forward_rows == [trained] and set(backward_rows) == {trained}, backward_rows
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **kw: pytest.fail("torch.nonzero ran"))
+    counted = run(trained_count=trained, validate=True)
+    assert forward_rows == [trained]
+    for got in (skipped, counted):
+        for a, b in zip(got, every, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert not skipped[0][~valid].any() and not skipped[1][~valid].any()
+    if dtype == torch.float32:  # and against the float64 reference, computed unfused
+        hd = hidden.double().requires_grad_()
+        wd = weight.double().requires_grad_()
+        expected = reference.ref_log_probs(hd @ wd.T, labels, 1.3, IGNORE)
+        (expected * coef).sum().backward()
+        _close(skipped[0], expected, atol=1e-5, rtol=1e-4, what="skipped log-probs")
+        _close(skipped[1], hd.grad, atol=1e-5, rtol=1e-4, what="skipped hidden gradient")
+        _close(skipped[2], wd.grad, atol=1e-5, rtol=1e-4, what="skipped weight gradient")
+
+
+def test_linear_log_probs_all_ignored_and_trained_count_errors() -> None:
+    gen = torch.Generator().manual_seed(17)
+    hidden = torch.randn(*SHAPE, 8, generator=gen).requires_grad_()
+    weight = torch.randn(VOCAB, 8, generator=gen).requires_grad_()
+    labels = torch.full(SHAPE, IGNORE)
+    for count in (None, 0):  # no trained token: nothing formed, zeros and zero gradients
+        out = vp.linear_token_log_probs(hidden, weight, labels, trained_count=count)
+        assert out.shape == SHAPE and not out.any()
+        out.sum().backward()
+        assert hidden.grad is not None and weight.grad is not None
+        assert not hidden.grad.any() and not weight.grad.any()
+        hidden.grad = weight.grad = None
+    labels = reference.make_labels(SHAPE, VOCAB, seed=17)
+    trained = int((labels != IGNORE).sum())
+    with pytest.raises(ValueError, match=rf"outside \[0, {labels.numel()}\]"):
+        vp.linear_token_log_probs(hidden, weight, labels, trained_count=labels.numel() + 1)
+    with pytest.raises(ValueError, match=f"trained_count={trained - 1}, but {trained} labels"):
+        vp.linear_token_log_probs(hidden, weight, labels, trained_count=trained - 1, validate=True)
+
+
 def test_linear_matches_unfused_logits_bitwise_close() -> None:
     """Same bf16 logits as `hidden @ weight.T`: the fused form equals token_log_probs on them."""
     gen = torch.Generator().manual_seed(7)

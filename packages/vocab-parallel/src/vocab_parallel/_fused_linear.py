@@ -33,6 +33,7 @@ from vocab_parallel._math import (
     scaled_target,
     shard_stats,
 )
+from vocab_parallel._operands import trained_rows
 from vocab_parallel._reduce import reduce_stats
 
 # Default chunking: one chunk's logits hold at most 1/FUSED_CHUNKS of the full [N, Vl] logits
@@ -141,34 +142,6 @@ def _chunk_matmuls(
             accumulate_weight_grad_(accumulator, grad_logits, h_chunk)
     if hidden_rows is not None:
         torch.mm(grad_logits, weight, out=hidden_rows)
-
-
-def trained_rows(valid: Tensor, trained_count: int | None, *, check: bool) -> Tensor | None:
-    """The positions [M] of the tokens to form (``valid``, [N] bool), or None for all N.
-
-    ``trained_count`` (M, known on the host) lets the positions be found without reading their
-    number back from the device; without it, finding them waits for the device once. ``check``
-    compares a given count with the device's (one more wait).
-
-    Raises:
-        ValueError: ``trained_count`` outside [0, N], or (``check``) not the number of True.
-    """
-    n = valid.shape[0]
-    if trained_count is None:
-        rows = torch.nonzero(valid).squeeze(1)
-    else:
-        if not 0 <= trained_count <= n:
-            raise ValueError(
-                f"trained_count={trained_count} is outside [0, {n}] (the number of tokens); pass "
-                "the number of labels that are not ignore_index, or None to count them"
-            )
-        if check and (actual := int(valid.sum())) != trained_count:
-            raise ValueError(
-                f"trained_count={trained_count}, but {actual} labels are not ignore_index; pass "
-                "their exact number (a smaller one would drop trained tokens), or None"
-            )
-        rows = torch.nonzero_static(valid, size=trained_count).squeeze(1)
-    return None if rows.shape[0] == n else rows
 
 
 class _Rows:

@@ -198,3 +198,31 @@ def logits_operands(
         in_place=in_place,
     )
     return LogitsOperands(slabs=slabs, labels=flat_labels, plan=plan, batch_shape=batch_shape)
+
+
+def trained_rows(valid: Tensor, trained_count: int | None, *, check: bool) -> Tensor | None:
+    """The positions [M] of the tokens to form (``valid``, [N] bool), or None for all N.
+
+    ``trained_count`` (M, known on the host) lets the positions be found without reading their
+    number back from the device; without it, finding them waits for the device once. ``check``
+    compares a given count with the device's (one more wait).
+
+    Raises:
+        ValueError: ``trained_count`` outside [0, N], or (``check``) not the number of True.
+    """
+    n = valid.shape[0]
+    if trained_count is None:
+        rows = torch.nonzero(valid).squeeze(1)
+    else:
+        if not 0 <= trained_count <= n:
+            raise ValueError(
+                f"trained_count={trained_count} is outside [0, {n}] (the number of tokens); pass "
+                "the number of labels that are not ignore_index, or None to count them"
+            )
+        if check and (actual := int(valid.sum())) != trained_count:
+            raise ValueError(
+                f"trained_count={trained_count}, but {actual} labels are not ignore_index; pass "
+                "their exact number (a smaller one would drop trained tokens), or None"
+            )
+        rows = torch.nonzero_static(valid, size=trained_count).squeeze(1)
+    return None if rows.shape[0] == n else rows

@@ -24,6 +24,7 @@ from vocab_parallel._operands import (
     linear_operands,
     logits_operands,
     resolve_backend,
+    trained_rows,
 )
 from vocab_parallel._sharding import replicated_local
 from vocab_parallel.plain_shard import VocabGroup
@@ -264,6 +265,8 @@ def linear_token_log_probs(
     chunk_size: int | None = None,
     validate: bool = False,
     backend: Backend = "auto",
+    skip_ignored: bool = True,
+    trained_count: int | None = None,
     vocab_group: VocabGroup | None = None,
 ) -> Tensor:
     """Log p(label) under softmax(hidden @ weight.T / temperature), never building [N, V].
@@ -272,7 +275,9 @@ def linear_token_log_probs(
     logits are recomputed in backward. Extra memory, besides the gradients themselves: on
     the Triton backend (bf16/fp16) one [N, B] block in the input dtype, overwritten by its own
     gradient, and an fp32 [N, H] hidden-gradient accumulator that each block's matmul adds
-    into; on the torch backend an fp32 block, its gradient and the same accumulator.
+    into; on the torch backend an fp32 block, its gradient and the same accumulator. With
+    ``skip_ignored`` (the default) N there is the number of trained tokens M, plus the
+    gathered [M, H] copy of their hidden rows.
 
     Speed: the recomputation makes four logits-sized matmuls where matmul + log_softmax makes
     three. Where the unfused fp32 log_softmax costs no more than about one such matmul, this is
@@ -292,6 +297,14 @@ def linear_token_log_probs(
         validate: check the label range (one device-to-host sync).
         backend: "auto", "torch" or "triton" for the per-block softmax work around the
             matmuls (see :func:`token_log_probs`).
+        skip_ignored: leave the tokens labelled ``ignore_index`` (an RL prompt, padding) out
+            of all four matmuls: their rows of ``hidden`` are gathered out once, the trained
+            rows' log-probs are scattered back, and the ignored positions get 0 and a zero
+            hidden gradient as before. Finding the rows reads their number from the device
+            once (see ``trained_count``); False forms every token.
+        trained_count: the number of labels that are not ``ignore_index`` when the host knows
+            it (no device read; ``validate=True`` checks it). A wrong count without
+            ``validate`` drops or repeats rows.
         vocab_group: for a plain local weight shard ``[Vl, H]`` (Megatron's output layer): its
             process group (even split) or a :class:`~vocab_parallel.VocabSplit`; None: the
             layout comes from ``weight`` (see :func:`token_log_probs`).
@@ -299,6 +312,10 @@ def linear_token_log_probs(
     Returns:
         [...] float32, identical on every vocabulary rank. The hidden gradient is summed over
         the vocabulary ranks in backward, so it is the full gradient on every rank.
+
+    Raises:
+        ValueError: ``trained_count`` outside [0, N], or (``validate``) not the number of
+            labels that are not ``ignore_index``; invalid labels (``validate``).
     """
     inv_t, shard, flat_hidden, labels, batch_shape = linear_operands(
         hidden,
@@ -308,6 +325,14 @@ def linear_token_log_probs(
         chunk_size=chunk_size,
         vocab_group=vocab_group,
     )
+    flat_labels = labels.reshape(-1)
+    rows = (
+        trained_rows(flat_labels != ignore_index, trained_count, check=validate)
+        if skip_ignored
+        else None
+    )
+    formed_hidden = flat_hidden if rows is None else flat_hidden.index_select(0, rows)
+    formed_labels = flat_labels if rows is None else flat_labels.index_select(0, rows)
     resolved = resolve_backend(backend, flat_hidden)
     low_precision = resolved == "triton" and flat_hidden.dtype in (torch.bfloat16, torch.float16)
     plan = Plan(
@@ -315,11 +340,18 @@ def linear_token_log_probs(
         inv_temperature=inv_t,
         ignore_index=ignore_index,
         chunk_size=chunk_size
-        or block_size_for(flat_hidden.shape[0], shard.local.shape[0], low_precision=low_precision),
+        or block_size_for(
+            formed_hidden.shape[0], shard.local.shape[0], low_precision=low_precision
+        ),
         entropy=False,
         uniform=False,
         validate=validate,
         backend=resolved,
     )
-    log_p = LinearLogProbs.apply(flat_hidden, shard.local, labels.reshape(-1), plan)
+    log_p = LinearLogProbs.apply(formed_hidden, shard.local, formed_labels, plan)
+    if rows is not None:
+        # index_copy is differentiable in its source: backward hands the trained rows their
+        # upstream gradient, and index_select's backward scatters their hidden gradient into
+        # zeros, so the ignored rows get exactly 0.
+        log_p = log_p.new_zeros(flat_labels.shape[0]).index_copy(0, rows, log_p)
     return log_p.view(batch_shape)
