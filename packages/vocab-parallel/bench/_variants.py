@@ -39,13 +39,13 @@ def naive_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return -(log_p * valid).sum()
 
 
-def _peer_status(module: str, device: torch.device) -> str:
+def peer_status(module: str, device: torch.device) -> str:
     if importlib.util.find_spec(module) is None:
         return "not installed"
     return "ok" if device.type == "cuda" else "needs CUDA"
 
 
-def _skipped(baseline: str, status: str) -> Variant:
+def skipped(baseline: str, status: str) -> Variant:
     def nothing() -> tuple[None, list[torch.Tensor]]:
         return None, []
 
@@ -118,9 +118,9 @@ def logits_variants(
         grad_bytes=0,
         prepare=refill,
     )
-    status = _peer_status("liger_kernel", device)
+    status = peer_status("liger_kernel", device)
     if status != "ok":
-        out["liger_ce"] = _skipped("naive", status)
+        out["liger_ce"] = skipped("naive", status)
     else:
         from liger_kernel.transformers.functional import liger_cross_entropy
 
@@ -188,9 +188,9 @@ def linear_variants(
             out[f"grads_in_forward_fast_c{tokens}"] = make(
                 lambda tokens=tokens: grads_in_forward(chunk_size=tokens, fp32_weight_grad=False)
             )
-    status = _peer_status("liger_kernel", device)
+    status = peer_status("liger_kernel", device)
     if status != "ok":
-        out["liger_fused_linear"] = _skipped("naive_linear", status)
+        out["liger_fused_linear"] = skipped("naive_linear", status)
     else:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
@@ -199,10 +199,10 @@ def linear_variants(
                 hidden, weight, labels, ignore_index=IGNORE, reduction="sum"
             )
         )
-    status = _peer_status("cut_cross_entropy", device)
+    status = peer_status("cut_cross_entropy", device)
     for name, filter_eps in (("cce", "high"), ("cce_exact", None)):
         if status != "ok":
-            out[name] = _skipped("naive_linear", status)
+            out[name] = skipped("naive_linear", status)
             continue
         from cut_cross_entropy import linear_cross_entropy as cce
 

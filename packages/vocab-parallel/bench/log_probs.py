@@ -48,54 +48,24 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from _measure import (
+    GIB,
+    Row,
+    device_name,
+    fp32_reference,
+    measure,
+    peer_versions,
+    rounding_floor,
+    time_ms,
+)
 from _variants import IGNORE, Variant, linear_variants, logits_variants, naive_loss
 
 import vocab_parallel as vp
-from train_testing.bench.runtime import add_device_argument, sync, times_ms
-
-GIB = 1024**3
-
-
-@dataclass(kw_only=True, slots=True)
-class Row:
-    """One variant's measurements; a variant that did not run keeps the defaults (no numbers)."""
-
-    variant: str
-    baseline: str
-    median_ms: float | None = None
-    peak_extra_gib: float | None = None
-    extra_over_logits: float | None = None
-    grad_gib: float = 0.0
-    transient_over_logits: float | None = None
-    speedup: float | None = None
-    over_floor: float | None = None
-    status: str = "ok"
-    loss_rel_err: float | None = None
-    grad_rel_err: float | None = None
-
-
-def _time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
-    return statistics.median(times_ms(fn, device, warmup=warmup, iters=repeats))
-
-
-def _peak_extra(
-    fn: Callable[[], object], reset: Callable[[], None], device: torch.device
-) -> float | None:
-    if device.type != "cuda":
-        return None
-    reset()  # free the previous run's gradients, so that they count in this peak
-    sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    fn()
-    sync(device)
-    return (torch.cuda.max_memory_allocated(device) - base) / GIB
+from train_testing.bench.runtime import add_device_argument
 
 
 def _copy_bandwidth(nbytes: int, device: torch.device, repeats: int) -> float:
@@ -106,36 +76,8 @@ def _copy_bandwidth(nbytes: int, device: torch.device, repeats: int) -> float:
     def copy() -> None:
         dst.copy_(src)
 
-    ms = _time_ms(copy, device, warmup=2, repeats=repeats)
+    ms = time_ms(copy, device, warmup=2, repeats=repeats)
     return 2 * src.numel() * 2 / (ms / 1e3)
-
-
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got.float() - ref).norm() / ref.norm().clamp(min=1e-30))
-
-
-def _reference(
-    inputs: list[torch.Tensor], loss_fn: Callable[..., torch.Tensor]
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """fp32 loss and gradients of ``loss_fn`` at fp32 copies of ``inputs`` (plain PyTorch)."""
-    leaves = [x.detach().float().requires_grad_() for x in inputs]
-    loss = loss_fn(*leaves)
-    grads = list(torch.autograd.grad(loss, leaves))
-    return loss.detach(), grads
-
-
-def _check(
-    variant: Variant, ref_loss: torch.Tensor, ref_grads: list[torch.Tensor]
-) -> tuple[float, float]:
-    variant.reset()
-    if variant.prepare is not None:
-        variant.prepare()
-    loss, grads = variant.step()
-    assert loss is not None and len(grads) == len(ref_grads), (loss, len(grads))
-    grad_err = max(_rel(g, r) for g, r in zip(grads, ref_grads, strict=True))
-    loss_err = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-30)
-    variant.reset()
-    return loss_err, grad_err
 
 
 def _wanted(only: str) -> set[str]:
@@ -159,48 +101,6 @@ def _check_only(only: str, *known: dict[str, Variant]) -> None:
     names = {name for variants in known for name in variants}
     if unknown := sorted(_wanted(only) - names):
         raise SystemExit(f"--only: no variant {', '.join(unknown)}; this run has {sorted(names)}")
-
-
-def _measure(
-    variants: dict[str, Variant],
-    *,
-    device: torch.device,
-    args: argparse.Namespace,
-    logits_bytes: int,
-    reference: tuple[torch.Tensor, list[torch.Tensor]],
-) -> list[Row]:
-    rows = []
-    for name, variant in variants.items():
-        if variant.status not in ("ok", "bound"):
-            rows.append(Row(variant=name, baseline=variant.baseline, status=variant.status))
-            continue
-        loss_err = grad_err = None
-        if variant.status == "ok":
-            loss_err, grad_err = _check(variant, *reference)
-        ms = _time_ms(variant.step, device, args.warmup, args.repeats)
-        peak = _peak_extra(variant.step, variant.reset, device)
-        rows.append(
-            Row(
-                variant=name,
-                baseline=variant.baseline,
-                median_ms=ms,
-                peak_extra_gib=peak,
-                extra_over_logits=None if peak is None else peak * GIB / logits_bytes,
-                grad_gib=variant.grad_bytes / GIB,
-                transient_over_logits=(
-                    None if peak is None else (peak * GIB - variant.grad_bytes) / logits_bytes
-                ),
-                status="ok",
-                loss_rel_err=loss_err,
-                grad_rel_err=grad_err,
-            )
-        )
-        variant.reset()
-    return rows
-
-
-def _rounding_floor(grads: list[torch.Tensor], dtype: torch.dtype) -> float:
-    return max(_rel(g.to(dtype), g) for g in grads)
 
 
 def _ints(text: str) -> list[int]:
@@ -259,15 +159,16 @@ def main(argv: list[str] | None = None) -> list[Row]:
     def loss_of_logits(x: torch.Tensor) -> torch.Tensor:
         return naive_loss(x, labels)
 
-    reference = _reference([logits], loss_of_logits)
-    floors = {"logits": _rounding_floor(reference[1], dtype)}
+    reference = fp32_reference([logits], loss_of_logits)
+    floors = {"logits": rounding_floor(reference[1], dtype)}
     on_logits = logits_variants(logits, labels, device)
     if args.no_linear:
         _check_only(args.only, on_logits)
-    rows = _measure(
+    rows = measure(
         _selected(on_logits, args.only),
         device=device,
-        args=args,
+        warmup=args.warmup,
+        repeats=args.repeats,
         logits_bytes=logits_bytes,
         reference=reference,
     )
@@ -279,8 +180,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
         def loss_of_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return naive_loss(x @ w.T, labels)
 
-        reference = _reference([hidden, weight], loss_of_linear)
-        floors["linear"] = _rounding_floor(reference[1], dtype)
+        reference = fp32_reference([hidden, weight], loss_of_linear)
+        floors["linear"] = rounding_floor(reference[1], dtype)
         variants = linear_variants(
             hidden,
             weight,
@@ -290,10 +191,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
             fused_chunks=_ints(args.fused_chunks),
         )
         _check_only(args.only, on_logits, variants)
-        rows += _measure(
+        rows += measure(
             _selected(variants, args.only),
             device=device,
-            args=args,
+            warmup=args.warmup,
+            repeats=args.repeats,
             logits_bytes=logits_bytes,
             reference=reference,
         )
@@ -319,10 +221,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
     report = {
         "device": str(device),
-        "device_name": _device_name(device),
+        "device_name": device_name(device),
         "torch": torch.__version__,
         "vocab_parallel": vp.__version__,
-        "peers": _peer_versions(),
+        "peers": peer_versions(),
         "python": platform.python_version(),
         "tokens": t,
         "ignore_every": args.ignore_every,
@@ -357,7 +259,7 @@ def _print(
     floors: dict[str, float],
 ) -> None:
     print(
-        f"T={args.tokens} V={args.vocab} H={args.hidden} {args.dtype} on {device} ({_device_name(device)})"
+        f"T={args.tokens} V={args.vocab} H={args.hidden} {args.dtype} on {device} ({device_name(device)})"
     )
     print(
         f"logits {logits_bytes / GIB:.4g} GiB; floor {floor_ms:.4g} ms at "
@@ -385,24 +287,6 @@ def _print(
         "x logits: peak extra / logits bytes; transient: the same without the returned "
         "gradients; errors: relative to the fp32 reference"
     )
-
-
-def _peer_versions() -> dict[str, str | None]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out: dict[str, str | None] = {}
-    for name in ("liger-kernel", "cut-cross-entropy", "triton"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = None
-    return out
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

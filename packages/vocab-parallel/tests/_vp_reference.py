@@ -72,3 +72,23 @@ def upstream(shape: tuple[int, ...], *, seed: int) -> Tensor:
     """Random float64 upstream gradient weights [...]: checks gradients, not just sums."""
     gen = torch.Generator().manual_seed(seed + 2)
     return torch.randn(shape, generator=gen, dtype=torch.float64)
+
+
+def clipped_surrogate(
+    log_p: Tensor, old_log_p: Tensor, advantage: Tensor, weight: Tensor
+) -> Tensor:
+    """Token-level PPO / GRPO clipped policy loss (clip 0.2): -min(r A, clip(r) A) * weight."""
+    ratio = torch.exp(log_p - old_log_p)
+    surrogate = torch.minimum(ratio * advantage, ratio.clamp(0.8, 1.2) * advantage)
+    return -surrogate * weight
+
+
+def policy_inputs(log_p: Tensor, *, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(old log-probs, advantages, weights) [...] fp32 around ``log_p`` (float64, 0 where
+    ignored): ratios spread over about [0.5, 2], so some tokens fall in the clipped range
+    (no gradient) and some do not."""
+    gen = torch.Generator().manual_seed(seed + 3)
+    old = log_p + 0.35 * torch.randn(log_p.shape, generator=gen, dtype=torch.float64)
+    advantage = torch.randn(log_p.shape, generator=gen, dtype=torch.float64)
+    weight = torch.rand(log_p.shape, generator=gen, dtype=torch.float64) + 0.5
+    return old.float(), advantage.float(), weight.float()

@@ -239,6 +239,45 @@ def check_fused_linear_sharded(
             err = float((got.double() - want).norm() / want.norm())
             assert err <= tol, f"rank {rank} {what} {grad_name} grad: relative error {err}"
         done.append(what)
+    # An elementwise function of log p (a clipped policy loss) on the same sharded weight: each
+    # rank differentiates it at the same (reduced) log-probs. The float64 reference starts from
+    # the logits: exact for fp32; for bf16 the unfused matmul's rounded logits, because their
+    # rounding moves each ratio (and may cross the clip), which no bf16 form can undo.
+    with torch.no_grad():
+        ref_lp = reference.ref_log_probs(
+            hidden_full.double() @ weight.double().T, labels, temp, IGNORE
+        )
+    inputs = reference.policy_inputs(ref_lp, seed=33)
+    if dtype == torch.float32:
+        logits = hidden_full.double() @ weight.double().T
+    else:
+        logits = (hidden_full @ weight.T).double()
+    logits.requires_grad_()
+    per_token = reference.clipped_surrogate(
+        reference.ref_log_probs(logits, labels, temp, IGNORE), *(x.double() for x in inputs)
+    )
+    ref = torch.where(valid, per_token, 0.0).sum()
+    (grad_logits,) = torch.autograd.grad(ref, [logits])
+    ref_h_grad = grad_logits @ weight.double()
+    ref_w_grad = grad_logits.reshape(-1, vocab).T @ hidden_full.double().reshape(-1, hidden_size)
+    w = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
+    hidden = hidden_full.clone().requires_grad_()
+    loss = vp.fused_linear_log_prob_loss(
+        hidden, w, labels, reference.clipped_surrogate, inputs, temperature=temp, chunk_size=4
+    )
+    what = f"fused policy V={vocab} {dtype_name}"
+    _same_on_all_ranks(loss, f"{what} loss")
+    _close(loss, ref.detach(), atol=1e-4, rtol=1e-4, what=what)
+    loss.backward()
+    assert isinstance(w.grad, DTensor) and hidden.grad is not None
+    _same_on_all_ranks(hidden.grad, f"{what} hidden grad")
+    for grad_name, got, want in (
+        ("weight", w.grad.full_tensor(), ref_w_grad),
+        ("hidden", hidden.grad, ref_h_grad),
+    ):
+        err = float((got.double() - want).norm() / want.norm())
+        assert err <= tol, f"rank {rank} {what} {grad_name} grad: relative error {err}"
+    done.append(what)
     # A frozen sharded lm_head (LoRA): only the hidden gradient.
     w = distribute_tensor(weight, mesh, [Shard(0)])
     hidden = hidden_full.clone().requires_grad_()

@@ -48,6 +48,24 @@ def test_bench_quick_runs_and_writes_json(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+def test_policy_loss_bench_quick_runs_and_checks_each_form(tmp_path: Path) -> None:
+    result = run_quick(BENCH.parent / "policy_loss.py", tmp_path, "--device", "cpu", timeout_s=170)
+    report = result.report
+    rows = {row["variant"]: row for row in report["rows"]}
+    assert list(rows) == ["naive", "fused_policy", "recompute", "liger_grpo"]
+    assert 0 < report["trained_tokens"] < report["tokens"]  # padding is left out
+    floor = report["rounding_floor_rel_err"]
+    for name in ["naive", "fused_policy", "recompute"]:
+        row = rows[name]
+        assert row["status"] == "ok" and row["median_ms"] > 0, row
+        # Checked against the fp32 reference: bf16 gradients within a few times their floor.
+        assert floor * 0.99 <= row["grad_rel_err"] <= 4 * floor, (name, row, floor)
+        assert row["loss_rel_err"] < 1e-2, (name, row)
+    assert rows["liger_grpo"]["status"] in ("needs CUDA", "not installed")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_bench_only_and_ignore_every(tmp_path: Path) -> None:
     """``--only`` keeps the named rows and the baselines; ``--ignore-every`` sets the labels."""
     result = run_quick(

@@ -2,7 +2,11 @@
 
 from importlib.metadata import version as _version
 
-from vocab_parallel.linear_loss import fused_linear_token_loss, linear_cross_entropy
+from vocab_parallel.linear_loss import (
+    fused_linear_log_prob_loss,
+    fused_linear_token_loss,
+    linear_cross_entropy,
+)
 from vocab_parallel.losses import (
     cross_entropy,
     linear_token_log_probs,
@@ -18,6 +22,7 @@ __all__ = [
     "VocabSplit",
     "__version__",
     "cross_entropy",
+    "fused_linear_log_prob_loss",
     "fused_linear_token_loss",
     "linear_cross_entropy",
     "linear_token_log_probs",

@@ -35,6 +35,7 @@ from vocab_parallel._math import (
 )
 from vocab_parallel._operands import trained_rows
 from vocab_parallel._reduce import reduce_stats
+from vocab_parallel._token_function import TokenFunction
 
 # Default chunking: one chunk's logits hold at most 1/FUSED_CHUNKS of the full [N, Vl] logits
 # (1/20 = 0.05x, the memory goal; rounded down to 64 tokens: 384 of 8192, 768 of 16384, 0.047x),
@@ -181,7 +182,9 @@ class FusedLinearLoss(torch.autograd.Function):
     """(loss, log_p) from hidden [N, H], local projection rows [Vl, H], labels and c [N].
 
     loss = sum_t c_t * log p(label_t) (fp32 scalar, differentiable); log_p [N] fp32 is returned
-    for logging only (not differentiable). ``need_hidden`` / ``need_weight`` say which
+    for logging only (not differentiable). With a :class:`TokenFunction` in place of c the
+    loss is sum_t fn(log p_t, *inputs_t) over the trained tokens, and each chunk's c_t is fn's
+    derivative at its log-probs, taken as soon as they exist (the two-kernel chunk path). ``need_hidden`` / ``need_weight`` say which
     gradients to form (decided by the caller, from grad mode and ``requires_grad``).
     For 16-bit inputs: ``fp32_logits`` keeps the chunk logits as fp32 matmul outputs (else
     they are rounded to the input dtype, as any matmul returns them, and their gradient
@@ -198,7 +201,7 @@ class FusedLinearLoss(torch.autograd.Function):
         hidden: Tensor,
         weight: Tensor,
         labels: Tensor,
-        coefficients: Tensor,
+        coefficients: Tensor | TokenFunction,
         plan: Plan,
         need_hidden: bool,
         need_weight: bool,
@@ -211,7 +214,12 @@ class FusedLinearLoss(torch.autograd.Function):
         local_vocab = weight.shape[0]
         inv_t = plan.inv_temperature
         targets = locate_targets(labels, plan=plan, local_vocab=local_vocab)
-        coef = torch.where(targets.valid, coefficients.float(), 0.0)
+        function = coefficients if isinstance(coefficients, TokenFunction) else None
+        fixed = function is None
+        if isinstance(coefficients, Tensor):
+            coef = torch.where(targets.valid, coefficients.float(), 0.0)
+        else:  # each chunk's derivatives and losses, once its log-probs exist
+            token_losses = hidden.new_zeros(n, dtype=torch.float32)
         # Tokens labelled ignore_index add nothing to the loss or either gradient: with
         # ``skip_ignored`` they are left out of the matmuls (their hidden-gradient rows stay 0).
         # Labels are replicated over the vocabulary ranks, so every rank keeps the same tokens.
@@ -227,7 +235,8 @@ class FusedLinearLoss(torch.autograd.Function):
         # the input dtype: one kernel per chunk does the softmax, the log-probs and the
         # gradient in place (no collective to wait for between them).
         one_kernel = (
-            plan.backend == "triton"
+            fixed
+            and plan.backend == "triton"
             and plan.layout.group is None
             and not fp32_logits
             and local_vocab > 0
@@ -243,7 +252,7 @@ class FusedLinearLoss(torch.autograd.Function):
         log_p = hidden.new_zeros(n, dtype=torch.float32)
         # Counted once: here without a vocabulary group, else with the first chunk's collective.
         unreduced = unchecked_labels(targets, labels, plan=plan)
-        if not one_kernel:  # the one kernel forms these itself from the labels and coef
+        if fixed and not one_kernel:  # the one kernel forms these from the labels and coef
             g_all = coef * inv_t
             target_grad = torch.where(targets.in_shard, g_all, 0.0)
         for start in range(0, m, plan.chunk_size):
@@ -289,15 +298,26 @@ class FusedLinearLoss(torch.autograd.Function):
             if glob.invalid_labels:
                 raise_invalid(labels, plan=plan, count=glob.invalid_labels)
             chunk_log_p = (glob.target - glob.shift) - glob.log_sum_exp
-            log_p[sel] = torch.where(targets.valid[sel], chunk_log_p, 0.0)
+            chunk_valid = targets.valid[sel]
+            chunk_log_p = torch.where(chunk_valid, chunk_log_p, 0.0)
+            log_p[sel] = chunk_log_p
+            if function is None:
+                chunk_g, chunk_target_grad = g_all[sel], target_grad[sel]
+            else:
+                values, slope = function.chunk_terms(
+                    chunk_log_p, chunk_valid, sel, check=plan.validate and start == 0
+                )
+                token_losses[sel] = values
+                chunk_g = slope * inv_t
+                chunk_target_grad = torch.where(in_shard, chunk_g, 0.0)
             if grad_hidden is None and accumulator is None:
                 continue
             if local_vocab:
                 terms = GradTerms(
                     log_normalizer=glob.log_normalizer,
-                    grad_all=g_all[sel],
+                    grad_all=chunk_g,
                     target_index=index,
-                    target_grad=target_grad[sel],
+                    target_grad=chunk_target_grad,
                 )
                 grad_logits = _chunk_logits_grad(logits, terms, plan=plan, dtype=hidden.dtype)
             else:  # a rank without vocabulary rows still joins the hidden-gradient sum
@@ -322,7 +342,7 @@ class FusedLinearLoss(torch.autograd.Function):
         if accumulator is not None:
             grad_weight = accumulator.to(weight.dtype)
             del accumulator
-        loss = (coef * log_p).sum()
+        loss = (coef * log_p).sum() if fixed else token_losses.sum()
         # Not saved with save_for_backward: these are results, handed over once in backward.
         ctx.grads = (grad_hidden, grad_weight)
         ctx.backend = plan.backend

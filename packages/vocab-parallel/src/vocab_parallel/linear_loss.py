@@ -13,6 +13,7 @@ backward: four matmuls).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -22,15 +23,36 @@ from vocab_parallel._fused_linear import FusedLinearLoss, fused_chunk_tokens
 from vocab_parallel._logits import Plan
 from vocab_parallel._operands import linear_operands, resolve_backend
 from vocab_parallel._sharding import replicated_local
+from vocab_parallel._token_function import TokenFunction, TokenLoss
 from vocab_parallel.losses import Backend
 from vocab_parallel.plain_shard import VocabGroup
+
+
+def _per_token(
+    value: Tensor, *, name: str, batch_shape: torch.Size, device: torch.device
+) -> Tensor:
+    """A per-token constant [...] or 0-dim, checked, as fp32 [N] on ``device``."""
+    value = replicated_local(value, name=name)
+    if value.requires_grad:
+        raise ValueError(
+            f"{name} require grad, but the fused loss treats them as constants (its gradients "
+            f"are formed in forward); pass {name}.detach()"
+        )
+    if value.ndim == 0:
+        value = value.expand(batch_shape)
+    if value.shape != batch_shape:
+        raise ValueError(
+            f"{name} have shape {tuple(value.shape)}; expected {tuple(batch_shape)} (one per "
+            "token) or a scalar"
+        )
+    return value.reshape(-1).to(device=device, dtype=torch.float32)
 
 
 def _fused_loss(
     hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
-    coefficients: Tensor | float,
+    coefficients: Tensor | float | tuple[TokenLoss, Sequence[Tensor]],
     *,
     temperature: float,
     ignore_index: int,
@@ -43,7 +65,11 @@ def _fused_loss(
     trained_count: int | None,
     vocab_group: VocabGroup | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss, log_p [...], valid [...]) with loss = sum_t c_t * log p(label_t)."""
+    """(loss, log_p [...], valid [...]) with loss = sum_t c_t * log p(label_t).
+
+    ``coefficients`` as (token_loss, token_inputs): loss = sum_t token_loss(log p_t, *inputs_t)
+    over the trained tokens.
+    """
     inv_t, shard, flat_hidden, labels, batch_shape = linear_operands(
         hidden,
         weight,
@@ -53,23 +79,28 @@ def _fused_loss(
         vocab_group=vocab_group,
     )
     n = flat_hidden.shape[0]
-    if isinstance(coefficients, Tensor):
-        coefficients = replicated_local(coefficients, name="coefficients")
-        if coefficients.requires_grad:
-            raise ValueError(
-                "coefficients require grad, but the fused loss treats them as constants (its "
-                "gradients are formed in forward); pass coefficients.detach()"
+    device = flat_hidden.device
+    terms: Tensor | TokenFunction
+    if isinstance(coefficients, tuple):
+        fn, inputs = coefficients
+        if not callable(fn):
+            raise TypeError(
+                f"token_loss must be a function (log_p, *token_inputs) -> per-token losses, "
+                f"got {type(fn).__name__}"
             )
-        if coefficients.ndim == 0:
-            coefficients = coefficients.expand(batch_shape)
-        if coefficients.shape != batch_shape:
-            raise ValueError(
-                f"coefficients have shape {tuple(coefficients.shape)}; expected "
-                f"{tuple(batch_shape)} (one per token) or a scalar"
-            )
-        flat_coef = coefficients.reshape(n).to(device=flat_hidden.device, dtype=torch.float32)
+        terms = TokenFunction(
+            fn=fn,
+            inputs=tuple(
+                _per_token(x, name=f"token_inputs[{i}]", batch_shape=batch_shape, device=device)
+                for i, x in enumerate(inputs)
+            ),
+        )
+    elif isinstance(coefficients, Tensor):
+        terms = _per_token(
+            coefficients, name="coefficients", batch_shape=batch_shape, device=device
+        )
     else:
-        flat_coef = flat_hidden.new_full((n,), float(coefficients), dtype=torch.float32)
+        terms = flat_hidden.new_full((n,), float(coefficients), dtype=torch.float32)
     local_weight = shard.local
     # Under autocast the Function's matmuls would run in the autocast dtype while its buffers
     # follow the inputs' dtypes (an out= of the wrong dtype): cast the operands once here, as
@@ -108,7 +139,7 @@ def _fused_loss(
             flat_hidden,
             local_weight,
             flat_labels,
-            flat_coef,
+            terms,
             plan,
             grad_enabled and flat_hidden.requires_grad,
             need_weight,
@@ -211,6 +242,107 @@ def fused_linear_token_loss(
         weight,
         labels,
         coefficients,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
+        validate=validate,
+        backend=backend,
+        fp32_logits=fp32_logits,
+        fp32_weight_grad=fp32_weight_grad,
+        skip_ignored=skip_ignored,
+        trained_count=trained_count,
+        vocab_group=vocab_group,
+    )
+    return (loss, log_p) if return_log_probs else loss
+
+
+def fused_linear_log_prob_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    token_loss: TokenLoss,
+    token_inputs: Sequence[Tensor] = (),
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    validate: bool = False,
+    backend: Backend = "auto",
+    fp32_logits: bool = False,
+    fp32_weight_grad: bool = True,
+    skip_ignored: bool = True,
+    trained_count: int | None = None,
+    return_log_probs: bool = False,
+    vocab_group: VocabGroup | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """sum_t token_loss(log p_t, *token_inputs_t) over the trained tokens, gradients in forward.
+
+    For losses that are an elementwise function of each token's log-prob, not a fixed weighted
+    sum of them: PPO / GRPO clipped objectives (the ratio exp(log p_t - old_t) needs log p_t),
+    KL terms to given reference log-probs, or their sum. Each chunk's log-probs exist before
+    its gradient is formed, so the derivative of ``token_loss`` at them (autograd over the
+    chunk's [C] log-probs, a few small ops) weights the chunk's softmax gradient, as a fixed
+    coefficient does in :func:`fused_linear_token_loss`: three logits-sized matmuls, the same
+    memory, where log-probs from :func:`vocab_parallel.linear_token_log_probs` fed to the same
+    function cost four.
+
+    Example (token-level clipped policy gradient over the trained tokens, normalised by their
+    number; ``advantages``, ``old_log_p`` [B, S]):
+
+    .. code-block:: python
+
+        def clipped(log_p, old_log_p, advantage, weight):
+            ratio = torch.exp(log_p - old_log_p)
+            surrogate = torch.minimum(ratio * advantage, ratio.clamp(0.8, 1.2) * advantage)
+            return -surrogate * weight
+
+        n = (labels != -100).sum()
+        loss = fused_linear_log_prob_loss(
+            hidden, lm_head.weight, labels, clipped, (old_log_p, advantages, 1.0 / n)
+        )
+
+    Args:
+        hidden: [..., H] float; plain, or a DTensor that is Replicate on every mesh dim.
+        weight: [V, H] same dtype; may shard V (``Shard(0)``); no bias.
+        labels: [...] integer; ``ignore_index`` positions contribute nothing.
+        token_loss: ``token_loss(log_p, *inputs) -> losses``: log_p [C] fp32, each input [C]
+            fp32 (the chunk's rows of ``token_inputs``), losses [C]. It must be elementwise
+            (loss t reads only entry t of each argument), differentiable in ``log_p`` by
+            autograd, and free of side effects: it runs once per chunk of C tokens
+            (``validate=True`` also runs it on each half of the first chunk and raises if the
+            values change). Reductions over tokens, e.g. a per-sequence or global mean, go into
+            a weight passed among ``token_inputs``.
+        token_inputs: per-token constants [...] (or 0-dim, shared by every token), e.g. old
+            log-probs, advantages, reference log-probs, weights; a tensor that requires grad is
+            refused.
+        temperature: > 0 (as in :func:`fused_linear_token_loss`, so are the arguments below).
+        ignore_index: label value without a target.
+        chunk_size: tokens per chunk; None picks one.
+        validate: check the label range, a given ``trained_count``, and that ``token_loss`` is
+            elementwise (device-to-host syncs).
+        backend: "auto", "torch" or "triton".
+        fp32_logits: keep chunk logits in fp32.
+        fp32_weight_grad: sum the weight gradient in fp32.
+        skip_ignored: leave ignored tokens out of the matmuls.
+        trained_count: the exact number of labels that are not ``ignore_index``, if known.
+        return_log_probs: also return log p(label) [...] (fp32, not differentiable).
+        vocab_group: for a plain local weight shard (Megatron's output layer).
+
+    Returns:
+        The fp32 0-dim loss, identical on every vocabulary rank (and log p(label) [...] when
+        ``return_log_probs``). Backward scales the stored gradients by the upstream gradient.
+
+    Raises:
+        ValueError: ``token_loss`` returns another shape or (``validate``) is not elementwise;
+            a token input of the wrong shape or requiring grad.
+        TypeError: ``token_loss`` is not callable.
+        RuntimeError: a second backward through the same call.
+    """
+    loss, log_p, _ = _fused_loss(
+        hidden,
+        weight,
+        labels,
+        (token_loss, tuple(token_inputs)),
         temperature=temperature,
         ignore_index=ignore_index,
         chunk_size=chunk_size,

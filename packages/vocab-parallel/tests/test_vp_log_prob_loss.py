@@ -1,0 +1,191 @@
+"""fused_linear_log_prob_loss: an elementwise function of each token's log-prob (a PPO / GRPO
+clipped objective) with its gradients formed in forward, against float64 references (plain
+log_softmax + gather over the dense logits, the same function applied by autograd)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vocab_parallel as vp
+from _vp_reference import clipped_surrogate, make_labels, policy_inputs, ref_log_probs
+
+IGNORE = -100
+SHAPE, HIDDEN, VOCAB = (3, 11), 24, 150  # 33 tokens: chunks of 7 leave a ragged last chunk
+
+
+def _inputs(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*SHAPE, HIDDEN, generator=gen).to(dtype)
+    weight = (torch.randn(VOCAB, HIDDEN, generator=gen) * 0.6).to(dtype)
+    labels = make_labels(SHAPE, VOCAB, seed=seed, ignore_index=IGNORE)
+    return hidden, weight, labels
+
+
+def _reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    inputs: tuple[torch.Tensor, ...],
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, hidden grad, weight grad) in float64: the function over the trained tokens.
+
+    From exact logits for fp32 inputs; for 16-bit inputs from the unfused matmul's rounded
+    logits (``hidden @ weight.T`` in that dtype), since their rounding moves each ratio (and
+    may cross the clip) in a way no 16-bit form can undo. Both gradients follow from the
+    logits' gradient by the chain rule, in float64.
+    """
+    exact = hidden.dtype == torch.float32
+    logits = (hidden.double() @ weight.double().T) if exact else (hidden @ weight.T).double()
+    logits.requires_grad_()
+    log_p = ref_log_probs(logits, labels, temperature, IGNORE)
+    per_token = clipped_surrogate(log_p, *(x.double() for x in inputs))
+    loss = torch.where(labels != IGNORE, per_token, 0.0).sum()
+    (grad_logits,) = torch.autograd.grad(loss, [logits])
+    grad_h = grad_logits @ weight.double()
+    grad_w = grad_logits.reshape(-1, weight.shape[0]).T @ hidden.double().reshape(-1, HIDDEN)
+    return loss.detach(), grad_h, grad_w
+
+
+def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected).norm() / expected.norm().clamp(min=1e-30))
+
+
+def _policy_inputs(hidden, weight, labels, temperature, seed):  # type: ignore[no-untyped-def]
+    with torch.no_grad():
+        log_p = ref_log_probs(hidden.double() @ weight.double().T, labels, temperature, IGNORE)
+    return policy_inputs(log_p, seed=seed)
+
+
+@pytest.mark.parametrize("skip_ignored", [True, False])
+@pytest.mark.parametrize(("temperature", "chunk_size"), [(1.0, None), (1.3, 7)])
+def test_clipped_policy_loss_matches_float64(
+    skip_ignored: bool, temperature: float, chunk_size: int | None
+) -> None:
+    hidden, weight, labels = _inputs(torch.float32, 21)
+    inputs = _policy_inputs(hidden, weight, labels, temperature, seed=21)
+    ratio = torch.exp(
+        ref_log_probs(hidden.double() @ weight.double().T, labels, temperature, IGNORE)
+        - inputs[0].double()
+    )
+    trained = labels != IGNORE
+    clipped = trained & ((ratio < 0.8) | (ratio > 1.2))
+    # The test can fail: some trained tokens sit in the clipped range, some do not.
+    assert 0 < int(clipped.sum()) < int(trained.sum())
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, log_p = vp.fused_linear_log_prob_loss(
+        h,
+        w,
+        labels,
+        clipped_surrogate,
+        inputs,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        skip_ignored=skip_ignored,
+        validate=True,
+        return_log_probs=True,
+    )
+    loss.backward()
+    ref_loss, ref_h, ref_w = _reference(hidden, weight, labels, inputs, temperature)
+    assert abs(float(loss.detach()) - float(ref_loss)) <= 1e-5 * max(1.0, abs(float(ref_loss)))
+    assert h.grad is not None and w.grad is not None
+    assert _rel(h.grad, ref_h) <= 2e-6 and _rel(w.grad, ref_w) <= 2e-6
+    assert not h.grad[~trained].any()
+    expected_log_p = ref_log_probs(hidden.double() @ weight.double().T, labels, temperature, IGNORE)
+    torch.testing.assert_close(log_p.double(), expected_log_p, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_policy_loss_is_within_bf16_rounding() -> None:
+    hidden, weight, labels = _inputs(torch.bfloat16, 22)
+    inputs = _policy_inputs(hidden, weight, labels, 1.0, seed=22)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    vp.fused_linear_log_prob_loss(h, w, labels, clipped_surrogate, inputs).backward()
+    _, ref_h, ref_w = _reference(hidden, weight, labels, inputs, 1.0)
+    assert h.grad is not None and w.grad is not None
+    # The gradients' rounding to bf16 (about 1.7e-3) and the chunk's bf16 logits gradient.
+    assert _rel(h.grad, ref_h) <= 6e-3 and _rel(w.grad, ref_w) <= 6e-3
+
+
+def test_a_linear_function_equals_the_fixed_coefficient_loss() -> None:
+    hidden, weight, labels = _inputs(torch.float32, 23)
+    coef = torch.randn(SHAPE, generator=torch.Generator().manual_seed(23))
+
+    def run(by_function: bool) -> tuple[torch.Tensor, ...]:
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if by_function:
+            loss = vp.fused_linear_log_prob_loss(
+                h, w, labels, lambda lp, c: c * lp, (coef,), chunk_size=7
+            )
+        else:
+            loss = vp.fused_linear_token_loss(h, w, labels, coef, chunk_size=7)
+        assert isinstance(loss, torch.Tensor)
+        (loss * 0.5).backward()  # a non-unit upstream gradient scales both alike
+        assert h.grad is not None and w.grad is not None
+        return loss.detach(), h.grad, w.grad
+
+    for a, b in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_scalar_inputs_and_a_loss_without_log_probs() -> None:
+    hidden, weight, labels = _inputs(torch.float32, 24)
+    trained = int((labels != IGNORE).sum())
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    # A 0-dim input is shared by every token; a loss that ignores log p has no gradient.
+    loss = vp.fused_linear_log_prob_loss(
+        h, w, labels, lambda lp, c: c.expand_as(lp).clone(), (torch.tensor(0.25),)
+    )
+    assert isinstance(loss, torch.Tensor)
+    assert float(loss.detach()) == pytest.approx(
+        0.25 * trained
+    )  # summed over the trained tokens only
+    loss.backward()
+    assert h.grad is not None and w.grad is not None
+    assert not h.grad.any() and not w.grad.any()
+
+
+def test_misuse_raises_with_the_fix() -> None:
+    hidden, weight, labels = _inputs(torch.float32, 25)
+    with pytest.raises(ValueError, match="not elementwise"):
+        vp.fused_linear_log_prob_loss(
+            hidden, weight, labels, lambda lp: lp - lp.mean(), validate=True, chunk_size=8
+        )
+    with pytest.raises(ValueError, match=r"returned \(\); expected one loss per token"):
+        vp.fused_linear_log_prob_loss(hidden, weight, labels, lambda lp: lp.sum())
+    with pytest.raises(ValueError, match=r"token_inputs\[0\] have shape \(4,\)"):
+        vp.fused_linear_log_prob_loss(
+            hidden, weight, labels, lambda lp, x: lp * x, (torch.ones(4),)
+        )
+    needs_grad = torch.ones(SHAPE, requires_grad=True)
+    with pytest.raises(ValueError, match=r"pass token_inputs\[0\]\.detach\(\)"):
+        vp.fused_linear_log_prob_loss(hidden, weight, labels, lambda lp, x: lp * x, (needs_grad,))
+    with pytest.raises(TypeError, match="token_loss must be a function"):
+        vp.fused_linear_log_prob_loss(hidden, weight, labels, 3.0)  # type: ignore[arg-type]
+    # Without validate the elementwise check does not run (no extra calls of the function).
+    calls: list[int] = []
+
+    def counted(lp: torch.Tensor) -> torch.Tensor:
+        calls.append(lp.shape[0])
+        return -lp
+
+    vp.fused_linear_log_prob_loss(hidden, weight, labels, counted, chunk_size=8)
+    trained = int((labels != IGNORE).sum())
+    assert sum(calls) == trained and max(calls) == 8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton chunk path runs on CUDA")
+def test_clipped_policy_loss_on_cuda_matches_float64() -> None:
+    """On the GPU (Triton statistics and in-place gradient kernels): bf16 within rounding."""
+    hidden, weight, labels = _inputs(torch.bfloat16, 26)
+    inputs = _policy_inputs(hidden, weight, labels, 1.0, seed=26)
+    h = hidden.cuda().requires_grad_()
+    w = weight.cuda().requires_grad_()
+    loss = vp.fused_linear_log_prob_loss(
+        h, w, labels.cuda(), clipped_surrogate, [x.cuda() for x in inputs], chunk_size=7
+    )
+    loss.backward()
+    ref_loss, ref_h, ref_w = _reference(hidden, weight, labels, inputs, 1.0)
+    assert abs(float(loss.detach()) - float(ref_loss)) <= 1e-3 * max(1.0, abs(float(ref_loss)))
+    assert h.grad is not None and w.grad is not None
+    assert _rel(h.grad.cpu(), ref_h) <= 6e-3 and _rel(w.grad.cpu(), ref_w) <= 6e-3
