@@ -13,7 +13,10 @@ divided by the number of completion tokens (beta = 0: no KL term).
 Variants (baseline: naive):
     naive           hidden @ weight.T, fp32 log_softmax + gather, the loss in PyTorch
     fused_policy    vocab_parallel.fused_linear_log_prob_loss: gradients formed in forward
-                    (three logits-sized matmuls)
+                    (three logits-sized matmuls; defaults: fp32 weight-gradient sum)
+    fused_policy_lean   the same with fp32_weight_grad=False (the weight gradient summed in
+                    its bf16 dtype: no fp32 weight-sized buffer)
+    fused_policy_all    the same with skip_ignored=False (the padding through the matmuls too)
     recompute       vocab_parallel.linear_token_log_probs, then the loss in PyTorch (the
                     logits recomputed in backward: four matmuls)
     liger_grpo      liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss(loss_type="bnpo",
@@ -110,17 +113,18 @@ def _variants(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
         picked = log_p.gather(-1, torch.where(mask, labels, 0).unsqueeze(-1)).squeeze(-1)
         return from_log_probs(picked)
 
+    def fused(**options: bool) -> torch.Tensor:
+        loss = vp.fused_linear_log_prob_loss(
+            hidden, weight, labels, clipped_loss_terms, (old, per_token_advantage, scale), **options
+        )
+        assert isinstance(loss, torch.Tensor)
+        return loss
+
     out = {
         "naive": make(naive),
-        "fused_policy": make(
-            lambda: vp.fused_linear_log_prob_loss(
-                hidden,
-                weight,
-                labels,
-                clipped_loss_terms,
-                (old, per_token_advantage, scale),
-            )
-        ),
+        "fused_policy": make(fused),
+        "fused_policy_lean": make(lambda: fused(fp32_weight_grad=False)),
+        "fused_policy_all": make(lambda: fused(skip_ignored=False)),
         "recompute": make(
             lambda: from_log_probs(vp.linear_token_log_probs(hidden, weight, labels))
         ),
