@@ -137,6 +137,27 @@ def logits_variants(
     return out
 
 
+def backward_variant(
+    loss_fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor], *, baseline: str
+) -> Variant:
+    """A variant whose step runs ``loss_fn().backward()`` and returns the leaves' gradients."""
+    grad_bytes = sum(x.numel() * x.element_size() for x in leaves)
+
+    def clear() -> None:
+        for leaf in leaves:
+            leaf.grad = None
+
+    def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        clear()
+        loss = loss_fn()
+        loss.backward()
+        grads = [leaf.grad for leaf in leaves]
+        assert all(g is not None for g in grads), "a leaf got no gradient"
+        return loss.detach(), grads  # type: ignore[return-value]
+
+    return Variant(baseline=baseline, step=step, reset=clear, grad_bytes=grad_bytes)
+
+
 def linear_variants(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -147,20 +168,9 @@ def linear_variants(
     fused_chunks: list[int],
 ) -> dict[str, Variant]:
     """Variants on hidden [T, H] and weight [V, H] (leaves that require grad)."""
-    grad_bytes = sum(x.numel() * x.element_size() for x in (hidden, weight))
-
-    def clear() -> None:
-        hidden.grad = weight.grad = None
 
     def make(fn: Callable[[], torch.Tensor]) -> Variant:
-        def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
-            clear()
-            loss = fn()
-            loss.backward()
-            assert hidden.grad is not None and weight.grad is not None
-            return loss.detach(), [hidden.grad, weight.grad]
-
-        return Variant(baseline="naive_linear", step=step, reset=clear, grad_bytes=grad_bytes)
+        return backward_variant(fn, [hidden, weight], baseline="naive_linear")
 
     def recompute_form(**options: object) -> torch.Tensor:
         log_p = vp.linear_token_log_probs(hidden, weight, labels, **options)  # type: ignore[arg-type]
@@ -232,7 +242,11 @@ def linear_variants(
                 return None, []
 
             return Variant(
-                baseline="naive_linear", step=step, reset=clear, grad_bytes=0, status="bound"
+                baseline="naive_linear",
+                step=step,
+                reset=out["naive_linear"].reset,
+                grad_bytes=0,
+                status="bound",
             )
 
         out["three_matmuls"] = matmuls(3)

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 from _measure import GIB, Row, device_name, fp32_reference, measure, peer_versions, rounding_floor
-from _variants import IGNORE, Variant, peer_status, skipped
+from _variants import IGNORE, Variant, backward_variant, peer_status, skipped
 
 import vocab_parallel as vp
 from train_testing.bench.runtime import add_device_argument
@@ -88,20 +88,9 @@ def _variants(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     advantages, old = batch["advantages"], batch["old"]
     per_token_advantage = advantages.unsqueeze(1).expand_as(old)
     scale = 1.0 / mask.sum().clamp(min=1).float()  # bnpo: over all completion tokens
-    grad_bytes = sum(x.numel() * x.element_size() for x in (hidden, weight))
-
-    def clear() -> None:
-        hidden.grad = weight.grad = None
 
     def make(fn) -> Variant:  # type: ignore[no-untyped-def]
-        def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
-            clear()
-            loss = fn()
-            loss.backward()
-            assert hidden.grad is not None and weight.grad is not None
-            return loss.detach(), [hidden.grad, weight.grad]
-
-        return Variant(baseline="naive", step=step, reset=clear, grad_bytes=grad_bytes)
+        return backward_variant(fn, [hidden, weight], baseline="naive")
 
     def from_log_probs(log_p: torch.Tensor) -> torch.Tensor:
         terms = clipped_loss_terms(log_p, old, per_token_advantage, scale)

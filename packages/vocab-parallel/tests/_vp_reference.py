@@ -92,3 +92,14 @@ def policy_inputs(log_p: Tensor, *, seed: int) -> tuple[Tensor, Tensor, Tensor]:
     advantage = torch.randn(log_p.shape, generator=gen, dtype=torch.float64)
     weight = torch.rand(log_p.shape, generator=gen, dtype=torch.float64) + 0.5
     return old.float(), advantage.float(), weight.float()
+
+
+def linear_inputs(
+    shape: tuple[int, ...], hidden_size: int, vocab: int, dtype: torch.dtype, *, seed: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(hidden [..., H], weight [V, H] (std 0.6), labels [...] with about a quarter ignored)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*shape, hidden_size, generator=gen).to(dtype)
+    weight = (torch.randn(vocab, hidden_size, generator=gen) * 0.6).to(dtype)
+    labels = make_labels(shape, vocab, seed=seed, ignore_index=IGNORE)
+    return hidden, weight, labels

@@ -188,6 +188,25 @@ def check_colwise_lm_head(rank: int, world_size: int, vocab: int, dtype_name: st
     return [f"rank {rank}: {local_rows} of {vocab} rows"]
 
 
+def _check_sharded_grads(
+    rank: int,
+    what: str,
+    weight_grad: DTensor,
+    hidden_grad: torch.Tensor,
+    ref_weight_grad: torch.Tensor,
+    ref_hidden_grad: torch.Tensor,
+    tol: float,
+) -> None:
+    """The hidden gradient is the same on every rank; both are within ``tol`` (relative)."""
+    _same_on_all_ranks(hidden_grad, f"{what} hidden grad")
+    for grad_name, got, want in (
+        ("weight", weight_grad.full_tensor(), ref_weight_grad),
+        ("hidden", hidden_grad, ref_hidden_grad),
+    ):
+        err = float((got.double() - want).norm() / want.norm())
+        assert err <= tol, f"rank {rank} {what} {grad_name} grad: relative error {err}"
+
+
 def check_fused_linear_sharded(
     rank: int, world_size: int, vocab: int, dtype_name: str
 ) -> list[str]:
@@ -231,13 +250,7 @@ def check_fused_linear_sharded(
         loss.backward()
         assert isinstance(w.grad, DTensor) and w.grad.placements == (Shard(0),), w.grad
         assert hidden.grad is not None
-        _same_on_all_ranks(hidden.grad, f"{what} hidden grad")
-        for grad_name, got, want in (
-            ("weight", w.grad.full_tensor(), ref_w_grad),
-            ("hidden", hidden.grad, ref_h_grad),
-        ):
-            err = float((got.double() - want).norm() / want.norm())
-            assert err <= tol, f"rank {rank} {what} {grad_name} grad: relative error {err}"
+        _check_sharded_grads(rank, what, w.grad, hidden.grad, ref_w_grad, ref_h_grad, tol)
         done.append(what)
     # An elementwise function of log p (a clipped policy loss) on the same sharded weight: each
     # rank differentiates it at the same (reduced) log-probs. The float64 reference starts from
@@ -270,13 +283,7 @@ def check_fused_linear_sharded(
     _close(loss, ref.detach(), atol=1e-4, rtol=1e-4, what=what)
     loss.backward()
     assert isinstance(w.grad, DTensor) and hidden.grad is not None
-    _same_on_all_ranks(hidden.grad, f"{what} hidden grad")
-    for grad_name, got, want in (
-        ("weight", w.grad.full_tensor(), ref_w_grad),
-        ("hidden", hidden.grad, ref_h_grad),
-    ):
-        err = float((got.double() - want).norm() / want.norm())
-        assert err <= tol, f"rank {rank} {what} {grad_name} grad: relative error {err}"
+    _check_sharded_grads(rank, what, w.grad, hidden.grad, ref_w_grad, ref_h_grad, tol)
     done.append(what)
     # A frozen sharded lm_head (LoRA): only the hidden gradient.
     w = distribute_tensor(weight, mesh, [Shard(0)])

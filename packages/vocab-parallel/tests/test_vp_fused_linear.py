@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import vocab_parallel as vp
-from _vp_reference import make_labels, make_logits, ref_log_probs, upstream
+from _vp_reference import linear_inputs, make_labels, make_logits, ref_log_probs, upstream
 from vocab_parallel._fused_linear import accumulate_weight_grad_, fused_chunk_tokens
 
 IGNORE = -100
@@ -18,11 +18,7 @@ SHAPE, HIDDEN, VOCAB = (3, 11), 24, 150  # 33 tokens: chunks of 7 leave a ragged
 
 
 def _inputs(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(*SHAPE, HIDDEN, generator=gen).to(dtype)
-    weight = (torch.randn(VOCAB, HIDDEN, generator=gen) * 0.6).to(dtype)
-    labels = make_labels(SHAPE, VOCAB, seed=seed, ignore_index=IGNORE)
-    return hidden, weight, labels
+    return linear_inputs(SHAPE, HIDDEN, VOCAB, dtype, seed=seed)
 
 
 def _reference(

@@ -8,18 +8,19 @@ import pytest
 import torch
 
 import vocab_parallel as vp
-from _vp_reference import clipped_surrogate, make_labels, policy_inputs, ref_log_probs
+from _vp_reference import (
+    clipped_surrogate,
+    linear_inputs,
+    policy_inputs,
+    ref_log_probs,
+)
 
 IGNORE = -100
 SHAPE, HIDDEN, VOCAB = (3, 11), 24, 150  # 33 tokens: chunks of 7 leave a ragged last chunk
 
 
 def _inputs(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(*SHAPE, HIDDEN, generator=gen).to(dtype)
-    weight = (torch.randn(VOCAB, HIDDEN, generator=gen) * 0.6).to(dtype)
-    labels = make_labels(SHAPE, VOCAB, seed=seed, ignore_index=IGNORE)
-    return hidden, weight, labels
+    return linear_inputs(SHAPE, HIDDEN, VOCAB, dtype, seed=seed)
 
 
 def _reference(
