@@ -190,3 +190,19 @@ def test_clipped_policy_loss_on_cuda_matches_float64() -> None:
     assert abs(float(loss.detach()) - float(ref_loss)) <= 1e-3 * max(1.0, abs(float(ref_loss)))
     assert h.grad is not None and w.grad is not None
     assert _rel(h.grad.cpu(), ref_h) <= 6e-3 and _rel(w.grad.cpu(), ref_w) <= 6e-3
+
+
+def test_no_grad_and_frozen_weight_give_the_same_loss() -> None:
+    """Without gradients the function still gives the loss; a frozen weight only the hidden's."""
+    hidden, weight, labels = _inputs(torch.float32, 27)
+    inputs = _policy_inputs(hidden, weight, labels, 1.0, seed=27)
+    ref_loss, ref_h, _ = _reference(hidden, weight, labels, inputs, 1.0)
+    with torch.no_grad():
+        loss = vp.fused_linear_log_prob_loss(hidden, weight, labels, clipped_surrogate, inputs)
+    assert isinstance(loss, torch.Tensor) and not loss.requires_grad
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * max(1.0, abs(float(ref_loss)))
+    h = hidden.clone().requires_grad_()
+    frozen = vp.fused_linear_log_prob_loss(h, weight, labels, clipped_surrogate, inputs)
+    assert isinstance(frozen, torch.Tensor)
+    frozen.backward()
+    assert h.grad is not None and _rel(h.grad, ref_h) <= 2e-6
