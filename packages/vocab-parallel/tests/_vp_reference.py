@@ -103,3 +103,10 @@ def linear_inputs(
     weight = (torch.randn(vocab, hidden_size, generator=gen) * 0.6).to(dtype)
     labels = make_labels(shape, vocab, seed=seed, ignore_index=IGNORE)
     return hidden, weight, labels
+
+
+def clipped_with_entropy_bonus(
+    log_p: Tensor, entropy: Tensor, old_log_p: Tensor, advantage: Tensor, weight: Tensor
+) -> Tensor:
+    """The clipped policy loss minus 0.05 * the token's entropy, both per token * weight."""
+    return clipped_surrogate(log_p, old_log_p, advantage, weight) - 0.05 * entropy * weight

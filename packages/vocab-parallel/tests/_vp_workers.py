@@ -269,22 +269,37 @@ def check_fused_linear_sharded(
     per_token = reference.clipped_surrogate(
         reference.ref_log_probs(logits, labels, temp, IGNORE), *(x.double() for x in inputs)
     )
-    ref = torch.where(valid, per_token, 0.0).sum()
-    (grad_logits,) = torch.autograd.grad(ref, [logits])
-    ref_h_grad = grad_logits @ weight.double()
-    ref_w_grad = grad_logits.reshape(-1, vocab).T @ hidden_full.double().reshape(-1, hidden_size)
-    w = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
-    hidden = hidden_full.clone().requires_grad_()
-    loss = vp.fused_linear_log_prob_loss(
-        hidden, w, labels, reference.clipped_surrogate, inputs, temperature=temp, chunk_size=4
-    )
-    what = f"fused policy V={vocab} {dtype_name}"
-    _same_on_all_ranks(loss, f"{what} loss")
-    _close(loss, ref.detach(), atol=1e-4, rtol=1e-4, what=what)
-    loss.backward()
-    assert isinstance(w.grad, DTensor) and hidden.grad is not None
-    _check_sharded_grads(rank, what, w.grad, hidden.grad, ref_w_grad, ref_h_grad, tol)
-    done.append(what)
+    for entropy_bonus in (False, True):  # the entropy's statistics are reduced over ranks too
+        ref_terms = per_token
+        if entropy_bonus:
+            ref_terms = per_token - 0.05 * reference.ref_entropy(logits, temp) * inputs[2]
+        ref = torch.where(valid, ref_terms, 0.0).sum()
+        (grad_logits,) = torch.autograd.grad(ref, [logits], retain_graph=True)
+        ref_h_grad = grad_logits @ weight.double()
+        ref_w_grad = grad_logits.reshape(-1, vocab).T @ hidden_full.double().reshape(
+            -1, hidden_size
+        )
+        w = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
+        hidden = hidden_full.clone().requires_grad_()
+        fn = reference.clipped_with_entropy_bonus if entropy_bonus else reference.clipped_surrogate
+        loss = vp.fused_linear_log_prob_loss(
+            hidden,
+            w,
+            labels,
+            fn,
+            inputs,
+            temperature=temp,
+            chunk_size=4,
+            with_entropy=entropy_bonus,
+        )
+        assert isinstance(loss, torch.Tensor)
+        what = f"fused policy V={vocab} {dtype_name} entropy={entropy_bonus}"
+        _same_on_all_ranks(loss, f"{what} loss")
+        _close(loss, ref.detach(), atol=1e-4, rtol=1e-4, what=what)
+        loss.backward()
+        assert isinstance(w.grad, DTensor) and hidden.grad is not None
+        _check_sharded_grads(rank, what, w.grad, hidden.grad, ref_w_grad, ref_h_grad, tol)
+        done.append(what)
     # A frozen sharded lm_head (LoRA): only the hidden gradient.
     w = distribute_tensor(weight, mesh, [Shard(0)])
     hidden = hidden_full.clone().requires_grad_()

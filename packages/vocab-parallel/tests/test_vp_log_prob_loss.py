@@ -10,8 +10,10 @@ import torch
 import vocab_parallel as vp
 from _vp_reference import (
     clipped_surrogate,
+    clipped_with_entropy_bonus,
     linear_inputs,
     policy_inputs,
+    ref_entropy,
     ref_log_probs,
 )
 
@@ -29,8 +31,13 @@ def _reference(
     labels: torch.Tensor,
     inputs: tuple[torch.Tensor, ...],
     temperature: float,
+    *,
+    entropy_bonus: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, hidden grad, weight grad) in float64: the function over the trained tokens.
+
+    With ``entropy_bonus`` the function is :func:`clipped_with_entropy_bonus` of the log-probs
+    and the entropies, both from the reference's log_softmax.
 
     From exact logits for fp32 inputs; for 16-bit inputs from the unfused matmul's rounded
     logits (``hidden @ weight.T`` in that dtype), since their rounding moves each ratio (and
@@ -41,7 +48,12 @@ def _reference(
     logits = (hidden.double() @ weight.double().T) if exact else (hidden @ weight.T).double()
     logits.requires_grad_()
     log_p = ref_log_probs(logits, labels, temperature, IGNORE)
-    per_token = clipped_surrogate(log_p, *(x.double() for x in inputs))
+    constants = [x.double() for x in inputs]
+    if entropy_bonus:
+        entropy = ref_entropy(logits, temperature)
+        per_token = clipped_with_entropy_bonus(log_p, entropy, *constants)
+    else:
+        per_token = clipped_surrogate(log_p, *constants)
     loss = torch.where(labels != IGNORE, per_token, 0.0).sum()
     (grad_logits,) = torch.autograd.grad(loss, [logits])
     grad_h = grad_logits @ weight.double()
@@ -176,17 +188,27 @@ def test_misuse_raises_with_the_fix() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton chunk path runs on CUDA")
-def test_clipped_policy_loss_on_cuda_matches_float64() -> None:
+@pytest.mark.parametrize("entropy_bonus", [False, True])
+def test_clipped_policy_loss_on_cuda_matches_float64(entropy_bonus: bool) -> None:
     """On the GPU (Triton statistics and in-place gradient kernels): bf16 within rounding."""
     hidden, weight, labels = _inputs(torch.bfloat16, 26)
     inputs = _policy_inputs(hidden, weight, labels, 1.0, seed=26)
     h = hidden.cuda().requires_grad_()
     w = weight.cuda().requires_grad_()
     loss = vp.fused_linear_log_prob_loss(
-        h, w, labels.cuda(), clipped_surrogate, [x.cuda() for x in inputs], chunk_size=7
+        h,
+        w,
+        labels.cuda(),
+        clipped_with_entropy_bonus if entropy_bonus else clipped_surrogate,
+        [x.cuda() for x in inputs],
+        chunk_size=7,
+        with_entropy=entropy_bonus,
     )
+    assert isinstance(loss, torch.Tensor)
     loss.backward()
-    ref_loss, ref_h, ref_w = _reference(hidden, weight, labels, inputs, 1.0)
+    ref_loss, ref_h, ref_w = _reference(
+        hidden, weight, labels, inputs, 1.0, entropy_bonus=entropy_bonus
+    )
     assert abs(float(loss.detach()) - float(ref_loss)) <= 1e-3 * max(1.0, abs(float(ref_loss)))
     assert h.grad is not None and w.grad is not None
     assert _rel(h.grad.cpu(), ref_h) <= 6e-3 and _rel(w.grad.cpu(), ref_w) <= 6e-3
@@ -206,3 +228,69 @@ def test_no_grad_and_frozen_weight_give_the_same_loss() -> None:
     assert isinstance(frozen, torch.Tensor)
     frozen.backward()
     assert h.grad is not None and _rel(h.grad, ref_h) <= 2e-6
+
+
+@pytest.mark.parametrize(("skip_ignored", "temperature"), [(True, 1.3), (False, 1.0)])
+def test_entropy_bonus_matches_float64(skip_ignored: bool, temperature: float) -> None:
+    """``with_entropy``: the function reads each token's entropy, whose gradient flows through
+    the logits too; the returned entropies equal the reference's (0 where ignored)."""
+    hidden, weight, labels = _inputs(torch.float32, 28)
+    inputs = _policy_inputs(hidden, weight, labels, temperature, seed=28)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, log_p, entropy = vp.fused_linear_log_prob_loss(
+        h,
+        w,
+        labels,
+        clipped_with_entropy_bonus,
+        inputs,
+        temperature=temperature,
+        chunk_size=7,
+        skip_ignored=skip_ignored,
+        return_log_probs=True,
+        with_entropy=True,
+        validate=True,
+    )
+    loss.backward()
+    ref_loss, ref_h, ref_w = _reference(
+        hidden, weight, labels, inputs, temperature, entropy_bonus=True
+    )
+    assert abs(float(loss.detach()) - float(ref_loss)) <= 1e-5 * max(1.0, abs(float(ref_loss)))
+    assert h.grad is not None and w.grad is not None
+    assert _rel(h.grad, ref_h) <= 2e-6 and _rel(w.grad, ref_w) <= 2e-6
+    trained = labels != IGNORE
+    expected = ref_entropy(hidden.double() @ weight.double().T, temperature)
+    torch.testing.assert_close(
+        entropy.double(), torch.where(trained, expected, 0.0), atol=1e-5, rtol=1e-5
+    )
+    # The bonus changes the gradients (the test can fail): without it they differ.
+    _, plain_h, _ = _reference(hidden, weight, labels, inputs, temperature)
+    assert _rel(plain_h, ref_h) > 1e-3
+    assert log_p.shape == entropy.shape == SHAPE
+
+
+def test_entropy_for_logging_leaves_the_loss_unchanged() -> None:
+    hidden, weight, labels = _inputs(torch.float32, 29)
+    inputs = _policy_inputs(hidden, weight, labels, 1.0, seed=29)
+
+    def run(with_entropy: bool) -> tuple[torch.Tensor, ...]:
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if with_entropy:
+            loss, _, entropy = vp.fused_linear_log_prob_loss(
+                h,
+                w,
+                labels,
+                lambda lp, _entropy, *rest: clipped_surrogate(lp, *rest),
+                inputs,
+                return_log_probs=True,
+                with_entropy=True,
+            )
+            assert bool((entropy[labels != IGNORE] > 0).all())
+        else:
+            loss = vp.fused_linear_log_prob_loss(h, w, labels, clipped_surrogate, inputs)
+        assert isinstance(loss, torch.Tensor)
+        loss.backward()
+        assert h.grad is not None and w.grad is not None
+        return loss.detach(), h.grad, w.grad
+
+    for a, b in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

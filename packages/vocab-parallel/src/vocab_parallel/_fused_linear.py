@@ -179,12 +179,14 @@ class _Rows:
 
 
 class FusedLinearLoss(torch.autograd.Function):
-    """(loss, log_p) from hidden [N, H], local projection rows [Vl, H], labels and c [N].
+    """(loss, log_p, entropy) from hidden [N, H], local projection rows [Vl, H], labels, c [N].
 
     loss = sum_t c_t * log p(label_t) (fp32 scalar, differentiable); log_p [N] fp32 is returned
     for logging only (not differentiable). With a :class:`TokenFunction` in place of c the
-    loss is sum_t fn(log p_t, *inputs_t) over the trained tokens, and each chunk's c_t is fn's
-    derivative at its log-probs, taken as soon as they exist (the two-kernel chunk path). ``need_hidden`` / ``need_weight`` say which
+    loss is sum_t fn(log p_t, [H_t,] *inputs_t) over the trained tokens, and each chunk's c_t
+    (and, when fn reads the entropy H_t, its entropy weight) is fn's derivative at the chunk's
+    values, taken as soon as they exist (the two-kernel chunk path); entropy [N] (0 where
+    ignored) is returned then, else it is empty. ``need_hidden`` / ``need_weight`` say which
     gradients to form (decided by the caller, from grad mode and ``requires_grad``).
     For 16-bit inputs: ``fp32_logits`` keeps the chunk logits as fp32 matmul outputs (else
     they are rounded to the input dtype, as any matmul returns them, and their gradient
@@ -209,7 +211,7 @@ class FusedLinearLoss(torch.autograd.Function):
         fp32_weight_grad: bool,
         skip_ignored: bool,
         trained_count: int | None,
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor]:
         n = hidden.shape[0]
         local_vocab = weight.shape[0]
         inv_t = plan.inv_temperature
@@ -250,6 +252,9 @@ class FusedLinearLoss(torch.autograd.Function):
             else:
                 accumulator = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
         log_p = hidden.new_zeros(n, dtype=torch.float32)
+        # Per-token entropy, for a function that reads it (0 where ignored), else empty.
+        with_entropy = function is not None and function.with_entropy
+        entropy = hidden.new_zeros(n if with_entropy else 0, dtype=torch.float32)
         # Counted once: here without a vocabulary group, else with the first chunk's collective.
         unreduced = unchecked_labels(targets, labels, plan=plan)
         if fixed and not one_kernel:  # the one kernel forms these from the labels and coef
@@ -287,10 +292,10 @@ class FusedLinearLoss(torch.autograd.Function):
                 from vocab_parallel import _triton
 
                 stats = _triton.shard_stats(
-                    logits, inv_temperature=inv_t, entropy=False, sum_z=False
+                    logits, inv_temperature=inv_t, entropy=with_entropy, sum_z=False
                 )
             else:  # a copy: the logits are still needed for the gradient
-                stats = shard_stats(scaled_fp32(logits, inv_t), entropy=False, sum_z=False)
+                stats = shard_stats(scaled_fp32(logits, inv_t), entropy=with_entropy, sum_z=False)
             invalid = unreduced if start == 0 else None
             glob = reduce_stats(
                 stats, target=target, invalid_labels=invalid, group=plan.layout.group
@@ -301,21 +306,33 @@ class FusedLinearLoss(torch.autograd.Function):
             chunk_valid = targets.valid[sel]
             chunk_log_p = torch.where(chunk_valid, chunk_log_p, 0.0)
             log_p[sel] = chunk_log_p
+            chunk_entropy = grad_entropy = None
+            if glob.entropy is not None:
+                chunk_entropy = torch.where(chunk_valid, glob.entropy, 0.0)
+                entropy[sel] = chunk_entropy
             if function is None:
                 chunk_g, chunk_target_grad = g_all[sel], target_grad[sel]
             else:
-                values, slope = function.chunk_terms(
-                    chunk_log_p, chunk_valid, sel, check=plan.validate and start == 0
+                values, slope, entropy_slope = function.chunk_terms(
+                    chunk_log_p,
+                    chunk_entropy,
+                    chunk_valid,
+                    sel,
+                    check=plan.validate and start == 0,
                 )
                 token_losses[sel] = values
                 chunk_g = slope * inv_t
                 chunk_target_grad = torch.where(in_shard, chunk_g, 0.0)
+                if entropy_slope is not None:
+                    grad_entropy = entropy_slope * inv_t
             if grad_hidden is None and accumulator is None:
                 continue
             if local_vocab:
                 terms = GradTerms(
                     log_normalizer=glob.log_normalizer,
                     grad_all=chunk_g,
+                    entropy=glob.entropy if grad_entropy is not None else None,
+                    grad_entropy=grad_entropy,
                     target_index=index,
                     target_grad=chunk_target_grad,
                 )
@@ -346,11 +363,13 @@ class FusedLinearLoss(torch.autograd.Function):
         # Not saved with save_for_backward: these are results, handed over once in backward.
         ctx.grads = (grad_hidden, grad_weight)
         ctx.backend = plan.backend
-        ctx.mark_non_differentiable(log_p)
-        return loss, log_p
+        ctx.mark_non_differentiable(log_p, entropy)
+        return loss, log_p, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: Tensor | None, _grad_log_p: Tensor | None) -> tuple:
+    def backward(
+        ctx: Any, grad_loss: Tensor | None, _grad_log_p: Tensor | None, _grad_entropy: Tensor | None
+    ) -> tuple:
         if ctx.grads is None:
             raise RuntimeError(
                 "backward ran twice through a fused linear loss: its gradients were formed in "

@@ -52,7 +52,7 @@ def _fused_loss(
     hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
-    coefficients: Tensor | float | tuple[TokenLoss, Sequence[Tensor]],
+    coefficients: Tensor | float | tuple[TokenLoss, Sequence[Tensor], bool],
     *,
     temperature: float,
     ignore_index: int,
@@ -65,10 +65,10 @@ def _fused_loss(
     trained_count: int | None,
     vocab_group: VocabGroup | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss, log_p [...], valid [...]) with loss = sum_t c_t * log p(label_t).
+    """(loss, log_p [...], entropy [...] or None) with loss = sum_t c_t * log p(label_t).
 
-    ``coefficients`` as (token_loss, token_inputs): loss = sum_t token_loss(log p_t, *inputs_t)
-    over the trained tokens.
+    ``coefficients`` as (token_loss, token_inputs, with_entropy): loss = sum_t token_loss(log
+    p_t, [H_t,] *inputs_t) over the trained tokens; the entropy is returned with_entropy.
     """
     inv_t, shard, flat_hidden, labels, batch_shape = linear_operands(
         hidden,
@@ -82,7 +82,7 @@ def _fused_loss(
     device = flat_hidden.device
     terms: Tensor | TokenFunction
     if isinstance(coefficients, tuple):
-        fn, inputs = coefficients
+        fn, inputs, with_entropy = coefficients
         if not callable(fn):
             raise TypeError(
                 f"token_loss must be a function (log_p, *token_inputs) -> per-token losses, "
@@ -94,6 +94,7 @@ def _fused_loss(
                 _per_token(x, name=f"token_inputs[{i}]", batch_shape=batch_shape, device=device)
                 for i, x in enumerate(inputs)
             ),
+            with_entropy=with_entropy,
         )
     elif isinstance(coefficients, Tensor):
         terms = _per_token(
@@ -135,7 +136,7 @@ def _fused_loss(
     )
     flat_labels = labels.reshape(-1)
     with autocast_off:
-        loss, log_p = FusedLinearLoss.apply(
+        loss, log_p, entropy = FusedLinearLoss.apply(
             flat_hidden,
             local_weight,
             flat_labels,
@@ -148,7 +149,11 @@ def _fused_loss(
             bool(skip_ignored),
             trained_count,
         )
-    return loss, log_p.view(batch_shape), (labels != ignore_index)
+    if isinstance(terms, TokenFunction) and terms.with_entropy:
+        token_entropy = entropy.view(batch_shape)
+    else:
+        token_entropy = None
+    return loss, log_p.view(batch_shape), token_entropy
 
 
 def fused_linear_token_loss(
@@ -273,8 +278,9 @@ def fused_linear_log_prob_loss(
     skip_ignored: bool = True,
     trained_count: int | None = None,
     return_log_probs: bool = False,
+    with_entropy: bool = False,
     vocab_group: VocabGroup | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """sum_t token_loss(log p_t, *token_inputs_t) over the trained tokens, gradients in forward.
 
     For losses that are an elementwise function of each token's log-prob, not a fixed weighted
@@ -325,12 +331,19 @@ def fused_linear_log_prob_loss(
         fp32_weight_grad: sum the weight gradient in fp32.
         skip_ignored: leave ignored tokens out of the matmuls.
         trained_count: the exact number of labels that are not ``ignore_index``, if known.
-        return_log_probs: also return log p(label) [...] (fp32, not differentiable).
+        return_log_probs: also return log p(label) [...] (fp32, not differentiable), and with
+            ``with_entropy`` the entropies [...] too (0 where ignored), e.g. for logging.
+        with_entropy: also form each token's softmax entropy H_t (one more fp32 sum in the
+            statistics pass over the chunk's logits, no more matmuls) and pass it to
+            ``token_loss`` as its second argument, ``token_loss(log_p, entropy, *inputs)``: an
+            entropy bonus (-beta * entropy) is then part of the loss, differentiated through
+            the logits like the log-prob terms (dH/dz = -p (log p + H) / temperature).
         vocab_group: for a plain local weight shard (Megatron's output layer).
 
     Returns:
-        The fp32 0-dim loss, identical on every vocabulary rank (and log p(label) [...] when
-        ``return_log_probs``). Backward scales the stored gradients by the upstream gradient.
+        The fp32 0-dim loss, identical on every vocabulary rank; with ``return_log_probs``
+        (loss, log p(label) [...]), and with ``with_entropy`` as well (loss, log p, entropy).
+        Backward scales the stored gradients by the upstream gradient.
 
     Raises:
         ValueError: ``token_loss`` returns another shape or (``validate``) is not elementwise;
@@ -338,11 +351,11 @@ def fused_linear_log_prob_loss(
         TypeError: ``token_loss`` is not callable.
         RuntimeError: a second backward through the same call.
     """
-    loss, log_p, _ = _fused_loss(
+    loss, log_p, entropy = _fused_loss(
         hidden,
         weight,
         labels,
-        (token_loss, tuple(token_inputs)),
+        (token_loss, tuple(token_inputs), with_entropy),
         temperature=temperature,
         ignore_index=ignore_index,
         chunk_size=chunk_size,
@@ -354,7 +367,9 @@ def fused_linear_log_prob_loss(
         trained_count=trained_count,
         vocab_group=vocab_group,
     )
-    return (loss, log_p) if return_log_probs else loss
+    if not return_log_probs:
+        return loss
+    return (loss, log_p) if entropy is None else (loss, log_p, entropy)
 
 
 def linear_cross_entropy(
