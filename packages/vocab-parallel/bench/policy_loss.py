@@ -17,6 +17,8 @@ Variants (baseline: naive):
     fused_policy_lean   the same with fp32_weight_grad=False (the weight gradient summed in
                     its bf16 dtype: no fp32 weight-sized buffer)
     fused_policy_all    the same with skip_ignored=False (the padding through the matmuls too)
+    fused_policy_entropy   the same with with_entropy=True: each token's entropy formed in the
+                    statistics pass and returned (for logging; the loss does not read it)
     recompute       vocab_parallel.linear_token_log_probs, then the loss in PyTorch (the
                     logits recomputed in backward: four matmuls)
     liger_grpo      liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss(loss_type="bnpo",
@@ -109,11 +111,24 @@ def _variants(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
         assert isinstance(loss, torch.Tensor)
         return loss
 
+    def with_logged_entropy() -> torch.Tensor:
+        loss, _log_p, _entropy = vp.fused_linear_log_prob_loss(  # type: ignore[misc]
+            hidden,
+            weight,
+            labels,
+            lambda log_p, _entropy, *rest: clipped_loss_terms(log_p, *rest),
+            (old, per_token_advantage, scale),
+            return_log_probs=True,
+            with_entropy=True,
+        )
+        return loss
+
     out = {
         "naive": make(naive),
         "fused_policy": make(fused),
         "fused_policy_lean": make(lambda: fused(fp32_weight_grad=False)),
         "fused_policy_all": make(lambda: fused(skip_ignored=False)),
+        "fused_policy_entropy": make(with_logged_entropy),
         "recompute": make(
             lambda: from_log_probs(vp.linear_token_log_probs(hidden, weight, labels))
         ),

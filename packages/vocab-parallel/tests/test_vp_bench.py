@@ -52,7 +52,14 @@ def test_policy_loss_bench_quick_runs_and_checks_each_form(tmp_path: Path) -> No
     result = run_quick(BENCH.parent / "policy_loss.py", tmp_path, "--device", "cpu", timeout_s=170)
     report = result.report
     rows = {row["variant"]: row for row in report["rows"]}
-    ours = ["naive", "fused_policy", "fused_policy_lean", "fused_policy_all", "recompute"]
+    ours = [
+        "naive",
+        "fused_policy",
+        "fused_policy_lean",
+        "fused_policy_all",
+        "fused_policy_entropy",
+        "recompute",
+    ]
     assert list(rows) == [*ours, "liger_grpo"]
     assert 0 < report["trained_tokens"] < report["tokens"]  # padding is left out
     floor = report["rounding_floor_rel_err"]
