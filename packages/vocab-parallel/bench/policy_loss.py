@@ -202,12 +202,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
         f"logits {logits_bytes / GIB:.4g} GiB; gradient rounding floor {floor:.2e}"
     )
     print(
-        f"{'variant':<16}{'median ms':>11}{'peak GiB':>10}{'x logits':>10}{'transient':>11}"
+        f"{'variant':<22}{'median ms':>11}{'peak GiB':>10}{'x logits':>10}{'transient':>11}"
         f"{'vs naive':>10}{'loss err':>10}{'grad err':>10}  status"
     )
     for row in rows:
         print(
-            f"{row.variant:<16}{_fmt(row.median_ms, '.2f'):>11}{_fmt(row.peak_extra_gib, '.3f'):>10}"
+            f"{row.variant:<22}{_fmt(row.median_ms, '.2f'):>11}{_fmt(row.peak_extra_gib, '.3f'):>10}"
             f"{_fmt(row.extra_over_logits, '.3f'):>10}{_fmt(row.transient_over_logits, '.3f'):>11}"
             f"{_fmt(row.speedup, '.3f'):>10}{_fmt(row.loss_rel_err, '.1e'):>10}"
             f"{_fmt(row.grad_rel_err, '.1e'):>10}  {row.status}"
