@@ -139,3 +139,17 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return platform.processor() or platform.machine()
+
+
+def run_info(device: torch.device) -> dict[str, object]:
+    """What every report starts with: the device, torch, vocab-parallel and the peers' versions."""
+    import vocab_parallel as vp
+
+    return {
+        "device": str(device),
+        "device_name": device_name(device),
+        "torch": torch.__version__,
+        "vocab_parallel": vp.__version__,
+        "peers": peer_versions(),
+        "python": platform.python_version(),
+    }

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from dataclasses import asdict
 from pathlib import Path
 
@@ -58,13 +57,12 @@ from _measure import (
     device_name,
     fp32_reference,
     measure,
-    peer_versions,
     rounding_floor,
+    run_info,
     time_ms,
 )
 from _variants import IGNORE, Variant, linear_variants, logits_variants, naive_loss
 
-import vocab_parallel as vp
 from train_testing.bench.runtime import add_device_argument
 
 
@@ -220,12 +218,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     )
 
     report = {
-        "device": str(device),
-        "device_name": device_name(device),
-        "torch": torch.__version__,
-        "vocab_parallel": vp.__version__,
-        "peers": peer_versions(),
-        "python": platform.python_version(),
+        **run_info(device),
         "tokens": t,
         "ignore_every": args.ignore_every,
         "vocab": v,

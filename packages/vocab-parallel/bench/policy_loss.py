@@ -36,12 +36,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from _measure import GIB, Row, device_name, fp32_reference, measure, peer_versions, rounding_floor
+from _measure import (
+    GIB,
+    Row,
+    device_name,
+    fp32_reference,
+    measure,
+    rounding_floor,
+    run_info,
+)
 from _variants import IGNORE, Variant, backward_variant, peer_status, skipped
 
 import vocab_parallel as vp
@@ -213,12 +220,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             f"{_fmt(row.grad_rel_err, '.1e'):>10}  {row.status}"
         )
     report = {
-        "device": str(device),
-        "device_name": device_name(device),
-        "torch": torch.__version__,
-        "vocab_parallel": vp.__version__,
-        "peers": peer_versions(),
-        "python": platform.python_version(),
+        **run_info(device),
         "sequences": args.sequences,
         "length": args.length,
         "tokens": tokens,

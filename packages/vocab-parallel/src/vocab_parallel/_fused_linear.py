@@ -217,7 +217,6 @@ class FusedLinearLoss(torch.autograd.Function):
         inv_t = plan.inv_temperature
         targets = locate_targets(labels, plan=plan, local_vocab=local_vocab)
         function = coefficients if isinstance(coefficients, TokenFunction) else None
-        fixed = function is None
         if isinstance(coefficients, Tensor):
             coef = torch.where(targets.valid, coefficients.float(), 0.0)
         else:  # each chunk's derivatives and losses, once its log-probs exist
@@ -237,7 +236,7 @@ class FusedLinearLoss(torch.autograd.Function):
         # the input dtype: one kernel per chunk does the softmax, the log-probs and the
         # gradient in place (no collective to wait for between them).
         one_kernel = (
-            fixed
+            function is None
             and plan.backend == "triton"
             and plan.layout.group is None
             and not fp32_logits
@@ -257,9 +256,8 @@ class FusedLinearLoss(torch.autograd.Function):
         entropy = hidden.new_zeros(n if with_entropy else 0, dtype=torch.float32)
         # Counted once: here without a vocabulary group, else with the first chunk's collective.
         unreduced = unchecked_labels(targets, labels, plan=plan)
-        if fixed and not one_kernel:  # the one kernel forms these from the labels and coef
+        if function is None and not one_kernel:  # the one kernel forms it from coef itself
             g_all = coef * inv_t
-            target_grad = torch.where(targets.in_shard, g_all, 0.0)
         for start in range(0, m, plan.chunk_size):
             stop = min(start + plan.chunk_size, m)
             chunk = _Rows(slice(start, stop) if rows is None else rows[start:stop])
@@ -311,7 +309,7 @@ class FusedLinearLoss(torch.autograd.Function):
                 chunk_entropy = torch.where(chunk_valid, glob.entropy, 0.0)
                 entropy[sel] = chunk_entropy
             if function is None:
-                chunk_g, chunk_target_grad = g_all[sel], target_grad[sel]
+                chunk_g = g_all[sel]
             else:
                 values, slope, entropy_slope = function.chunk_terms(
                     chunk_log_p,
@@ -322,7 +320,6 @@ class FusedLinearLoss(torch.autograd.Function):
                 )
                 token_losses[sel] = values
                 chunk_g = slope * inv_t
-                chunk_target_grad = torch.where(in_shard, chunk_g, 0.0)
                 if entropy_slope is not None:
                     grad_entropy = entropy_slope * inv_t
             if grad_hidden is None and accumulator is None:
@@ -334,7 +331,7 @@ class FusedLinearLoss(torch.autograd.Function):
                     entropy=glob.entropy if grad_entropy is not None else None,
                     grad_entropy=grad_entropy,
                     target_index=index,
-                    target_grad=chunk_target_grad,
+                    target_grad=torch.where(in_shard, chunk_g, 0.0),
                 )
                 grad_logits = _chunk_logits_grad(logits, terms, plan=plan, dtype=hidden.dtype)
             else:  # a rank without vocabulary rows still joins the hidden-gradient sum
@@ -359,7 +356,7 @@ class FusedLinearLoss(torch.autograd.Function):
         if accumulator is not None:
             grad_weight = accumulator.to(weight.dtype)
             del accumulator
-        loss = (coef * log_p).sum() if fixed else token_losses.sum()
+        loss = (coef * log_p).sum() if function is None else token_losses.sum()
         # Not saved with save_for_backward: these are results, handed over once in backward.
         ctx.grads = (grad_hidden, grad_weight)
         ctx.backend = plan.backend

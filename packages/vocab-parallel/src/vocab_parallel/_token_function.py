@@ -63,48 +63,47 @@ class TokenFunction:
             ValueError: ``fn`` returns no tensor, the wrong shape, or (``check``) values that
                 depend on other tokens' entries.
         """
-        if self.with_entropy and entropy is None:
-            raise ValueError("TokenFunction.with_entropy needs the chunk's entropies")
-        inputs = [x[select] for x in self.inputs]
+        leaves = [log_p.detach()]
         if self.with_entropy:
-            assert entropy is not None
-            inputs.insert(0, entropy)
+            if entropy is None:
+                raise ValueError("TokenFunction.with_entropy needs the chunk's entropies")
+            leaves.append(entropy.detach())
+        inputs = [x[select] for x in self.inputs]
         with torch.enable_grad():
-            leaves = [log_p.detach().requires_grad_()]
-            if self.with_entropy:
-                leaves.append(inputs[0].detach().requires_grad_())
-                inputs[0] = leaves[1]
-            values = self._call(leaves[0], inputs)
+            for leaf in leaves:
+                leaf.requires_grad_()
+            values = self._call([*leaves, *inputs])
             slopes: Sequence[Tensor | None] = [None] * len(leaves)
-            if values.requires_grad:  # else the loss depends on neither: no gradient
+            if values.requires_grad:  # else the loss depends on none of them: no gradient
                 slopes = torch.autograd.grad(values.sum(), leaves, allow_unused=True)
-        inputs = [x.detach() for x in inputs]
+        values = values.detach()
         if check and log_p.shape[0] >= 2:
-            self._check_elementwise(log_p, inputs, values.detach())
+            self._check_elementwise([*(x.detach() for x in leaves), *inputs], values)
         zero = torch.zeros((), dtype=torch.float32, device=log_p.device)
-        values = torch.where(valid, values.detach().float(), zero)
         grads = [
             torch.zeros_like(log_p) if g is None else torch.where(valid, g.float(), zero)
             for g in slopes
         ]
+        values = torch.where(valid, values.float(), zero)
         return values, grads[0], (grads[1] if self.with_entropy else None)
 
-    def _call(self, log_p: Tensor, inputs: list[Tensor]) -> Tensor:
-        values = self.fn(log_p, *inputs)
-        if not isinstance(values, Tensor) or values.shape != log_p.shape:
+    def _call(self, args: list[Tensor]) -> Tensor:
+        """fn(log_p, [entropy,] *inputs), checked to give one value per token."""
+        values = self.fn(*args)
+        if not isinstance(values, Tensor) or values.shape != args[0].shape:
             got = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
             raise ValueError(
                 f"token_loss returned {got}; expected one loss per token, shape "
-                f"{tuple(log_p.shape)} (an elementwise function of the chunk's log-probs and "
+                f"{tuple(args[0].shape)} (an elementwise function of the chunk's log-probs and "
                 "token_inputs; reduce over tokens outside it, e.g. through the inputs' weights)"
             )
         return values
 
-    def _check_elementwise(self, log_p: Tensor, inputs: list[Tensor], values: Tensor) -> None:
-        half = log_p.shape[0] // 2
+    def _check_elementwise(self, args: list[Tensor], values: Tensor) -> None:
+        half = args[0].shape[0] // 2
         with torch.no_grad():
-            first = self._call(log_p[:half], [x[:half] for x in inputs])
-            second = self._call(log_p[half:], [x[half:] for x in inputs])
+            first = self._call([x[:half] for x in args])
+            second = self._call([x[half:] for x in args])
         apart = torch.cat([first, second])
         if not torch.allclose(apart.float(), values.float(), rtol=1e-5, atol=1e-6, equal_nan=True):
             raise ValueError(
