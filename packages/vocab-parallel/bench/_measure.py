@@ -95,10 +95,24 @@ def measure(
             rows.append(Row(variant=name, baseline=variant.baseline, status=variant.status))
             continue
         loss_err = grad_err = None
-        if variant.status == "ok":
-            loss_err, grad_err = check(variant, *reference)
-        ms = time_ms(variant.step, device, warmup, repeats)
-        peak = peak_extra(variant.step, variant.reset, device)
+        try:
+            if variant.status == "ok":
+                loss_err, grad_err = check(variant, *reference)
+            ms = time_ms(variant.step, device, warmup, repeats)
+            peak = peak_extra(variant.step, variant.reset, device)
+        except (RuntimeError, AssertionError, TypeError, ValueError) as error:
+            # A form that cannot run these inputs (a peer's dtype assertion, say) is a row
+            # that says why, not the end of the run for every other form.
+            variant.reset()
+            message = " ".join(str(error).split())[:120]
+            rows.append(
+                Row(
+                    variant=name,
+                    baseline=variant.baseline,
+                    status=f"failed: {type(error).__name__}: {message}",
+                )
+            )
+            continue
         rows.append(
             Row(
                 variant=name,

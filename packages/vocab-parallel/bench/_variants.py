@@ -166,11 +166,23 @@ def linear_variants(
     *,
     linear_blocks: list[int],
     fused_chunks: list[int],
+    autocast_dtype: torch.dtype | None = None,
 ) -> dict[str, Variant]:
-    """Variants on hidden [T, H] and weight [V, H] (leaves that require grad)."""
+    """Variants on hidden [T, H] and weight [V, H] (leaves that require grad).
+
+    With ``autocast_dtype`` every forward runs under ``torch.autocast`` in that dtype (the
+    leaves are then fp32 master tensors, as in an AMP loop); backward runs outside it.
+    """
 
     def make(fn: Callable[[], torch.Tensor]) -> Variant:
-        return backward_variant(fn, [hidden, weight], baseline="naive_linear")
+        if autocast_dtype is None:
+            return backward_variant(fn, [hidden, weight], baseline="naive_linear")
+
+        def under_autocast() -> torch.Tensor:
+            with torch.autocast(device.type, dtype=autocast_dtype):
+                return fn()
+
+        return backward_variant(under_autocast, [hidden, weight], baseline="naive_linear")
 
     def recompute_form(**options: object) -> torch.Tensor:
         log_p = vp.linear_token_log_probs(hidden, weight, labels, **options)  # type: ignore[arg-type]
@@ -216,10 +228,15 @@ def linear_variants(
             continue
         from cut_cross_entropy import linear_cross_entropy as cce
 
+        # CCE's backward asserts 16-bit embeddings: under autocast its operands are cast to
+        # autocast's dtype first, as a caller must (the casts' backward upcasts its gradients).
+        def operand(x: torch.Tensor) -> torch.Tensor:
+            return x if autocast_dtype is None else x.to(autocast_dtype)
+
         out[name] = make(
             lambda filter_eps=filter_eps: cce(
-                hidden,
-                weight,
+                operand(hidden),
+                operand(weight),
                 labels,
                 ignore_index=IGNORE,
                 reduction="sum",
@@ -228,17 +245,20 @@ def linear_variants(
             )
         )
     if device.type == "cuda":
+        # The bounds' operands in the dtype the matmuls run in (autocast's, else the inputs').
+        matmul_dtype = autocast_dtype or weight.dtype
+        h_in, w_in = hidden.detach().to(matmul_dtype), weight.detach().to(matmul_dtype)
         grad_logits = torch.randn(
-            labels.numel(), weight.shape[0], device=device, dtype=weight.dtype
+            labels.numel(), weight.shape[0], device=device, dtype=matmul_dtype
         )
 
         def matmuls(count: int) -> Variant:
             def step() -> tuple[None, list[torch.Tensor]]:
                 with torch.no_grad():
                     for _ in range(count - 2):  # forward (and the recomputation in backward)
-                        hidden @ weight.T
-                    grad_logits @ weight
-                    grad_logits.T @ hidden
+                        h_in @ w_in.T
+                    grad_logits @ w_in
+                    grad_logits.T @ h_in
                 return None, []
 
             return Variant(

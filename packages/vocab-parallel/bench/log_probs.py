@@ -32,6 +32,13 @@ On hidden [T, H] and the projection weight [V, H] (baseline: naive_linear):
                       gradients) or four (plus the recomputation) full-size cuBLAS matmuls with
                       no softmax work; lower bounds for the two fused designs (CUDA)
 
+``--autocast`` runs the fused linear rows as an AMP loop calls them (HF Trainer's bf16, DDP with
+autocast): hidden and weight are fp32 leaves holding the same bf16 values, and each forward runs
+under ``torch.autocast`` in ``--dtype``; the matmuls still run in bf16, the leaves get fp32
+gradients, and a gradient never rounded to bf16 can fall below the floor below. CCE's backward
+asserts 16-bit embeddings, so its rows cast both operands to ``--dtype`` first, as a caller must.
+A form that raises on its inputs becomes a row with status "failed: ..." (the run goes on).
+
 Exactness: each variant's loss and gradients against an fp32 reference computed by plain
 PyTorch from the same inputs (relative error, ||got - ref|| / ||ref||, the worst of its
 gradients); "floor" is the error of the reference itself rounded to the input dtype, which no
@@ -133,6 +140,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
         help="every K-th label is ignore_index (default 16; 2: half the tokens, as RL prompts)",
     )
     parser.add_argument(
+        "--autocast",
+        action="store_true",
+        help="linear rows: fp32 leaves (bf16 values) under torch.autocast in --dtype",
+    )
+    parser.add_argument(
         "--only",
         default="",
         help="comma-separated variants to run besides the baselines naive and naive_linear",
@@ -174,6 +186,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     if not args.no_linear:
         hidden = torch.randn(t, h, device=device, dtype=dtype).requires_grad_()
         weight = (torch.randn(v, h, device=device, dtype=dtype) / h**0.5).requires_grad_()
+        if args.autocast:  # fp32 master tensors holding the same values
+            hidden = hidden.detach().float().requires_grad_()
+            weight = weight.detach().float().requires_grad_()
 
         def loss_of_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return naive_loss(x @ w.T, labels)
@@ -187,6 +202,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             device,
             linear_blocks=_ints(args.linear_blocks),
             fused_chunks=_ints(args.fused_chunks),
+            autocast_dtype=dtype if args.autocast else None,
         )
         _check_only(args.only, on_logits, variants)
         rows += measure(
@@ -224,6 +240,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         "vocab": v,
         "hidden": h,
         "dtype": args.dtype,
+        "autocast": args.autocast,
         "repeats": args.repeats,
         "logits_gib": logits_bytes / GIB,
         "copy_bandwidth_gbps": bandwidth / 1e9,
@@ -251,8 +268,10 @@ def _print(
     bandwidth: float,
     floors: dict[str, float],
 ) -> None:
+    amp = "; linear rows: fp32 leaves under autocast" if args.autocast else ""
     print(
-        f"T={args.tokens} V={args.vocab} H={args.hidden} {args.dtype} on {device} ({device_name(device)})"
+        f"T={args.tokens} V={args.vocab} H={args.hidden} {args.dtype}{amp} on {device} "
+        f"({device_name(device)})"
     )
     print(
         f"logits {logits_bytes / GIB:.4g} GiB; floor {floor_ms:.4g} ms at "

@@ -96,6 +96,25 @@ def test_bench_only_and_ignore_every(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bench_autocast_rows_get_unrounded_fp32_gradients(tmp_path: Path) -> None:
+    """``--autocast``: fp32 leaves under bf16 autocast. The fused forms hand back fp32
+    gradients never rounded to bf16, so they land below the bf16 rounding floor that the
+    naive form (autocast's own casts round its gradients) cannot beat."""
+    only = "grads_in_forward,grads_in_forward_exact,fused_linear"
+    result = run_quick(BENCH, tmp_path, "--device", "cpu", "--autocast", "--only", only)
+    report = result.report
+    assert report["autocast"] is True
+    rows = {row["variant"]: row for row in report["rows"]}
+    floor = report["rounding_floor_rel_err"]["linear"]
+    assert rows["naive_linear"]["grad_rel_err"] >= 0.99 * floor, (rows["naive_linear"], floor)
+    for name in only.split(","):
+        assert rows[name]["status"] == "ok", rows[name]
+        assert rows[name]["grad_rel_err"] < 0.8 * floor, (name, rows[name], floor)
+        assert rows[name]["loss_rel_err"] < 1e-3, (name, rows[name])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["loss_grad_configs.py", "steady_state.py", "quack_gemms.py"])
 def test_cuda_only_benches_say_so_on_the_cpu(script: str) -> None:
     """The GPU-only benches stop with a one-line message naming what they need, not a trace."""

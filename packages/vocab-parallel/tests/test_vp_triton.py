@@ -177,3 +177,37 @@ def test_grads_in_forward_default_chunks_on_cuda_match_float64(
         assert got is not None and want is not None
         err = (got.double().cpu() - want).norm() / want.norm()
         assert err < tol, float(err)
+
+
+@requires_cuda(1)
+@requires_module("triton", extra="triton")
+@pytest.mark.parametrize("fp32_logits", [False, True])
+def test_autocast_fp32_gradients_on_cuda_beat_the_bf16_floor(fp32_logits: bool) -> None:
+    """fp32 master tensors under bf16 autocast on CUDA, default chunks (the Triton chunk kernel,
+    fp32 hidden-gradient rows from mixed-precision matmuls, the fp32 weight accumulator handed
+    back as the gradient): both gradients within 1e-3 of float64 from the same bf16 operands,
+    and below the error of rounding that float64 gradient to bf16 (where any bf16 gradient is)."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, vocab, width = 8192, 10000, 64
+    # bf16-representable fp32 values: the reference sees exactly the matmuls' operands.
+    hidden = torch.randn(tokens, width, generator=gen).bfloat16().float()
+    weight = (torch.randn(vocab, width, generator=gen) / 16).bfloat16().float()
+    labels = torch.randint(0, vocab, (tokens,), generator=gen)
+    labels[::7] = -100
+    h = hidden.cuda().requires_grad_()
+    w = weight.cuda().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = vp.linear_cross_entropy(
+            h, w, labels.cuda(), reduction="sum", fp32_logits=fp32_logits
+        )
+    (loss / 1000).backward()
+    h64 = hidden.double().requires_grad_()
+    w64 = weight.double().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(h64 @ w64.T, labels, reduction="sum")
+    (ref / 1000).backward()
+    assert abs(loss.item() - ref.item()) <= 1e-3 * abs(ref.item())
+    for got, want in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        assert got is not None and want is not None and got.dtype == torch.float32
+        err = float((got.double().cpu() - want).norm() / want.norm())
+        floor = float((want.bfloat16().double() - want).norm() / want.norm())
+        assert err < min(1e-3, 0.7 * floor), (err, floor)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from vocab_parallel._linear import _add_matmul_, _chunk_logits_grad
+from vocab_parallel._linear import _add_matmul_, _chunk_logits_grad, _mm_into
 from vocab_parallel._logits import Plan, locate_targets, raise_invalid, unchecked_labels
 from vocab_parallel._math import (
     GradTerms,
@@ -142,7 +142,7 @@ def _chunk_matmuls(
         else:
             accumulate_weight_grad_(accumulator, grad_logits, h_chunk)
     if hidden_rows is not None:
-        torch.mm(grad_logits, weight, out=hidden_rows)
+        _mm_into(grad_logits, weight, hidden_rows)
 
 
 class _Rows:
@@ -166,11 +166,16 @@ class _Rows:
         """Where the chunk's hidden-gradient rows [C, H] are written.
 
         The rows themselves for a slice; for an index the chunk's gathered hidden rows (no
-        longer read once the weight gradient has its share), which :meth:`scatter` puts back.
+        longer read once the weight gradient has its share), which :meth:`scatter` puts back,
+        or a new buffer when the gradient is wider than the rows (fp32 under autocast).
         """
         if grad_hidden is None:
             return None
-        return grad_hidden[self.select] if self.index is None else h_chunk
+        if self.index is None:
+            return grad_hidden[self.select]
+        if grad_hidden.dtype != h_chunk.dtype:
+            return h_chunk.new_empty(h_chunk.shape, dtype=grad_hidden.dtype)
+        return h_chunk
 
     def scatter(self, grad_hidden: Tensor | None, rows: Tensor | None) -> None:
         """Put the buffer of :meth:`grad_rows` into the gradient's rows (a slice wrote them)."""
@@ -194,7 +199,10 @@ class FusedLinearLoss(torch.autograd.Function):
     buffer (else in the weight's dtype: each chunk's partial sum is rounded once).
     ``skip_ignored`` walks only the tokens whose label is not ``ignore_index`` (found with
     :func:`trained_rows`, given ``trained_count`` when the host knows it); the others' hidden
-    gradient rows are 0.
+    gradient rows are 0. With a ``compute_dtype`` (autocast's) the matmuls run on copies of
+    hidden and weight in that dtype while the gradients keep the inputs' own dtypes: fp32
+    master tensors get fp32 gradients from fp32 matmul outputs (the hidden rows) and the fp32
+    accumulator, never rounded to 16 bits on the way.
     """
 
     @staticmethod
@@ -211,7 +219,11 @@ class FusedLinearLoss(torch.autograd.Function):
         fp32_weight_grad: bool,
         skip_ignored: bool,
         trained_count: int | None,
+        compute_dtype: torch.dtype | None,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        hidden_grad_dtype, weight_grad_dtype = hidden.dtype, weight.dtype
+        if compute_dtype is not None:  # copies for the matmuls; the gradients keep the inputs'
+            hidden, weight = hidden.to(compute_dtype), weight.to(compute_dtype)
         n = hidden.shape[0]
         local_vocab = weight.shape[0]
         inv_t = plan.inv_temperature
@@ -230,7 +242,8 @@ class FusedLinearLoss(torch.autograd.Function):
         m = n if rows is None else rows.shape[0]
         grad_hidden = None
         if need_hidden:
-            grad_hidden = torch.empty_like(hidden) if rows is None else torch.zeros_like(hidden)
+            fill = torch.empty if rows is None else torch.zeros
+            grad_hidden = fill(hidden.shape, dtype=hidden_grad_dtype, device=hidden.device)
         accumulator = None
         # The whole vocabulary on this rank, Triton, gradients wanted and the chunk logits in
         # the input dtype: one kernel per chunk does the softmax, the log-probs and the
@@ -354,7 +367,7 @@ class FusedLinearLoss(torch.autograd.Function):
             del grad_logits
         grad_weight = None
         if accumulator is not None:
-            grad_weight = accumulator.to(weight.dtype)
+            grad_weight = accumulator.to(weight_grad_dtype)
             del accumulator
         loss = (coef * log_p).sum() if function is None else token_losses.sum()
         # Not saved with save_for_backward: these are results, handed over once in backward.
@@ -379,4 +392,4 @@ class FusedLinearLoss(torch.autograd.Function):
             for grad in (grad_hidden, grad_weight):
                 if grad is not None:
                     scale_by_upstream_(grad, grad_loss, backend=ctx.backend)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, *([None] * 10)

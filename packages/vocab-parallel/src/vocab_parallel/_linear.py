@@ -112,8 +112,18 @@ def _add_matmul_(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
         accumulator.addmm_(a, b)
     elif accumulator.is_cuda:
         torch.addmm(accumulator, a, b, out_dtype=accumulator.dtype, out=accumulator)
-    else:
-        accumulator.add_(a @ b)
+    else:  # CPU matmuls have no fp32 output for 16-bit inputs: fp32 copies give the same sums
+        accumulator.addmm_(a.to(accumulator.dtype), b.to(accumulator.dtype))
+
+
+def _mm_into(a: Tensor, b: Tensor, out: Tensor) -> None:
+    """Write a @ b into ``out``: 16-bit a, b; ``out`` of their dtype or fp32 (never rounded to 16 bits)."""
+    if out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+    elif a.is_cuda:
+        torch.mm(a, b, out_dtype=out.dtype, out=out)
+    else:  # CPU matmuls have no fp32 output for 16-bit inputs; the products are exact in fp32
+        torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
 
 
 def _chunk_logits_grad(
@@ -146,7 +156,18 @@ class LinearLogProbs(torch.autograd.Function):
     """log p(label) [N] from hidden [N, H] and the local projection rows [Vl, H]."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, plan: Plan) -> Tensor:
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        plan: Plan,
+        compute_dtype: torch.dtype | None,
+    ) -> Tensor:
+        ctx.compute_dtype = compute_dtype
+        hidden_in, weight_in = hidden, weight
+        if compute_dtype is not None:  # copies for the matmuls, made again in backward
+            hidden, weight = hidden.to(compute_dtype), weight.to(compute_dtype)
         local_vocab = weight.shape[0]
         targets = locate_targets(labels, plan=plan, local_vocab=local_vocab)
         invalid = unchecked_labels(targets, labels, plan=plan)
@@ -157,21 +178,33 @@ class LinearLogProbs(torch.autograd.Function):
         log_p = (glob.target - glob.shift) - glob.log_sum_exp
         log_p = torch.where(targets.valid, log_p, torch.zeros_like(log_p))
         ctx.plan = plan
+        # The inputs, not the copies: holding 16-bit copies until backward would add their
+        # memory at the end of forward, where a model's memory peaks; casting again is one pass.
         ctx.save_for_backward(
-            hidden, weight, glob.log_normalizer, targets.valid, targets.in_shard, targets.index
+            hidden_in,
+            weight_in,
+            glob.log_normalizer,
+            targets.valid,
+            targets.in_shard,
+            targets.index,
         )
         return log_p
 
     @staticmethod
-    def backward(ctx: Any, grad_log_p: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+    def backward(
+        ctx: Any, grad_log_p: Tensor
+    ) -> tuple[Tensor | None, Tensor | None, None, None, None]:
         plan: Plan = ctx.plan
-        hidden, weight, log_normalizer, valid, in_shard, index = ctx.saved_tensors
+        hidden_in, weight_in, log_normalizer, valid, in_shard, index = ctx.saved_tensors
+        hidden, weight = hidden_in, weight_in
+        if ctx.compute_dtype is not None:
+            hidden, weight = hidden.to(ctx.compute_dtype), weight.to(ctx.compute_dtype)
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         inv_t = plan.inv_temperature
         g_all = torch.where(valid, grad_log_p.float(), 0.0) * inv_t
         local_vocab = weight.shape[0]
         grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32) if need_hidden else None
-        grad_weight = torch.empty_like(weight) if need_weight else None
+        grad_weight = torch.empty_like(weight_in) if need_weight else None
         for start in range(0, local_vocab, plan.chunk_size):
             stop = min(start + plan.chunk_size, local_vocab)
             rows = weight[start:stop]
@@ -187,15 +220,16 @@ class LinearLogProbs(torch.autograd.Function):
             if grad_hidden is not None:
                 _add_matmul_(grad_hidden, grad_logits, rows)
             if grad_weight is not None:
-                torch.mm(grad_logits.T, hidden, out=grad_weight[start:stop])
+                _mm_into(grad_logits.T, hidden, grad_weight[start:stop])
             del grad_logits
         if grad_hidden is not None and plan.layout.group is not None:
             # Each rank saw only its vocabulary rows: the hidden gradient is a sum over ranks
             # ([N, H] floats, independent of V).
             dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=plan.layout.group)
         return (
-            grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
+            grad_hidden.to(hidden_in.dtype) if grad_hidden is not None else None,
             grad_weight,
+            None,
             None,
             None,
         )

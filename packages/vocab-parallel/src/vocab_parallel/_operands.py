@@ -226,3 +226,19 @@ def trained_rows(valid: Tensor, trained_count: int | None, *, check: bool) -> Te
             )
         rows = torch.nonzero_static(valid, size=trained_count).squeeze(1)
     return None if rows.shape[0] == n else rows
+
+
+def autocast_compute(
+    device_type: str,
+) -> tuple[torch.dtype | None, contextlib.AbstractContextManager[None]]:
+    """(the dtype the linear forms' matmuls run in, a context that turns autocast off).
+
+    Under autocast the linear forms run their matmuls in autocast's dtype, on copies made
+    inside their autograd functions, and the functions themselves with autocast off (their
+    buffers follow the dtypes they chose). Their gradients keep the inputs' dtypes: fp32
+    master tensors get fp32 gradients never rounded to 16 bits (autocast's own casts would
+    round them, since a 16-bit input's gradient is 16-bit). Without autocast: (None, a no-op).
+    """
+    if not torch.is_autocast_enabled(device_type):
+        return None, contextlib.nullcontext()
+    return torch.get_autocast_dtype(device_type), torch.autocast(device_type, enabled=False)

@@ -12,7 +12,6 @@ backward: four matmuls).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Literal
 
@@ -21,7 +20,7 @@ from torch import Tensor
 
 from vocab_parallel._fused_linear import FusedLinearLoss, fused_chunk_tokens
 from vocab_parallel._logits import Plan
-from vocab_parallel._operands import linear_operands, resolve_backend
+from vocab_parallel._operands import autocast_compute, linear_operands, resolve_backend
 from vocab_parallel._sharding import replicated_local
 from vocab_parallel._token_function import TokenFunction, TokenLoss
 from vocab_parallel.losses import Backend
@@ -103,21 +102,12 @@ def _fused_loss(
     else:
         terms = flat_hidden.new_full((n,), float(coefficients), dtype=torch.float32)
     local_weight = shard.local
-    # Under autocast the Function's matmuls would run in the autocast dtype while its buffers
-    # follow the inputs' dtypes (an out= of the wrong dtype): cast the operands once here, as
-    # autocast would, and run the Function with autocast off. The casts are differentiable, so
-    # fp32 master weights still receive fp32 gradients.
-    device_type = flat_hidden.device.type
-    autocast_off: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-    if torch.is_autocast_enabled(device_type):
-        compute_dtype = torch.get_autocast_dtype(device_type)
-        flat_hidden = flat_hidden.to(compute_dtype)
-        local_weight = local_weight.to(compute_dtype)
-        autocast_off = torch.autocast(device_type, enabled=False)
+    compute_dtype, autocast_off = autocast_compute(flat_hidden.device.type)
     grad_enabled = torch.is_grad_enabled()
     need_weight = grad_enabled and local_weight.requires_grad
     fp32_accumulator_width = 0
-    if need_weight and fp32_weight_grad and local_weight.dtype != torch.float32:
+    matmul_dtype = compute_dtype or local_weight.dtype
+    if need_weight and fp32_weight_grad and matmul_dtype != torch.float32:
         fp32_accumulator_width = local_weight.shape[1]
     plan = Plan(
         layout=shard.layout,
@@ -148,6 +138,7 @@ def _fused_loss(
             bool(fp32_weight_grad),
             bool(skip_ignored),
             trained_count,
+            compute_dtype,
         )
     if isinstance(terms, TokenFunction) and terms.with_entropy:
         token_entropy = entropy.view(batch_shape)

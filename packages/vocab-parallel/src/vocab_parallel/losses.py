@@ -21,6 +21,7 @@ from vocab_parallel._logits import Plan, VocabStats
 from vocab_parallel._logits_loss import LogitsLossInPlace
 from vocab_parallel._operands import (
     LogitsOperands,
+    autocast_compute,
     linear_operands,
     logits_operands,
     resolve_backend,
@@ -334,7 +335,9 @@ def linear_token_log_probs(
     formed_hidden = flat_hidden if rows is None else flat_hidden.index_select(0, rows)
     formed_labels = flat_labels if rows is None else flat_labels.index_select(0, rows)
     resolved = resolve_backend(backend, flat_hidden)
-    low_precision = resolved == "triton" and flat_hidden.dtype in (torch.bfloat16, torch.float16)
+    compute_dtype, autocast_off = autocast_compute(flat_hidden.device.type)
+    matmul_dtype = compute_dtype or flat_hidden.dtype
+    low_precision = resolved == "triton" and matmul_dtype in (torch.bfloat16, torch.float16)
     plan = Plan(
         layout=shard.layout,
         inv_temperature=inv_t,
@@ -348,7 +351,8 @@ def linear_token_log_probs(
         validate=validate,
         backend=resolved,
     )
-    log_p = LinearLogProbs.apply(formed_hidden, shard.local, formed_labels, plan)
+    with autocast_off:
+        log_p = LinearLogProbs.apply(formed_hidden, shard.local, formed_labels, plan, compute_dtype)
     if rows is not None:
         # index_copy is differentiable in its source: backward hands the trained rows their
         # upstream gradient, and index_select's backward scatters their hidden gradient into
