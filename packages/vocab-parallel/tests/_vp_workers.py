@@ -207,6 +207,54 @@ def _check_sharded_grads(
         assert err <= tol, f"rank {rank} {what} {grad_name} grad: relative error {err}"
 
 
+def _autocast_on_sharded_head(
+    rank: int,
+    mesh: DeviceMesh,
+    hidden_full: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temp: float,
+) -> list[str]:
+    """fp32 master tensors under bf16 autocast on a Shard(0) weight: the fused loss and the
+    recompute form give fp32 gradients (the weight's still Shard(0)) within the bf16 floor of
+    float64, and equal to the same call on the whole weight in one process to 1e-5: rounding
+    either gradient to bf16 anywhere on the sharded path would move it by about 1.7e-3."""
+    # bf16-representable values: float64 sees exactly the operands of the bf16 matmuls.
+    hidden_full, weight = hidden_full.bfloat16().float(), weight.bfloat16().float()
+    hd = hidden_full.double().requires_grad_()
+    wd = weight.double().requires_grad_()
+    ref = -reference.ref_log_probs(hd @ wd.T, labels, temp, IGNORE).sum()
+    ref_w_grad, ref_h_grad = torch.autograd.grad(ref, [wd, hd])
+
+    def grads(form: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = w.requires_grad_()
+        hidden = hidden_full.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if form == "fused":
+                loss = vp.linear_cross_entropy(
+                    hidden, w, labels, reduction="sum", temperature=temp, chunk_size=4
+                )
+            else:
+                loss = -vp.linear_token_log_probs(hidden, w, labels, temperature=temp).sum()
+        loss.backward()
+        assert w.grad is not None and hidden.grad is not None
+        assert w.grad.dtype == torch.float32 and hidden.grad.dtype == torch.float32
+        return w.grad, hidden.grad
+
+    done = []
+    for form in ("fused", "recompute"):
+        w_grad, h_grad = grads(form, distribute_tensor(weight, mesh, [Shard(0)]))
+        what = f"autocast {form} on a Shard(0) head"
+        assert isinstance(w_grad, DTensor) and w_grad.placements == (Shard(0),), w_grad
+        _check_sharded_grads(rank, what, w_grad, h_grad, ref_w_grad, ref_h_grad, 8e-3)
+        dense_w_grad, dense_h_grad = grads(form, weight.clone())
+        _check_sharded_grads(
+            rank, f"{what} vs one process", w_grad, h_grad, dense_w_grad, dense_h_grad, 1e-5
+        )
+        done.append(what)
+    return done
+
+
 def check_fused_linear_sharded(
     rank: int, world_size: int, vocab: int, dtype_name: str
 ) -> list[str]:
@@ -300,6 +348,8 @@ def check_fused_linear_sharded(
         assert isinstance(w.grad, DTensor) and hidden.grad is not None
         _check_sharded_grads(rank, what, w.grad, hidden.grad, ref_w_grad, ref_h_grad, tol)
         done.append(what)
+    if dtype == torch.float32:
+        done += _autocast_on_sharded_head(rank, mesh, hidden_full, weight, labels, temp)
     # A frozen sharded lm_head (LoRA): only the hidden gradient.
     w = distribute_tensor(weight, mesh, [Shard(0)])
     hidden = hidden_full.clone().requires_grad_()
