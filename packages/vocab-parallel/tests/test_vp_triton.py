@@ -140,6 +140,18 @@ def test_linear_default_blocks_on_cuda_match_float64() -> None:
         assert err < 1e-2, float(err)
 
 
+def _float64_token_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+) -> tuple[float, tuple[torch.Tensor, torch.Tensor]]:
+    """Plain PyTorch in float64: the token-sum cross-entropy / 1000 of hidden [N, H] @ weight
+    [V, H].T and its (hidden, weight) gradients (CPU), as the CUDA cases backpropagate it."""
+    h64 = hidden.double().requires_grad_()
+    w64 = weight.double().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(h64 @ w64.T, labels, reduction="sum")
+    grads = torch.autograd.grad(ref / 1000, [h64, w64])
+    return ref.item(), (grads[0], grads[1])
+
+
 @requires_cuda(1)
 @requires_module("triton", extra="triton")
 @pytest.mark.parametrize(
@@ -168,13 +180,10 @@ def test_grads_in_forward_default_chunks_on_cuda_match_float64(
         fp32_weight_grad=fp32_weight_grad,
     )
     (loss / 1000).backward()
-    h64 = hidden.double().requires_grad_()
-    w64 = weight.double().requires_grad_()
-    ref = torch.nn.functional.cross_entropy(h64 @ w64.T, labels, reduction="sum")
-    (ref / 1000).backward()
-    assert abs(loss.item() - ref.item()) <= 1e-3 * abs(ref.item())
-    for got, want in ((h.grad, h64.grad), (w.grad, w64.grad)):
-        assert got is not None and want is not None
+    ref, ref_grads = _float64_token_sum(hidden, weight, labels)
+    assert abs(loss.item() - ref) <= 1e-3 * abs(ref)
+    for got, want in zip((h.grad, w.grad), ref_grads, strict=True):
+        assert got is not None
         err = (got.double().cpu() - want).norm() / want.norm()
         assert err < tol, float(err)
 
@@ -201,13 +210,10 @@ def test_autocast_fp32_gradients_on_cuda_beat_the_bf16_floor(fp32_logits: bool) 
             h, w, labels.cuda(), reduction="sum", fp32_logits=fp32_logits
         )
     (loss / 1000).backward()
-    h64 = hidden.double().requires_grad_()
-    w64 = weight.double().requires_grad_()
-    ref = torch.nn.functional.cross_entropy(h64 @ w64.T, labels, reduction="sum")
-    (ref / 1000).backward()
-    assert abs(loss.item() - ref.item()) <= 1e-3 * abs(ref.item())
-    for got, want in ((h.grad, h64.grad), (w.grad, w64.grad)):
-        assert got is not None and want is not None and got.dtype == torch.float32
+    ref, ref_grads = _float64_token_sum(hidden, weight, labels)
+    assert abs(loss.item() - ref) <= 1e-3 * abs(ref)
+    for got, want in zip((h.grad, w.grad), ref_grads, strict=True):
+        assert got is not None and got.dtype == torch.float32
         err = float((got.double().cpu() - want).norm() / want.norm())
         floor = float((want.bfloat16().double() - want).norm() / want.norm())
         assert err < min(1e-3, 0.7 * floor), (err, floor)
