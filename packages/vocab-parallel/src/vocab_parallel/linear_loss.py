@@ -180,6 +180,12 @@ def fused_linear_token_loss(
     weight; the weight's own gradient exists besides it once formed), and with
     ``fp32_logits`` fp32 chunk logits plus a separate gradient buffer (3x the chunk's bf16).
 
+    Under ``torch.autocast`` the matmuls run in autocast's dtype on copies of ``hidden`` and
+    ``weight`` made inside the call (the weight's copy is extra memory, as autocast's own
+    would be), and the gradients keep the inputs' dtypes: fp32 inputs get fp32 gradients that
+    were never rounded to 16 bits (the hidden rows as fp32 matmul outputs, the weight gradient
+    as the fp32 accumulator with ``fp32_weight_grad``).
+
     Args:
         hidden: [..., H] float; plain, or a DTensor that is Replicate on every mesh dim.
         weight: [V, H] same dtype; a DTensor may shard V (``Shard(0)``, e.g. a ColwiseParallel
@@ -280,8 +286,8 @@ def fused_linear_log_prob_loss(
     its gradient is formed, so the derivative of ``token_loss`` at them (autograd over the
     chunk's [C] log-probs, a few small ops) weights the chunk's softmax gradient, as a fixed
     coefficient does in :func:`fused_linear_token_loss`: three logits-sized matmuls, the same
-    memory, where log-probs from :func:`vocab_parallel.linear_token_log_probs` fed to the same
-    function cost four.
+    memory (and the same autocast behaviour), where log-probs from
+    :func:`vocab_parallel.linear_token_log_probs` fed to the same function cost four.
 
     Example (token-level clipped policy gradient over the trained tokens, normalised by their
     number; ``advantages``, ``old_log_p`` [B, S]):

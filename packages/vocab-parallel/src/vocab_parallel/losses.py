@@ -285,6 +285,10 @@ def linear_token_log_probs(
     slower than the unfused form, in exchange for a small fraction of the logits' transient
     memory; the measured times and memory are in the repository's BENCHMARKS.md.
 
+    Under ``torch.autocast`` the matmuls run in autocast's dtype on copies of ``hidden`` and
+    ``weight`` made in forward and again in backward (not held in between), and fp32 inputs
+    get fp32 gradients never rounded to 16 bits.
+
     Args:
         hidden: [..., H] float; plain, or a DTensor that is Replicate on every mesh dim.
         weight: [V, H] same dtype; a DTensor may shard V (``Shard(0)``, e.g. a ColwiseParallel
