@@ -29,6 +29,13 @@ AdamW and clipping at 1.0, and runs in the same process one after the other:
 - ``fsdp2+liger``: the ``fsdp2`` loop with Liger-Kernel patched into transformers' Llama
   (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy); needs ``liger-kernel`` (the bench
   group) and always runs last, because the patches stay for the rest of the process.
+- ``amp+vp`` / ``amp+liger``: the loop HF Trainer runs with ``bf16=True`` (fp32 parameters,
+  no FSDP2, the forward under ``torch.autocast`` in bf16, fused AdamW, clipping), eager
+  transformers layers; the loss either through the recipe's ``token_sum_loss`` (vocab-parallel's
+  fused linear cross-entropy on the fp32 hidden states and head weight: fp32 gradients) or
+  through Liger-Kernel's fused linear cross-entropy patched into the model (only that patch, so
+  the two differ in the loss alone; runs after every variant without Liger, before
+  ``fsdp2+liger``). On the CPU the forward runs in fp32 (no autocast), as the others do.
 
 Exactness: before timing, each variant's first forward and backward (same initial weights,
 same batch) is compared with an fp32 eager reference of the unwrapped transformers model
@@ -119,6 +126,14 @@ class Variant:
     # bf16 parameters on the device, fp32 master weights in train-engine's MasterWeightAdamW,
     # no FSDP2 (on one GPU its copy-in and copy-out are all it adds)
     master_weights: bool = False
+    # fp32 parameters, forward under bf16 autocast, plain loop without FSDP2 (HF Trainer's AMP)
+    amp: bool = False
+
+    @property
+    def liger_order(self) -> int:
+        """0: no Liger; 1: only its fused linear loss patched; 2: all its Llama patches. The
+        patches stay for the rest of the process, so variants run in this order."""
+        return 0 if not self.liger else 1 if self.amp else 2
 
 
 def variants(args: argparse.Namespace) -> dict[str, Variant]:
@@ -172,6 +187,9 @@ def variants(args: argparse.Namespace) -> dict[str, Variant]:
         # Liger's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy, patched into the
         # transformers classes for the rest of the process: always run last.
         replace(plain, name="fsdp2+liger", liger=True),
+        # HF Trainer's AMP loop, the loss through vocab-parallel or through Liger's patch.
+        replace(plain, name="amp+vp", loss="vocab_parallel", amp=True),
+        replace(plain, name="amp+liger", liger=True, amp=True),
     ]
     return {v.name: v for v in out}
 
@@ -223,7 +241,10 @@ def setup(variant: Variant, args: argparse.Namespace) -> tuple[Step, int, Any]:
     if variant.liger:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
-        apply_liger_kernel_to_llama()
+        if variant.amp:  # the loss alone: the AMP pair differs in nothing else
+            apply_liger_kernel_to_llama(rope=False, rms_norm=False, swiglu=False)
+        else:
+            apply_liger_kernel_to_llama()
     model = build_model(args)
     config = model.config
     n_params = sum(p.numel() for p in model.parameters())
@@ -289,6 +310,8 @@ def setup(variant: Variant, args: argparse.Namespace) -> tuple[Step, int, Any]:
             config,
         )
 
+    elif variant.amp:
+        return _amp_step(model, variant, args), n_params, config
     else:
         policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
         for layer in model.model.layers:
@@ -307,6 +330,37 @@ def setup(variant: Variant, args: argparse.Namespace) -> tuple[Step, int, Any]:
             opt.zero_grad(set_to_none=True)
 
         return Step(forward_backward=forward_backward, update=update, model=model), n_params, config
+
+
+def _amp_step(model: Any, variant: Variant, args: argparse.Namespace) -> Step:
+    """HF Trainer's ``bf16=True`` step: fp32 parameters, the forward under bf16 autocast
+    (fp32 on the CPU), backward outside it, clipping and fused AdamW."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device == "cuda")
+    autocast = partial(
+        torch.autocast, args.device, dtype=torch.bfloat16, enabled=args.device == "cuda"
+    )
+    num_tokens = args.batch * (args.seq - 1)
+
+    def forward_backward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with autocast():
+            if variant.loss == "hf":  # Liger's fused linear loss when patched: the mean
+                loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+            else:
+                inputs = {
+                    "input_ids": batch["input_ids"],
+                    "labels": batch["shifted_labels"],
+                    "position_ids": batch["position_ids"],
+                }
+                loss = token_sum_loss(model, inputs) / num_tokens
+        loss.backward()
+        return loss.detach()
+
+    def update() -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Step(forward_backward=forward_backward, update=update, model=model)
 
 
 def timed_steps(
@@ -528,7 +582,7 @@ def main() -> None:
     init_process_group(args.device)
     table = variants(args)
     chosen = [table[name] for name in args.variants.split(",")]
-    chosen.sort(key=lambda v: v.liger)  # its patches stay: after every other variant
+    chosen.sort(key=lambda v: v.liger_order)  # its patches stay: after every other variant
     if args.device != "cuda":
         # Inductor on the CPU needs a C++ toolchain; the quick run checks the plumbing only.
         chosen = [replace(v, compile=False) for v in chosen]

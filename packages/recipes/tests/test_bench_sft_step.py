@@ -16,7 +16,7 @@ BENCH = Path(__file__).parents[1] / "bench" / "sft_step.py"
 def test_sft_step_quick(tmp_path: Path) -> None:
     variants = (
         "fsdp2,fsdp2+compile,recipes,recipes-logits-loss,recipes-hf-mask,recipes-cp1,recipes-lean,"
-        "recipes-master"
+        "recipes-master,amp+vp"
     )
     options = ["--variants", variants, "--sdpa", "flash,math", "--profile", "recipes"]
     result = run_quick(BENCH, tmp_path, *options, timeout_s=280).report
