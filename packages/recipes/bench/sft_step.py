@@ -310,34 +310,24 @@ def setup(variant: Variant, args: argparse.Namespace) -> tuple[Step, int, Any]:
             config,
         )
 
-    elif variant.amp:
-        return _amp_step(model, variant, args), n_params, config
-    else:
+    if not variant.amp:
         policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused)
-
-        def forward_backward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-            loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-            loss.backward()
-            return loss.detach()
-
-        def update() -> None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return Step(forward_backward=forward_backward, update=update, model=model), n_params, config
+    return _plain_step(model, variant, args), n_params, config
 
 
-def _amp_step(model: Any, variant: Variant, args: argparse.Namespace) -> Step:
-    """HF Trainer's ``bf16=True`` step: fp32 parameters, the forward under bf16 autocast
-    (fp32 on the CPU), backward outside it, clipping and fused AdamW."""
+def _plain_step(model: Any, variant: Variant, args: argparse.Namespace) -> Step:
+    """The hand-written loop: forward, backward, clipping and fused AdamW. With ``variant.amp``
+    (HF Trainer's ``bf16=True``) the fp32 model's forward runs under bf16 autocast (fp32 on the
+    CPU) and backward outside it; else the model is already FSDP2-wrapped in mixed precision."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device == "cuda")
     autocast = partial(
-        torch.autocast, args.device, dtype=torch.bfloat16, enabled=args.device == "cuda"
+        torch.autocast,
+        args.device,
+        dtype=torch.bfloat16,
+        enabled=variant.amp and args.device == "cuda",
     )
     num_tokens = args.batch * (args.seq - 1)
 

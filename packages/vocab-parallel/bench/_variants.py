@@ -175,14 +175,13 @@ def linear_variants(
     """
 
     def make(fn: Callable[[], torch.Tensor]) -> Variant:
-        if autocast_dtype is None:
-            return backward_variant(fn, [hidden, weight], baseline="naive_linear")
-
-        def under_autocast() -> torch.Tensor:
-            with torch.autocast(device.type, dtype=autocast_dtype):
+        def forward() -> torch.Tensor:
+            with torch.autocast(
+                device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
+            ):
                 return fn()
 
-        return backward_variant(under_autocast, [hidden, weight], baseline="naive_linear")
+        return backward_variant(forward, [hidden, weight], baseline="naive_linear")
 
     def recompute_form(**options: object) -> torch.Tensor:
         log_p = vp.linear_token_log_probs(hidden, weight, labels, **options)  # type: ignore[arg-type]

@@ -72,11 +72,9 @@ def fused_chunk_tokens(tokens: int, local_vocab: int, *, fp32_accumulator_width:
 
 def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
     """Return a @ b as fp32, never rounded to a 16-bit dtype (one mixed-precision matmul on CUDA)."""
-    if a.dtype == torch.float32:
-        return a @ b
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()  # CPU matmuls have no fp32 output for 16-bit inputs
+    out = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+    _mm_into(a, b, out)
+    return out
 
 
 def accumulate_weight_grad_(
