@@ -154,6 +154,35 @@ def test_cuda_token_counts_are_validated_without_a_sync() -> None:
 
 
 @requires_cuda(1)
+def test_cuda_zero_token_count_skips_in_the_kernel_without_a_sync() -> None:
+    """A window whose token count (on the GPU) is 0 is skipped inside the fused kernel: no
+    host synchronisation in step() (sync debug mode), weights (weight decay) and schedule
+    unchanged, the skip reported as one without loss tokens once its flag is read."""
+    from _engine_models import IGNORE, global_batch, make_model, token_loss_sum
+    from train_engine import Engine
+
+    torch.manual_seed(0)
+    model = make_model().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.5, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    engine = Engine(model, opt, sched, max_grad_norm=0.3)
+    before = [p.detach().clone() for p in model.parameters()]
+    ids, labels = global_batch(5, 4)
+    masked = torch.full_like(labels, IGNORE).cuda()
+    loss = token_loss_sum(engine(ids.cuda()), masked)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.backward(loss, num_tokens=torch.tensor(0, device="cuda"))
+        result = engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert result.skipped and result.no_loss_tokens and engine.skipped_steps == 1
+    assert sched.last_epoch == 0 and engine.optimizer_steps == 0
+    for a, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(a, b)
+
+
+@requires_cuda(1)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_master_weight_adamw_kernel_matches_float64_adamw(dtype: torch.dtype) -> None:
     import _master_adamw_check as check

@@ -1,4 +1,5 @@
-"""Engine misuse that used to pass silently (issue 17 item 9) and the skip counters (item 6)."""
+"""Engine misuse that used to pass silently (issue 17 item 9), the skip counters (item 6) and
+windows without loss tokens (issue 43 item 2)."""
 
 from __future__ import annotations
 
@@ -176,6 +177,41 @@ def test_invalid_device_counts_trip_the_nonfinite_policy(
         assert math.isnan(float(result.grad_norm))
     assert _max_diff(_params(engine), before) == 0.0
     assert engine.skipped_steps == 1
+
+
+@pytest.mark.parametrize("count", ["host", "device"])
+@pytest.mark.parametrize("policy", ["skip", "raise", "step"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_zero_token_window_is_skipped_under_every_policy(
+    monkeypatch: pytest.MonkeyPatch, count: str, policy: str, fused: bool
+) -> None:
+    """A window without loss tokens has a zero gradient, but an update on it would still move
+    the weights (AdamW's weight decay) and advance the schedule (issue 43 item 2): it is
+    skipped and counted as a skip under every policy, with a host or a device count, decided
+    on the host (plain AdamW, "raise") or in the fused kernel; the next window updates."""
+    if count == "device":
+        _device_counts(monkeypatch)
+    torch.manual_seed(0)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.5, fused=fused)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    engine = Engine(model, opt, sched, nonfinite=policy)  # type: ignore[arg-type]
+    ids, labels = global_batch(3, 2)
+    before = _params(engine)
+    masked = torch.full_like(labels, IGNORE)
+    engine.backward(token_loss_sum(engine(ids), masked), num_tokens=engine.global_num_tokens(0))
+    result = engine.step()
+    assert float(result.grad_norm) == 0.0
+    assert result.skipped and result.no_loss_tokens and not result.updated, result
+    assert _max_diff(_params(engine), before) == 0.0
+    assert sched.last_epoch == 0 and opt.param_groups[0]["lr"] == 0.05
+    assert (engine.optimizer_steps, engine.skipped_steps) == (0, 1)
+    assert result.consecutive_skipped_steps == engine.consecutive_skipped_steps == 1
+    n = engine.global_num_tokens(int((labels != IGNORE).sum()))
+    engine.backward(token_loss_sum(engine(ids), labels), num_tokens=n)
+    result = engine.step()
+    assert result.updated and not result.no_loss_tokens and engine.optimizer_steps == 1
+    assert engine.consecutive_skipped_steps == 0 and sched.last_epoch == 1
 
 
 def test_optimizer_over_other_parameters_raises() -> None:

@@ -24,7 +24,7 @@ class UpdateCounters:
 
     Attributes:
         optimizer_steps: updates made (a device-decided one counted until its flag says skip).
-        skipped_steps: windows skipped as non-finite.
+        skipped_steps: windows skipped (non-finite gradient norm, or no loss tokens).
         windows: windows ended, skipped ones included (the step number a loop shows, minus 1).
         consecutive_skipped: windows skipped in a row since the last update (not saved).
         pending: the last device-decided update whose skip flag is not read yet, or None.
@@ -54,7 +54,7 @@ class UpdateCounters:
             return
         if pending.resolve():
             self.optimizer_steps -= 1
-            self.count_skip(self._pending_window, decided="on the device")
+            self.count_skip(self._pending_window, decided="on the device", empty=pending.empty)
         else:
             self.consecutive_skipped = 0
 
@@ -67,18 +67,23 @@ class UpdateCounters:
         else:
             self._pending_window = self.windows + 1
 
-    def count_skip(self, window: int, *, decided: str, log: bool = True) -> None:
-        """Count a skipped window and log it under the step number a training loop shows."""
+    def count_skip(
+        self, window: int, *, decided: str, log: bool = True, empty: bool = False
+    ) -> None:
+        """Count a skipped window and log it under the step number a training loop shows.
+
+        ``empty``: the window had no loss tokens (else its gradient norm was non-finite).
+        """
         self.skipped_steps += 1
         self.consecutive_skipped += 1
         if not log:
             return
         logger.warning(
             "skipped the update of step %d (accumulation window %d, skipped ones counted): "
-            "non-finite global gradient norm, decided %s; %d optimizer updates so far, "
-            "%d skipped in total, %d in a row",
+            "%s, decided %s; %d optimizer updates so far, %d skipped in total, %d in a row",
             window,
             window,
+            "no loss tokens in the window" if empty else "non-finite global gradient norm",
             decided,
             self.optimizer_steps,
             self.skipped_steps,

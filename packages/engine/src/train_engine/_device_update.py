@@ -3,8 +3,9 @@
 Fused torch optimizers (``fused=True`` Adam, AdamW, SGD, Adagrad) accept two device tensors
 through the interface ``GradScaler`` uses: ``grad_scale`` divides every gradient inside the
 update kernel, and ``found_inf`` turns the whole update (step counters included) into a no-op.
-The Engine uses them for clipping (no separate pass over the gradients) and for the
-non-finite skip (no host read of the norm before the update).
+The Engine uses them for clipping (no separate pass over the gradients) and for the skips:
+a non-finite norm, or a window without loss tokens whose count is on the device (no host read
+of the norm or the count before the update).
 
 Only the learning-rate scheduler is host-side. It is stepped optimistically; the skip flag is
 copied to the host asynchronously and read at the next boundary or when anything asks (by
@@ -58,23 +59,33 @@ class PendingUpdate:
         found_inf: 0-dim float32 device tensor, 1 when the update was skipped on the device.
         optimizer: the optimizer, already stepped (its hyperparameters are restored on a skip).
         lr_scheduler: the scheduler, not yet stepped for this update (restored on a skip).
+        empty: 0-dim float32 device tensor, 1 when the window had no loss tokens (one of the
+            reasons ``found_inf`` may hold); None when the count was not on the device.
     """
 
     __slots__ = (
         "_detached",
+        "_empty_flag",
         "_event",
         "_flag",
         "_group_settings",
         "_lr_scheduler",
         "_optimizer",
         "_scheduler_state",
+        "empty",
         "skipped",
     )
 
     def __init__(
-        self, found_inf: Tensor, optimizer: torch.optim.Optimizer, lr_scheduler: Any
+        self,
+        found_inf: Tensor,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any,
+        *,
+        empty: Tensor | None = None,
     ) -> None:
         self._flag = found_inf.to("cpu", non_blocking=True)
+        self._empty_flag = None if empty is None else empty.to("cpu", non_blocking=True)
         self._event = None
         if found_inf.is_cuda:
             self._event = torch.cuda.Event()
@@ -93,6 +104,7 @@ class PendingUpdate:
         self._lr_scheduler = lr_scheduler
         self._detached = False
         self.skipped: bool | None = None
+        self.empty = False  # set by resolve(): the skip was for a window without loss tokens
 
     def detach(self) -> None:
         """Forget the snapshot: the optimizer and scheduler were replaced (a loaded state).
@@ -108,6 +120,7 @@ class PendingUpdate:
         if self._event is not None:
             self._event.synchronize()
         self.skipped = bool(self._flag.item())
+        self.empty = self._empty_flag is not None and bool(self._empty_flag.item())
         if self.skipped and not self._detached:
             if self._lr_scheduler is not None:
                 self._lr_scheduler.load_state_dict(self._scheduler_state)

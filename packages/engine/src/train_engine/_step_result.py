@@ -14,7 +14,10 @@ class StepResult:
 
     Attributes:
         updated: the optimizer (and scheduler) stepped.
-        skipped: a window ended but its update was skipped (non-finite gradients).
+        skipped: a window ended but its update was skipped: its gradient norm was non-finite,
+            or it had no loss tokens (contract (b) with ``num_tokens`` 0).
+        no_loss_tokens: the window was skipped because it had no loss tokens (nothing to
+            learn from; an update would still move the weights through weight decay).
         grad_norm: global gradient norm before clipping, a 0-dim float64 device tensor (read
             it with ``float()`` when you need it on the host); None off the boundary.
         lrs: learning rate of each optimizer parameter group used by this update (the rates in
@@ -25,13 +28,15 @@ class StepResult:
             aborts after N skips in a row reads it here instead of counting skips again.
 
     With a fused optimizer and ``nonfinite="skip"`` the skip is decided on the device;
-    ``updated``, ``skipped``, ``optimizer_steps`` and ``consecutive_skipped_steps`` then read
+    ``updated``, ``skipped``, ``no_loss_tokens``, ``optimizer_steps`` and
+    ``consecutive_skipped_steps`` then read
     its flag when first accessed (which waits for the gradient norm, not for the update).
     """
 
     __slots__ = (
         "_consecutive_before",
         "_consecutive_pending",
+        "_no_loss_tokens",
         "_optimizer_steps",
         "_pending",
         "_skipped",
@@ -51,6 +56,7 @@ class StepResult:
         consecutive_skipped: int,
         pending: PendingUpdate | None = None,
         consecutive_pending: PendingUpdate | None = None,
+        no_loss_tokens: bool = False,
     ) -> None:
         """Record one step() (see the class attributes).
 
@@ -64,10 +70,12 @@ class StepResult:
             pending: this window's update, when its skip flag is still on the device.
             consecutive_pending: the update whose flag still decides the run of skips (this
                 window's ``pending`` at the boundary, the last window's off it), or None.
+            no_loss_tokens: ``skipped`` because the window had no loss tokens (host-decided).
         """
         if updated and skipped:
             raise ValueError("a step cannot be both updated and skipped")
         self._skipped = skipped
+        self._no_loss_tokens = no_loss_tokens
         self._optimizer_steps = optimizer_steps
         self._pending = pending
         self.grad_norm = grad_norm
@@ -78,8 +86,15 @@ class StepResult:
 
     @property
     def skipped(self) -> bool:
-        """A window ended but its update was skipped (non-finite gradients)."""
+        """A window ended but its update was skipped (non-finite gradients, or no loss tokens)."""
         return self._skipped if self._pending is None else self._pending.resolve()
+
+    @property
+    def no_loss_tokens(self) -> bool:
+        """The window was skipped because it had no loss tokens."""
+        if self._pending is None:
+            return self._no_loss_tokens
+        return self._pending.resolve() and self._pending.empty
 
     @property
     def updated(self) -> bool:

@@ -2,7 +2,9 @@
 
 The gradient norm is already computed (by ``Engine.step``). This module turns it into exactly
 one of: an update, a skip, or :class:`NonFiniteGradientError`, decided identically on every
-rank. With a fused optimizer and the ``skip``/``step`` policy the clip factor and the skip flag
+rank. A window without loss tokens (contract (b) with a global count of 0) is skipped under
+every policy: its gradient is zero, and an update would still move the weights (weight decay,
+momentum) and advance the schedule for a step that learned nothing. With a fused optimizer and the ``skip``/``step`` policy the clip factor and the skip flag
 go into the optimizer's kernel as device tensors (see :mod:`train_engine._device_update`), so
 the update needs no host synchronisation.
 """
@@ -28,6 +30,7 @@ __all__ = [
     "NonFiniteGradientError",
     "NonFinitePolicy",
     "UpdateRule",
+    "empty_window",
     "learning_rates",
     "nonfinite_flag",
     "result_without_update",
@@ -60,8 +63,26 @@ def nonfinite_flag(norm: Tensor) -> Tensor:
     return flag
 
 
+def empty_window(num_tokens: float | Tensor | None) -> bool | Tensor:
+    """Whether a window had no loss tokens, from its count (``AccumulationWindow.num_tokens``).
+
+    Returns:
+        A bool for a host count (False under contract (a), which has none), or a 0-dim
+        float32 flag on the count's device (1: empty) for a count on an accelerator, read
+        without a host sync. The count is global (summed over the data-parallel ranks), so
+        every rank decides the same.
+    """
+    if isinstance(num_tokens, Tensor):
+        return (num_tokens.detach().reshape(()) == 0).to(torch.float32)
+    return num_tokens == 0
+
+
 def result_without_update(
-    optimizer: torch.optim.Optimizer, counters: UpdateCounters, *, norm: Tensor | None = None
+    optimizer: torch.optim.Optimizer,
+    counters: UpdateCounters,
+    *,
+    norm: Tensor | None = None,
+    no_loss_tokens: bool = False,
 ) -> StepResult:
     """The StepResult of a call that made no update.
 
@@ -70,10 +91,12 @@ def result_without_update(
         counters: the Engine's counters.
         norm: the window's norm when it was skipped on the host; None off the boundary, where
             the run of skips is the last window's and waits on that window's flag, if any.
+        no_loss_tokens: the window was skipped for having no loss tokens.
     """
     return StepResult(
         updated=False,
         skipped=norm is not None,
+        no_loss_tokens=no_loss_tokens,
         grad_norm=norm,
         lrs=learning_rates(optimizer),
         optimizer_steps=counters.optimizer_steps,
@@ -103,15 +126,19 @@ class UpdateRule:
         norm: Tensor,
         params: list[torch.nn.Parameter],
         *,
+        empty: bool | Tensor,
         on_device: bool,
         counters: UpdateCounters,
         end_window: Callable[[], None],
     ) -> StepResult:
-        """Update (or skip) on the window's norm, count it and end the window.
+        """Update (or skip) on the window's norm and token count, count it and end the window.
 
         Args:
             norm: the window's global gradient norm, a 0-dim float64 device tensor.
             params: the trainable parameters (clipped in place on the host path).
+            empty: :func:`empty_window` of the window's count: skip, whatever the policy. A
+                device flag is read on the host path (which already reads the non-finite
+                flag, except under "step" with a non-fused optimizer: one host sync there).
             on_device: decide skip and clip inside the fused optimizer's kernel (the caller
                 checked that the optimizer supports it and that the flag lives with the
                 parameters); ignored under the "raise" policy.
@@ -122,7 +149,9 @@ class UpdateRule:
             NonFiniteGradientError: ``nonfinite="raise"`` and the norm is not finite.
         """
         if on_device and self.nonfinite != "raise":
-            return self._update_on_device(norm, counters=counters, end_window=end_window)
+            return self._update_on_device(norm, empty, counters=counters, end_window=end_window)
+        if isinstance(empty, Tensor):
+            empty = bool(empty.item())
         if self.nonfinite != "step" and bool(nonfinite_flag(norm).item()):
             window = counters.windows + 1
             end_window()
@@ -135,6 +164,11 @@ class UpdateRule:
                     "nonfinite='skip' to continue past such windows"
                 )
             return result_without_update(self.optimizer, counters, norm=norm)
+        if empty:
+            window = counters.windows + 1
+            end_window()
+            counters.count_skip(window, decided="on the host", empty=True)
+            return result_without_update(self.optimizer, counters, norm=norm, no_loss_tokens=True)
         if self.max_grad_norm is not None:
             clip_grads_with_norm_(params, self.max_grad_norm, norm)
         lrs = learning_rates(self.optimizer)
@@ -142,10 +176,21 @@ class UpdateRule:
         return self._finish(norm, lrs, None, counters=counters, end_window=end_window)
 
     def _update_on_device(
-        self, norm: Tensor, *, counters: UpdateCounters, end_window: Callable[[], None]
+        self,
+        norm: Tensor,
+        empty: bool | Tensor,
+        *,
+        counters: UpdateCounters,
+        end_window: Callable[[], None],
     ) -> StepResult:
         """Clip, skip and update inside a fused optimizer's kernel: no host synchronisation."""
         found_inf = nonfinite_flag(norm) if self.nonfinite == "skip" else None
+        empty_flag = None
+        if isinstance(empty, Tensor) or empty:
+            # One flag for the kernel: skip when non-finite (policy "skip") or empty.
+            device = norm.device if found_inf is None else found_inf.device
+            empty_flag = torch.as_tensor(empty, dtype=torch.float32).to(device)
+            found_inf = empty_flag if found_inf is None else torch.maximum(found_inf, empty_flag)
         divisor = None
         if self.max_grad_norm is not None:
             divisor = grad_divisor(norm, self.max_grad_norm)
@@ -154,7 +199,7 @@ class UpdateRule:
         pending = None
         if found_inf is not None:
             # Snapshots the scheduler before _finish steps it.
-            pending = PendingUpdate(found_inf, self.optimizer, self.lr_scheduler)
+            pending = PendingUpdate(found_inf, self.optimizer, self.lr_scheduler, empty=empty_flag)
         return self._finish(norm, lrs, pending, counters=counters, end_window=end_window)
 
     def _finish(

@@ -32,6 +32,7 @@ from train_engine._update import (
     NonFiniteGradientError,
     NonFinitePolicy,
     UpdateRule,
+    empty_window,
     result_without_update,
 )
 from train_engine._validation import check_loss, check_optimizer_params
@@ -148,7 +149,7 @@ class Engine:
 
     @property
     def skipped_steps(self) -> int:
-        """Windows whose update was skipped for non-finite gradients."""
+        """Windows whose update was skipped (non-finite gradients, or no loss tokens)."""
         self._counters.settle()
         return self._counters.skipped_steps
 
@@ -259,7 +260,10 @@ class Engine:
             of (sum of all token losses) / num_tokens: the scale includes the wrapper's
             averaging factor, so it does not depend on how the global batch is split over
             ranks and micro-batches. A window with zero tokens gives zero gradients (the
-            backward still runs, so every rank joins the reduction).
+            backward still runs, so every rank joins the reduction) and its update is skipped
+            under every ``nonfinite`` policy (counted in :attr:`skipped_steps`; the scheduler
+            does not advance), so weight decay does not move the weights on a step that
+            learned nothing.
 
         Exactly one backward per micro-batch: call :meth:`step` after each (off the boundary
         it only advances the micro-batch), so a window never takes more backwards than its
@@ -325,8 +329,9 @@ class Engine:
         """End the micro-batch; at the window's boundary clip and update.
 
         Off the boundary it only advances the micro-batch counter. At the boundary it computes
-        the global gradient norm, applies the non-finite policy, clips, steps the optimizer
-        and the scheduler once, and clears the gradients.
+        the global gradient norm, applies the non-finite policy, skips a window without loss
+        tokens (contract (b) with ``num_tokens`` 0), clips, steps the optimizer and the
+        scheduler once, and clears the gradients.
 
         Raises:
             RuntimeError: no :meth:`backward` since the previous step().
@@ -368,7 +373,12 @@ class Engine:
         )
         on_device = supports_device_update(self.optimizer) and self._flag_on_param_device()
         return rule.apply(
-            norm, self._params, on_device=on_device, counters=counters, end_window=self._end_window
+            norm,
+            self._params,
+            empty=empty_window(self._window.num_tokens),
+            on_device=on_device,
+            counters=counters,
+            end_window=self._end_window,
         )
 
     def zero_grad(self) -> None:
