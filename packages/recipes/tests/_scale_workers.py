@@ -351,16 +351,20 @@ def lora_tp_loss_and_grads(
     return {"loss": float(loss.detach()), "grads": grads}
 
 
-def packed_loss_and_grads_with_checkpointing(rank: int, world_size: int, cp: int) -> dict[str, Any]:
+def packed_loss_and_grads_with_checkpointing(
+    rank: int, world_size: int, cp: int, compile_backend: str | None = None
+) -> dict[str, Any]:
     """The packing tests' rows (several documents per row, padding) through cp-sharder at
     ``cp`` and the recipe's token-sum loss, with every decoder layer checkpointed and without;
-    the cp ranks' losses and gradients summed (as FSDP2 over the replica would)."""
+    the cp ranks' losses and gradients summed (as FSDP2 over the replica would). With
+    ``compile_backend``, both models' layers are compiled too, nested as the recipe nests them
+    for packed rows (``traced_whole=False``); two steps run, the second on recompiled graphs."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from _packing_workers import packed_batch, reference_loss, tiny_model
     from cp_sharder import ContextParallelSharder
-    from train_recipes.checkpointing import apply_activation_checkpointing
+    from train_recipes.checkpointing import checkpoint_and_compile
     from train_recipes.sft import token_sum_loss
 
     batch, rows = packed_batch("llama")
@@ -368,11 +372,18 @@ def packed_loss_and_grads_with_checkpointing(rank: int, world_size: int, cp: int
     out: dict[str, Any] = {}
     for checkpointed in (False, True):
         model = tiny_model("llama")
-        if checkpointed:
-            apply_activation_checkpointing(model)
+        checkpoint_and_compile(
+            model,
+            checkpoint_every=1 if checkpointed else None,
+            compile_layers=compile_backend is not None,
+            traced_whole=False,
+            backend=compile_backend or "inductor",
+        )
         sharder = ContextParallelSharder(model, mesh["cp"], padding_token_id=0)
-        loss = token_sum_loss(model, batch, sharder=sharder)
-        loss.backward()  # outside train_ctx, as the Engine's backward is
+        for _ in range(2 if compile_backend is not None else 1):
+            model.zero_grad(set_to_none=True)
+            loss = token_sum_loss(model, batch, sharder=sharder)
+            loss.backward()  # outside train_ctx, as the Engine's backward is
         total = loss.detach().clone()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         if cp > 1:

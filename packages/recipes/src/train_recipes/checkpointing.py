@@ -13,6 +13,17 @@ then compile, then FSDP2).
 The recomputation runs in backward, after cp-sharder's ``train_ctx`` (packed rows, cp > 1)
 has been left: cp-sharder's ``checkpoint_context_fn`` re-enters the step's context around it,
 so the recomputed attention is routed exactly as the forward's was.
+
+With compile, the two wrappers nest in one of two orders (:func:`checkpoint_and_compile`).
+torchtitan's (compile outside, tracing ``checkpoint`` as one higher-order op whose backward
+replays the traced graph) holds only while dynamo traces the whole layer. A graph break inside
+the layer (cp-sharder's per-document attention is excluded from compile on purpose; MoE
+dispatch and vision towers may break too) makes dynamo run ``checkpoint`` eagerly: the forward
+then runs compiled pieces while the recomputation in backward, outside compile, runs the layer
+eagerly and without the step's attention routing, and torch raises "a different number of
+tensors was saved". Those layers are checkpointed around the compiled forward instead: the
+checkpoint is eager, and its forward and its recomputation call the same compiled code inside
+the same attention routing.
 """
 
 from __future__ import annotations
@@ -24,9 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from train_recipes.modeling import decoder_layers
+from train_recipes.modeling import compile_decoder_layers, decoder_layers
 
-__all__ = ["apply_activation_checkpointing"]
+__all__ = ["apply_activation_checkpointing", "checkpoint_and_compile"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,3 +89,35 @@ def apply_activation_checkpointing(model: nn.Module, *, every: int = 1) -> int:
         layer.forward = _checkpointed(layer.forward)
     logger.info("activation checkpointing on %d of %d decoder layers", len(chosen), len(layers))
     return len(chosen)
+
+
+def checkpoint_and_compile(
+    model: nn.Module,
+    *,
+    checkpoint_every: int | None,
+    compile_layers: bool,
+    traced_whole: bool,
+    backend: str = "inductor",
+    memory_budget: float | None = None,
+) -> None:
+    """Checkpoint and/or compile the decoder layers in place, nested in the order that works.
+
+    Call before FSDP2 wrapping.
+
+    Args:
+        model: a transformers model (plain, not yet wrapped).
+        checkpoint_every: checkpoint one layer in this many (None: no checkpointing).
+        compile_layers: compile each decoder layer's forward.
+        traced_whole: dynamo traces a layer without a graph break (dense text, rows not
+            packed, cp=1). Then the checkpoint is compiled with the layer (torchtitan's order:
+            the recomputation is part of the compiled backward); otherwise it wraps the
+            compiled forward (see the module docstring).
+        backend: the torch.compile backend.
+        memory_budget: see :func:`train_recipes.modeling.compile_decoder_layers`.
+    """
+    if checkpoint_every is not None and traced_whole:
+        apply_activation_checkpointing(model, every=checkpoint_every)
+    if compile_layers:
+        compile_decoder_layers(model, backend=backend, memory_budget=memory_budget)
+    if checkpoint_every is not None and not traced_whole:
+        apply_activation_checkpointing(model, every=checkpoint_every)

@@ -15,15 +15,20 @@ from torch import nn
 
 from train_recipes import moe
 from train_recipes._dist import RankContext
-from train_recipes.checkpointing import apply_activation_checkpointing
+from train_recipes.checkpointing import checkpoint_and_compile
 from train_recipes.config_sft import SFTConfig
 from train_recipes.loading import build_on_meta, load_sharded_safetensors
-from train_recipes.modeling import apply_lora, build_model, compile_decoder_layers, is_vlm
+from train_recipes.modeling import apply_lora, build_model, is_vlm
 from train_recipes.patch_embed import use_linear_patch_embed
 from train_recipes.tensor_parallel import apply_tensor_parallel
 from train_recipes.vision_attention import use_varlen_vision_attention
 
-__all__ = ["build_parallel_model", "row_length_multiple", "uses_sharded_load"]
+__all__ = [
+    "build_parallel_model",
+    "layers_trace_whole",
+    "row_length_multiple",
+    "uses_sharded_load",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +46,17 @@ def uses_sharded_load(config: SFTConfig) -> bool:
         and config.parallel.data_parallel == "fsdp2"
         and not config.lora.enabled
     )
+
+
+def layers_trace_whole(config: SFTConfig, *, moe_converted: bool) -> bool:
+    """Whether dynamo traces each decoder layer of this run without a graph break.
+
+    Packed rows and cp > 1 run cp-sharder's attention (excluded from compile), MoE layers the
+    dispatcher's collectives and vision towers their own attention: each may break the graph,
+    which decides how checkpointing nests with compile
+    (:func:`train_recipes.checkpointing.checkpoint_and_compile`).
+    """
+    return not (config.data.packing or config.parallel.cp > 1 or moe_converted or is_vlm(config))
 
 
 def row_length_multiple(config: SFTConfig) -> int:
@@ -114,10 +130,15 @@ def build_parallel_model(
             "from loaded weights); set model.sharded_load=false"
         )
     expert_shards = moe.prepare(model, ctx, config)  # MoE: converted, experts sharded over ep
-    if config.model.activation_checkpointing:
-        apply_activation_checkpointing(model, every=config.model.activation_checkpointing_every)
-    if config.model.compile:
-        compile_decoder_layers(model, memory_budget=config.model.compile_memory_budget)
+    checkpoint_and_compile(
+        model,
+        checkpoint_every=config.model.activation_checkpointing_every
+        if config.model.activation_checkpointing
+        else None,
+        compile_layers=config.model.compile,
+        traced_whole=layers_trace_whole(config, moe_converted=expert_shards is not None),
+        memory_budget=config.model.compile_memory_budget,
+    )
     if config.parallel.data_parallel != "none":
         model = apply_data_parallel(
             model,
