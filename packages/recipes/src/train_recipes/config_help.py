@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import yaml
 
+from train_recipes.config_loader import field_types
 from train_recipes.config_retrieval import RetrievalTrainConfig
 from train_recipes.config_sft import TrainConfig
 
@@ -100,7 +101,7 @@ def config_keys(cls: type, prefix: str = "", defaults: Any = None) -> Iterator[K
         defaults: the instance whose values are the defaults (a parent's default differs
             from the section's own, e.g. RetrievalConfig's optim); None builds ``cls()``.
     """
-    hints = typing.get_type_hints(cls)
+    hints = field_types(cls)
     docs = _attribute_docs(_DOCS_FROM.get(cls, cls)) | _attribute_docs(cls)
     default_obj = cls() if defaults is None else defaults
     for f in dataclasses.fields(cls):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -18,7 +19,14 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
-__all__ = ["ConfigError", "config_from_dict", "load_config", "parse_override", "to_dict"]
+__all__ = [
+    "ConfigError",
+    "config_from_dict",
+    "field_types",
+    "load_config",
+    "parse_override",
+    "to_dict",
+]
 
 T = TypeVar("T")
 
@@ -35,6 +43,29 @@ class ConfigError(ValueError):
         what = "option" if key.startswith("--") else "config key"
         super().__init__(f"{what} '{key}': {message}")
         self.key = key
+
+
+class _TorchDtype:
+    """Stands for ``torch.dtype`` in annotations resolved before torch is imported.
+
+    A YAML value is never a torch.dtype, so the loader rejects this alternative as it would
+    the real one, and ``--help`` leaves it out as a Python-only type.
+    """
+
+
+# What ``torch`` names in the annotations of train-engine's FSDP2Config (``torch.dtype``).
+_TORCH_ANNOTATIONS = types.SimpleNamespace(dtype=_TorchDtype)
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints(cls)`` without importing torch.
+
+    train-engine's FSDP2Config annotates ``torch.dtype`` without importing torch; the name
+    resolves to torch itself once it is imported, else to a stand-in.
+    """
+    return typing.get_type_hints(
+        cls, localns={"torch": sys.modules.get("torch", _TORCH_ANNOTATIONS)}
+    )
 
 
 def _is_config(tp: Any) -> bool:
@@ -105,7 +136,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
 
 
 def _build(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
-    hints = typing.get_type_hints(cls)
+    hints = field_types(cls)
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     for key in data:
         if key not in names:
