@@ -481,3 +481,97 @@ def test_inspect_reads_jsonl_directly(
     out = capsys.readouterr().out
     assert "3 rows (messages), 0 pass the schema, 3 rejected" in out
     assert "pass --format alpaca" in out
+
+
+# Direct inputs: the same three rows as a JSONL file, a Parquet file (written here with pyarrow)
+# and a `datasets.save_to_disk` folder (written by `datasets` itself: data/make_save_to_disk.py).
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.mark.timeout(180)
+def test_jsonl_parquet_and_save_to_disk_folder_convert_to_the_same_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in (DATA / "chats.jsonl").read_text().splitlines()]
+    assert "id" not in rows[1]  # Arrow stores it as a null, which must not reach the row
+    parquet = tmp_path / "chats.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    for name, source in [
+        ("jsonl", DATA / "chats.jsonl"),
+        ("parquet", parquet),
+        ("save_to_disk", DATA / "chats_save_to_disk"),
+    ]:
+        out = tmp_path / name
+        rc, stdout, stderr = _convert(capsys, source, out)
+        assert rc == 0, (name, stderr)
+        assert stdout[0] == "rows read 3, written 3, rejected 0", name
+        assert (out / ".nv-meta" / "index.sqlite").is_file(), name
+        assert _tar_rows(out) == rows, name
+    # A DatasetDict folder names its splits; an unknown file type says what is read.
+    (tmp_path / "dd").mkdir()
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    (tmp_path / "rows.csv").write_text("a,b\n")
+    for bad, expect in [
+        (tmp_path / "dd", "holds a DatasetDict with splits ['train', 'test']; name one split's"),
+        (tmp_path / "rows.csv", "unknown input type .csv; expected a chat JSONL (.jsonl), a Par"),
+    ]:
+        rc, _, stderr = _convert(capsys, bad, tmp_path / "never")
+        assert rc == 2 and len(stderr) == 1 and expect in stderr[0], stderr
+    assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.timeout(120)
+def test_held_out_rows_go_to_their_jsonl_with_absolute_media_and_not_into_shards(
+    tmp_path: Path,
+) -> None:
+    from energon_sft.convert import convert_files
+
+    (tmp_path / "pic.png").write_bytes(png_bytes(28, 28, 0))
+    rows = [_good(i) for i in range(5)]
+    rows[3] = {
+        "id": "good-3",
+        "messages": [
+            {"role": "user", "content": image_question("What is it?")},
+            {"role": "assistant", "content": "A picture."},
+        ],
+        "media": ["pic.png"],
+    }
+    rows.insert(2, BAD_ROWS[0][0])  # a rejected row still counts as a row read
+    jsonl = _write_jsonl(tmp_path / "rows.jsonl", rows)
+    held = tmp_path / "held.jsonl"
+    report = convert_files(
+        [jsonl], tmp_path / "ds", holdout={1, 4}, holdout_path=held, max_bad_fraction=0.5
+    )
+    assert report.summary_lines()[0] == (
+        "rows read 6, written 3, held out 2, rejected 1 (unknown_role 1)"
+    )
+    assert report.summary_lines()[-1] == f"held-out rows (never trained on) in {held}"
+    assert [r["id"] for r in _tar_rows(tmp_path / "ds")] == ["good-0", "good-2", "good-4"]
+    want = [_good(1), {**rows[4], "media": [str((tmp_path / "pic.png").resolve())]}]
+    assert [json.loads(line) for line in held.read_text().splitlines()] == want
+    # Holding out every usable row leaves nothing to train on: refused, nothing left behind.
+    with pytest.raises(ValueError, match="all 1 usable rows were held out"):
+        convert_files(
+            [_write_jsonl(tmp_path / "one.jsonl", [_good(0)])],
+            tmp_path / "ds2",
+            holdout={0},
+            holdout_path=tmp_path / "held2.jsonl",
+        )
+    assert not (tmp_path / "ds2").exists() and not (tmp_path / "held2.jsonl").exists()
+
+
+@pytest.mark.timeout(60)
+def test_convert_to_jsonl_maps_alpaca_rows_to_canonical_ones(tmp_path: Path) -> None:
+    from energon_sft.convert import convert_to_jsonl
+
+    out = tmp_path / "eval.jsonl"
+    report = convert_to_jsonl(
+        [_write_jsonl(tmp_path / "alpaca.jsonl", ALPACA)], out, row_format="alpaca"
+    )
+    assert (report.rows_read, report.rows_written) == (3, 3)
+    assert [json.loads(line) for line in out.read_text().splitlines()] == OTHER_FORMATS[
+        "alpaca"
+    ].written

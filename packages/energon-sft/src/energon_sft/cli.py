@@ -1,12 +1,13 @@
 """`energon-sft` command line: convert, inspect, bench.
 
-energon-sft convert rows.jsonl [more.jsonl ...] OUT_DIR [--format messages|sharegpt|alpaca]
+energon-sft convert INPUT [INPUT ...] OUT_DIR [--format messages|sharegpt|alpaca]
     [--media-root DIR] [--samples-per-shard N] [--max-bad-fraction F] [--check-images]
     [--overwrite]
 energon-sft inspect DATASET|rows.jsonl --tokenizer DIR [--image-processor DIR] --model-family F
     [-n 3] [--format F] [--media-root DIR]
 energon-sft bench DATASET --tokenizer DIR --model-family F [--batch-size 8] [--num-workers 2]
 
+An INPUT is a chat JSONL, a Parquet file or a `datasets.save_to_disk` folder.
 User mistakes (a missing file, a bad option value) print one line and exit 2; a conversion
 refused for its rows exits 1 after the counts.
 """
@@ -17,10 +18,12 @@ import argparse
 import json
 import logging
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from energon_sft.sources import RowSource
 
 __all__ = ["main"]
 
@@ -107,44 +110,6 @@ def _subflavors(pairs: Sequence[str]) -> dict[str, str] | None:
     return out or None
 
 
-class _Progress:
-    """Rows read so far: a tqdm bar on a terminal, else a line on stderr every `every_s`."""
-
-    def __init__(self, total: int, *, bar: bool, every_s: float = 10.0) -> None:
-        self.total = total
-        self.done = 0
-        self.every_s = every_s
-        self._last = time.monotonic()
-        self._bar: Any = None
-        if bar:
-            try:  # tqdm comes with megatron-energon; without it the plain lines are used
-                from tqdm import tqdm
-            except ImportError:
-                pass
-            else:
-                self._bar = tqdm(total=total, unit="row", desc="convert", dynamic_ncols=True)
-
-    def __call__(self, n: int) -> None:
-        self.done += n
-        if self._bar is not None:
-            self._bar.update(n)
-            return
-        now = time.monotonic()
-        if now - self._last >= self.every_s:
-            self._last = now
-            pct = 100 * self.done / self.total if self.total else 100.0
-            _err(f"convert: {self.done}/{self.total} rows read ({pct:.0f}%)")
-
-    def indexing(self, n_shards: int) -> None:
-        self.close()
-        _err(f"convert: indexing {n_shards} shard(s) with energon prepare")
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-
-
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -165,25 +130,28 @@ def _positive(text: str) -> int:
     return value
 
 
-def _input_files(paths: Sequence[str]) -> list[Path]:
-    files = [Path(p) for p in paths]
-    for f in files:
-        if not f.is_file():
-            raise UsageError(f"input file {f} does not exist")
-    return files
+def _input_sources(paths: Sequence[str]) -> list[RowSource]:
+    from energon_sft.sources import open_source
+
+    try:
+        return [open_source(p) for p in paths]
+    except (FileNotFoundError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from energon_sft.convert import BadRowsError, convert_files, count_lines
+    from energon_sft.convert import BadRowsError, convert_files
+    from energon_sft.progress import ConvertProgress
+    from energon_sft.sources import count_rows
 
-    files = _input_files(args.jsonl)
+    sources = _input_sources(args.jsonl)
     progress = None
-    if args.progress is not False:
-        bar = sys.stderr.isatty() if args.progress is None else True
-        progress = _Progress(count_lines(files), bar=bar)
     try:
+        if args.progress is not False:
+            bar = sys.stderr.isatty() if args.progress is None else True
+            progress = ConvertProgress(count_rows(sources), bar=bar)
         report = convert_files(
-            files,
+            [s.path for s in sources],
             args.out_dir,
             row_format=args.format,
             media_root=args.media_root,
@@ -194,7 +162,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             progress=progress,
             on_prepare=progress.indexing if progress is not None else None,
         )
-    except (FileExistsError, FileNotFoundError) as exc:
+    except (FileExistsError, FileNotFoundError, ImportError) as exc:
         raise UsageError(str(exc)) from None
     except BadRowsError as exc:
         if progress is not None:
@@ -312,12 +280,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "convert",
-        help="chat JSONL + media files -> prepared Energon dataset (every row validated)",
+        help="chat JSONL / Parquet / save_to_disk folder + media files -> prepared Energon "
+        "dataset (every row validated)",
         description="Validate chat JSONL rows against the schema the loader trains on, map "
         "them to `messages` rows, write tar shards and run energon prepare. Prints rows read, "
         "written and rejected (with the line and reason of the first few).",
     )
-    p.add_argument("jsonl", nargs="+", help="input JSONL file(s)")
+    p.add_argument(
+        "jsonl",
+        nargs="+",
+        metavar="INPUT",
+        help="chat JSONL file(s), Parquet file(s) (extra energon-sft[parquet]) or "
+        "datasets.save_to_disk folder(s)",
+    )
     p.add_argument("out_dir", help="dataset folder to create (new or empty)")
     p.add_argument(
         "--format",

@@ -1,10 +1,15 @@
-"""Chat JSONL -> a prepared Energon dataset, keeping only rows the loader can train on.
+"""Chat rows -> a prepared Energon dataset, keeping only rows the loader can train on.
 
-Every row is mapped to the canonical `messages` row (`energon_sft.formats`), its media files are
-read, and the result is cooked by the loader's own cooker (`cook_chat`) on the same crude sample
-the loader will see: a row that passes here passes the loader's schema checks, and a rejected row
-is reported with its file, line and reason instead of surfacing, counted, at training time. What
-needs the tokenizer (template rendering, over-long rows) is checked by `energon-sft inspect`.
+The rows come from JSONL files, Parquet files or `datasets.save_to_disk` folders
+(`energon_sft.sources`). Every row is mapped to the canonical `messages` row
+(`energon_sft.formats`), its media files are read, and the result is cooked by the loader's own
+cooker (`cook_chat`) on the same crude sample the loader will see: a row that passes here passes
+the loader's schema checks, and a rejected row is reported with its file, line and reason
+instead of surfacing, counted, at training time. What needs the tokenizer (template rendering, over-long rows) is checked by `energon-sft inspect`.
+
+Rows can be held out (`holdout`): they pass the same checks and go to a JSONL of canonical rows
+(`held_out_row`: media as absolute paths) instead of the shards, so they are never trained on.
+`convert_to_jsonl` writes every row that way (an evaluation file in another format).
 """
 
 from __future__ import annotations
@@ -14,17 +19,24 @@ import logging
 import re
 import shutil
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from energon_sft.convert_report import (
+    BadRowsError,
+    ConvertReport,
+    Rejection,
+    problem,
+)
 from energon_sft.cookers import cook_chat, cook_sharegpt
 from energon_sft.dataset import ShardWriter, prepare_dataset, resolve_media
 from energon_sft.errors import BadSampleError
 from energon_sft.formats import FORMATS, RowFormat, alpaca_messages, check_format, media_key
 from energon_sft.schema import ChatSample, image_order
+from energon_sft.sources import RowSource, open_source, read_rows
 
 logger = logging.getLogger(__name__)
 
@@ -35,110 +47,49 @@ __all__ = [
     "Rejection",
     "RowChecker",
     "convert_files",
+    "convert_to_jsonl",
     "count_lines",
+    "held_out_row",
     "iter_checked_rows",
 ]
-
-#: Rejections kept with their line for the report (the rest are only counted).
-MAX_EXAMPLES = 5
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class Rejection:
-    """One rejected row: where it is and why."""
-
-    file: str
-    line: int
-    reason: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}: [{self.reason}] {self.message}"
-
-
-@dataclass(kw_only=True, slots=True)
-class ConvertReport:
-    """What `convert_files` read, wrote and rejected.
-
-    Attributes:
-        files: the JSONL inputs.
-        out_dir: the dataset folder.
-        row_format: the input format.
-        rows_read: non-blank lines read.
-        rows_written: rows written to the shards.
-        rejected: rejected rows per reason.
-        examples: the first `MAX_EXAMPLES` rejections, with file and line.
-        shards: the tar shards written (empty when the conversion failed).
-        seconds_rows: time to read, check and write the rows.
-        seconds_index: time of `energon prepare`.
-    """
-
-    files: list[Path]
-    out_dir: Path
-    row_format: RowFormat
-    rows_read: int = 0
-    rows_written: int = 0
-    rejected: Counter[str] = field(default_factory=Counter)
-    examples: list[Rejection] = field(default_factory=list)
-    shards: list[Path] = field(default_factory=list)
-    seconds_rows: float = 0.0
-    seconds_index: float = 0.0
-
-    @property
-    def rows_rejected(self) -> int:
-        """Rows refused, all reasons together."""
-        return sum(self.rejected.values())
-
-    @property
-    def bad_fraction(self) -> float:
-        """Refused rows over rows read (0 when none were read)."""
-        return self.rows_rejected / self.rows_read if self.rows_read else 0.0
-
-    def reject(self, where: Rejection) -> None:
-        """Count a refused row under its reason (the first few are kept as examples)."""
-        self.rejected[where.reason] += 1
-        if len(self.examples) < MAX_EXAMPLES:
-            self.examples.append(where)
-
-    def summary_lines(self) -> list[str]:
-        """Human-readable counts, the first rejections, and (when written) the result."""
-        reasons = ", ".join(f"{r} {n}" for r, n in self.rejected.most_common())
-        lines = [
-            f"rows read {self.rows_read}, written {self.rows_written}, rejected "
-            f"{self.rows_rejected}" + (f" ({reasons})" if reasons else "")
-        ]
-        if self.examples:
-            shown = len(self.examples)
-            lines.append(f"first {shown} rejected row(s):" if shown > 1 else "rejected row:")
-            lines.extend(f"  {ex}" for ex in self.examples)
-        if self.shards:
-            lines.append(
-                f"prepared Energon dataset at {self.out_dir}: {self.rows_written} rows in "
-                f"{len(self.shards)} shard(s) ({self.seconds_rows:.1f} s rows, "
-                f"{self.seconds_index:.1f} s energon prepare)"
-            )
-        return lines
-
-
-class BadRowsError(ValueError):
-    """Nothing usable, or more rejected rows than `max_bad_fraction` allows.
-
-    Attributes:
-        report: the counts and first rejections (nothing was written).
-    """
-
-    def __init__(self, message: str, report: ConvertReport) -> None:
-        super().__init__(message)
-        self.report = report
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class CheckedRow:
-    """A row that passed: the canonical row to write, its media members, the cooked sample."""
+    """A row that passed.
+
+    Attributes:
+        row: the canonical row to write into a shard (media renamed to tar members).
+        members: the media members, (name, bytes).
+        sample: the cooked sample (what the loader will read).
+        media_paths: the row's media as absolute file paths (inline entries as they are).
+    """
 
     row: dict[str, Any]
     members: list[tuple[str, bytes]]
     sample: ChatSample
+    media_paths: list[Any] = field(default_factory=list)
+
+
+def held_out_row(checked: CheckedRow) -> dict[str, Any]:
+    """The row as a held-out (evaluation) JSONL holds it: canonical, media as absolute paths."""
+    row = {k: v for k, v in checked.row.items() if k != "media"}
+    if checked.media_paths:
+        row["media"] = checked.media_paths
+    return row
+
+
+def _absolute_media(entries: Any, root: Path | None) -> list[Any]:
+    """A row's media list (already checked by `resolve_media`) with paths made absolute."""
+    out: list[Any] = []
+    for entry in entries or []:
+        path = entry if isinstance(entry, str) else entry.get("path")
+        if not isinstance(path, str):
+            out.append(entry)  # inline {"b64": ...}
+            continue
+        full = Path(path) if Path(path).is_absolute() or root is None else root / path
+        out.append(str(full.resolve()))
+    return out
 
 
 class RowChecker:
@@ -170,7 +121,8 @@ class RowChecker:
             raise BadSampleError("bad_json", f"the row is a {type(row).__name__}, not an object")
         check_format(row, self.row_format)
         mkey = media_key(self.row_format)
-        media, members = resolve_media(row.get(mkey) if mkey else None, self.media_root)
+        entries = row.get(mkey) if mkey else None
+        media, members = resolve_media(entries, self.media_root)
         if self.row_format == "messages":
             out = dict(row)
             if "media" in out:
@@ -192,7 +144,12 @@ class RowChecker:
 
             for idx in image_order(sample.messages):
                 decode_image(sample.media[idx])
-        return CheckedRow(row=out, members=members, sample=sample)
+        return CheckedRow(
+            row=out,
+            members=members,
+            sample=sample,
+            media_paths=_absolute_media(entries, self.media_root),
+        )
 
 
 def _crude(key: str, row: dict[str, Any], members: Sequence[tuple[str, bytes]]) -> dict[str, Any]:
@@ -211,25 +168,8 @@ def count_lines(files: Sequence[Path]) -> int:
     return total
 
 
-def _read(files: Sequence[Path]) -> Iterator[tuple[Path, int, Any]]:
-    """(file, line number, parsed row or BadSampleError) for every non-blank line."""
-    for f in files:
-        with f.open("rb") as fh:
-            for n, raw in enumerate(fh, 1):
-                if n == 1:
-                    raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
-                if not raw.strip():
-                    continue
-                try:
-                    yield f, n, json.loads(raw.decode("utf-8"))
-                except UnicodeDecodeError as exc:
-                    yield f, n, BadSampleError("bad_json", f"the line is not UTF-8: {exc}")
-                except json.JSONDecodeError as exc:
-                    yield f, n, BadSampleError("bad_json", f"not valid JSON: {exc}")
-
-
 def iter_checked_rows(
-    files: Sequence[Path],
+    files: Sequence[Path | RowSource],
     checker: RowChecker,
     report: ConvertReport,
     *,
@@ -239,13 +179,18 @@ def iter_checked_rows(
     """Check every row of `files`; yield those that pass, count the rest in `report`.
 
     Args:
-        files: JSONL inputs.
+        files: inputs (JSONL or Parquet files, save_to_disk folders, or opened sources).
         checker: the row check.
         report: `rows_read` and the rejections are recorded here.
         next_key: the Energon key the row at (file, line) gets if it passes.
-        progress: called with 1 per non-blank line.
+        progress: called with 1 per row read.
+
+    Yields:
+        (input path, line or row number, the checked row); `report.rows_read - 1` is then the
+        row's position among all rows read (what `convert_files`' `holdout` counts).
     """
-    for f, n, row in _read(files):
+    sources = [f if isinstance(f, RowSource) else open_source(f) for f in files]
+    for f, n, row in read_rows(sources):
         report.rows_read += 1
         try:
             if isinstance(row, BadSampleError):
@@ -285,6 +230,20 @@ def _is_shard(path: Path, prefix: str) -> bool:
     return re.fullmatch(rf"{re.escape(prefix)}-\d{{6}}\.tar(\.idx)?", path.name) is not None
 
 
+def _open_inputs(inputs: Sequence[str | Path], media_root: str | Path | None) -> list[RowSource]:
+    if not inputs:
+        raise ValueError("no input files given")
+    sources = []
+    for f in inputs:
+        try:
+            sources.append(open_source(f))
+        except ValueError as exc:
+            raise FileNotFoundError(str(exc)) from None
+    if media_root is not None and not Path(media_root).is_dir():
+        raise FileNotFoundError(f"media root {media_root} is not a folder")
+    return sources
+
+
 def convert_files(
     jsonl: Sequence[str | Path],
     out_dir: str | Path,
@@ -297,66 +256,75 @@ def convert_files(
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
     on_prepare: Callable[[int], None] | None = None,
+    holdout: Collection[int] = (),
+    holdout_path: str | Path | None = None,
 ) -> ConvertReport:
-    """Validate, map and write JSONL rows as tar shards, then run `energon prepare`.
+    """Validate, map and write rows as tar shards, then run `energon prepare`.
 
     Args:
-        jsonl: input files.
+        jsonl: inputs: JSONL files, Parquet files, `datasets.save_to_disk` folders.
         out_dir: the dataset folder; must be new or empty (or hold an earlier convert's output
             with `overwrite`).
         row_format: input format (see `energon_sft.formats`).
-        media_root: base folder of relative media paths (default: the first file's folder).
+        media_root: base folder of relative media paths (default: the first input's folder).
         samples_per_shard: rows per tar.
         max_bad_fraction: the largest rejected share of the rows read that still converts
             (0 = every row must pass).
         check_images: decode every image (slower; catches corrupt files).
         overwrite: replace an earlier convert's shards and index in `out_dir`.
-        progress: called with 1 per line read.
+        progress: called with 1 per row read.
         on_prepare: called with the shard count when `energon prepare` starts.
+        holdout: positions (0-based, among all rows read, in order) of rows to hold out: if
+            they pass, they go to `holdout_path` (`held_out_row`) instead of the shards.
+        holdout_path: the held-out JSONL to write (needed with `holdout`).
 
     Returns:
         The report (counts, first rejections, shards, timings).
 
     Raises:
-        FileNotFoundError: an input file is missing.
+        FileNotFoundError: an input is missing or of an unknown kind.
         FileExistsError: `out_dir` is in use.
-        BadRowsError: no row passed, or the rejected share exceeds `max_bad_fraction`; nothing
-            is left in `out_dir`.
+        BadRowsError: no row passed, every passing row was held out, or the rejected share
+            exceeds `max_bad_fraction`; nothing is left in `out_dir` or at `holdout_path`.
     """
     if not 0.0 <= max_bad_fraction <= 1.0:
         raise ValueError(f"max_bad_fraction={max_bad_fraction} must lie in [0, 1]")
-    files = [Path(p) for p in jsonl]
-    if not files:
-        raise ValueError("no input files given")
-    for f in files:
-        if not f.is_file():
-            raise FileNotFoundError(f"input file {f} does not exist")
-    if media_root is not None and not Path(media_root).is_dir():
-        raise FileNotFoundError(f"media root {media_root} is not a folder")
+    if holdout and holdout_path is None:
+        raise ValueError("holdout rows need a holdout_path to be written to")
+    sources = _open_inputs(jsonl, media_root)
     out = Path(out_dir)
     prefix = "chat"
     _clear_previous_output(out, prefix, overwrite)
     created = not out.exists()
-    root = Path(media_root) if media_root is not None else files[0].parent
+    root = Path(media_root) if media_root is not None else sources[0].path.parent
     checker = RowChecker(row_format=row_format, media_root=root, check_images=check_images)
-    report = ConvertReport(files=files, out_dir=out, row_format=row_format)
+    report = ConvertReport(files=[s.path for s in sources], out_dir=out, row_format=row_format)
+    held = Path(holdout_path) if holdout_path is not None else None
+    report.held_out_path = held
     start = time.perf_counter()
     writer = ShardWriter(out, samples_per_shard=samples_per_shard, prefix=prefix)
-    with writer:
+    with writer, held.open("w", encoding="utf-8") if held else nullcontext() as held_file:
         rows = iter_checked_rows(
-            files, checker, report, next_key=lambda f, n: writer.next_key(), progress=progress
+            sources, checker, report, next_key=lambda f, n: writer.next_key(), progress=progress
         )
         for _f, _n, checked in rows:
-            writer.add(checked.row, checked.members)
+            if report.rows_read - 1 in holdout:
+                assert held_file is not None
+                held_file.write(json.dumps(held_out_row(checked), ensure_ascii=False) + "\n")
+                report.rows_held_out += 1
+            else:
+                writer.add(checked.row, checked.members)
     report.rows_written = writer.count
     report.seconds_rows = time.perf_counter() - start
-    problem = _problem(report, max_bad_fraction)
-    if problem is not None:
+    refusal = problem(report, max_bad_fraction)
+    if refusal is not None:
         for shard in writer.shards:
             shard.unlink(missing_ok=True)
+        if held is not None:
+            held.unlink(missing_ok=True)
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()
-        raise BadRowsError(problem, report)
+        raise BadRowsError(refusal, report)
     if on_prepare is not None:
         on_prepare(len(writer.shards))
     start = time.perf_counter()
@@ -367,22 +335,40 @@ def convert_files(
     return report
 
 
-def _problem(report: ConvertReport, max_bad_fraction: float) -> str | None:
-    if report.rows_read == 0:
-        return f"no rows in {', '.join(map(str, report.files))}: nothing to convert"
-    if report.rows_written == 0:
-        first = f"; the first: {report.examples[0]}" if report.examples else ""
-        return f"none of the {report.rows_read} rows is usable{first}"
-    if report.bad_fraction > max_bad_fraction:
-        return (
-            f"{report.rows_rejected} of {report.rows_read} rows rejected "
-            f"({100 * report.bad_fraction:.1f}%) > --max-bad-fraction {max_bad_fraction}; "
-            f"fix the rows, check --format, or raise --max-bad-fraction "
-            f"(e.g. {_ceil_fraction(report.bad_fraction)}) to drop them"
-        )
-    return None
+def convert_to_jsonl(
+    inputs: Sequence[str | Path],
+    out_file: str | Path,
+    *,
+    row_format: RowFormat = "messages",
+    media_root: str | Path | None = None,
+    max_bad_fraction: float = 0.0,
+    progress: Callable[[int], None] | None = None,
+) -> ConvertReport:
+    """Validate and map rows into one JSONL of canonical rows (`held_out_row` form).
 
+    What an evaluation file in another format (ShareGPT, Alpaca, Parquet, ...) becomes: the
+    rows pass the checks `convert_files` makes, media keep their files (absolute paths).
 
-def _ceil_fraction(x: float) -> str:
-    # A value that lets exactly this share through, rounded up to 3 decimals.
-    return f"{min(1.0, -(-round(x * 1000, 6) // 1) / 1000):g}"
+    Raises:
+        FileNotFoundError: an input is missing or of an unknown kind.
+        BadRowsError: no row passed, or the rejected share exceeds `max_bad_fraction`;
+            `out_file` is not left behind.
+    """
+    sources = _open_inputs(inputs, media_root)
+    out = Path(out_file)
+    root = Path(media_root) if media_root is not None else sources[0].path.parent
+    checker = RowChecker(row_format=row_format, media_root=root)
+    report = ConvertReport(files=[s.path for s in sources], out_dir=out, row_format=row_format)
+    start = time.perf_counter()
+    with out.open("w", encoding="utf-8") as fh:
+        for _f, _n, checked in iter_checked_rows(
+            sources, checker, report, next_key=lambda f, n: f"{n:09d}", progress=progress
+        ):
+            fh.write(json.dumps(held_out_row(checked), ensure_ascii=False) + "\n")
+            report.rows_written += 1
+    report.seconds_rows = time.perf_counter() - start
+    refusal = problem(report, max_bad_fraction)
+    if refusal is not None:
+        out.unlink(missing_ok=True)
+        raise BadRowsError(refusal, report)
+    return report
