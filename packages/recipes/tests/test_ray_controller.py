@@ -214,3 +214,24 @@ def test_ray_address_without_the_ray_controller_is_one_line(
     assert cli.main(["sft", "--ray-address", "auto"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'--ray-address'" in err and "--controller ray" in err, err
+
+
+def test_without_an_address_the_job_starts_its_own_local_cluster() -> None:
+    """A bare ``ray.init(num_cpus=...)`` joins the cluster named by ``RAY_ADDRESS`` or Ray's
+    session file (a live ``ray start`` cluster, or the stale file of a killed one) and then
+    refuses num_cpus; ``address="local"`` always starts a new one. Joining stays explicit."""
+    from train_recipes.controller.ray_cluster import start_or_join
+
+    calls: list[dict[str, Any]] = []
+
+    class RecordingRay:
+        def is_initialized(self) -> bool:
+            return False
+
+        def init(self, **kwargs: Any) -> None:
+            calls.append(kwargs)
+
+    assert start_or_join(RecordingRay(), address=None, world_size=3)
+    assert calls[-1]["address"] == "local" and calls[-1]["num_cpus"] >= 3, calls
+    assert start_or_join(RecordingRay(), address="auto", world_size=3)
+    assert calls[-1]["address"] == "auto" and "num_cpus" not in calls[-1], calls

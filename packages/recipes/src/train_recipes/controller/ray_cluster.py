@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from train_recipes.extras import install_hint
+
 __all__ = [
     "RAY_EXTRA",
     "ActorFailure",
@@ -29,7 +31,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-RAY_EXTRA = "pip install 'train-recipes[ray]'"
+#: The extra that installs Ray (named in every error about it).
+RAY_EXTRA = "ray"
 # How long a call waits between checks of its actors (seconds).
 _POLL_S = 0.5
 # After a rank fails, how long its peers' failures are awaited to find a dead actor (seconds).
@@ -49,8 +52,8 @@ def import_ray() -> Any:
         import ray
     except ImportError as err:
         raise ImportError(
-            f"--controller ray needs the 'ray' package, which is not installed; install the "
-            f"extra: {RAY_EXTRA}"
+            f"--controller ray needs the 'ray' package, which is not installed; "
+            f"{install_hint(RAY_EXTRA)}"
         ) from err
     return ray
 
@@ -82,10 +85,13 @@ class ActorFailure(RuntimeError):
 
 
 def start_or_join(ray: Any, *, address: str | None, world_size: int) -> bool:
-    """Join the cluster at ``address``, or start a local one.
+    """Join the cluster at ``address``, or start a local one for this job.
 
-    ``address="auto"`` is the local ``ray start`` cluster; a started one has at least
-    ``world_size`` CPUs (logical: one bundle per rank).
+    ``address="auto"`` is the local ``ray start`` cluster. Without an address the job always
+    starts its own cluster (Ray's ``address="local"``) with at least ``world_size`` CPUs
+    (logical: one bundle per rank): a bare ``ray.init()`` would instead join whatever cluster
+    ``RAY_ADDRESS`` or Ray's session file names, a live ``ray start`` cluster or the stale
+    file of one stopped abnormally, and then refuse ``num_cpus``. Joining stays explicit.
 
     Returns:
         Whether this call connected (False when Ray was already initialised, e.g. by a test).
@@ -96,7 +102,7 @@ def start_or_join(ray: Any, *, address: str | None, world_size: int) -> bool:
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
     else:
         cpus = max(os.cpu_count() or 1, world_size)
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
     return True
 
 
