@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -94,25 +95,51 @@ def test_inconsistent_rows_raise_with_the_fix() -> None:
         greedy_pack([3, 9], 8)
 
 
-def test_overlong_document_is_reported_with_its_length_and_the_fix(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    tok = build_tokenizer()
-    enc = SFTTaskEncoder(tok, model_family="text", max_length=12)
-    sample = chat_sample(
+def _long_chat(key: str) -> Any:
+    return chat_sample(
         [
             {"role": "user", "content": "Hello! How are you?"},
             {"role": "assistant", "content": "I am fine, thank you. " * 4},
         ],
-        key="long",
+        key=key,
     )
+
+
+def test_overlong_document_is_reported_once_with_its_length_and_the_fix(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    tok = build_tokenizer()
+    enc = SFTTaskEncoder(tok, model_family="text", max_length=12)
     with caplog.at_level(logging.WARNING, logger="energon_sft"):
-        out = enc.encode_chat(sample)
-    assert out.input_ids.numel() == 12 and out.sample_weights == [0.0]
+        outs = [enc.encode_chat(_long_chat(f"long-{i}")) for i in range(5)]
+    assert all(o.input_ids.numel() == 12 and o.sample_weights == [0.0] for o in outs)
+    # Counted five times, logged once (a dataset of long rows is one line, not one per row).
+    assert enc.error_handler.snapshot() == {"truncated": 5}
+    assert len(caplog.records) == 1
     message = caplog.text
-    n = len(SFTTaskEncoder(tok, model_family="text", max_length=512).encode_chat(sample).input_ids)
-    assert f"{n} tokens after image expansion > max_length=12" in message
+    full = SFTTaskEncoder(tok, model_family="text", max_length=512)
+    n = len(full.encode_chat(_long_chat("x")).input_ids)
+    assert f"{n} tokens > max_length=12" in message
     assert f"raise max_length to >= {n}" in message and "overlong='skip'" in message
+    # A text-only row has no image to expand and no media to strip.
+    assert "image" not in message and "media" not in message
+
+
+def test_overlong_skip_drops_without_budget_and_error_stops_naming_the_row() -> None:
+    from megatron.energon import SkipSample
+
+    from energon_sft import OverlongSampleError
+
+    tok = build_tokenizer()
+    skip = SFTTaskEncoder(tok, model_family="text", max_length=12, overlong="skip")
+    for i in range(3):
+        with pytest.raises(SkipSample):
+            skip.encode_chat(_long_chat(f"long-{i}"))
+    assert skip.error_handler.snapshot() == {"skipped/overlong": 3}
+    assert skip.error_handler.skipped == 0  # the failure budget is for broken rows
+    error = SFTTaskEncoder(tok, model_family="text", max_length=12, overlong="error")
+    with pytest.raises(OverlongSampleError, match=r"long-7.*tokens > max_length=12"):
+        error.encode_chat(_long_chat("long-7"))
 
 
 def test_truncated_vlm_sample_gets_text_mrope_ids() -> None:

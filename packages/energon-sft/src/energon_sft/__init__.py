@@ -13,7 +13,7 @@ from energon_sft.cookers import (
 )
 from energon_sft.dataset import convert_jsonl, prepare_dataset, write_chat_shards
 from energon_sft.encoder import SFTTaskEncoder
-from energon_sft.errors import BadSampleError, TooManyBadSamplesError
+from energon_sft.errors import BadSampleError, OverlongSampleError, TooManyBadSamplesError
 from energon_sft.families import (
     ImageFeatures,
     ModelFamilyAdapter,
@@ -27,6 +27,7 @@ from energon_sft.loader import LoaderOptions, SFTLoader, build_sft_loader
 from energon_sft.megatron import MegatronInputs, to_megatron_inputs
 from energon_sft.render import render_conversation
 from energon_sft.rope import mrope_position_ids
+from energon_sft.sampling import FirstSamples, first_samples
 from energon_sft.schema import ChatSample, MediaItem
 from energon_sft.state import StateMismatchError
 from energon_sft.topology import (
@@ -43,11 +44,13 @@ __all__ = [
     "BadSampleError",
     "ChatSample",
     "EncodedSample",
+    "FirstSamples",
     "ImageFeatures",
     "LoaderOptions",
     "MediaItem",
     "MegatronInputs",
     "ModelFamilyAdapter",
+    "OverlongSampleError",
     "Qwen25VLAdapter",
     "SFTBatch",
     "SFTLoader",
@@ -66,6 +69,7 @@ __all__ = [
     "cook_chat",
     "cook_sharegpt",
     "default_cookers",
+    "first_samples",
     "get_model_family",
     "known_model_families",
     "logical_shards_for",

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
-from megatron.energon import Cooker, TaskEncoder, WorkerConfig, stateless
+from megatron.energon import Cooker, SkipSample, TaskEncoder, WorkerConfig, stateless
 
 from energon_sft.batch import (
     IGNORE_INDEX,
@@ -23,7 +23,7 @@ from energon_sft.batch import (
     pack_samples,
 )
 from energon_sft.cookers import check_cookers, default_cookers
-from energon_sft.errors import BadSampleError, SampleErrorHandler
+from energon_sft.errors import BadSampleError, OverlongSampleError, SampleErrorHandler
 from energon_sft.families import ImageFeatures, decode_image, get_model_family
 from energon_sft.render import TrainOn, render_conversation
 from energon_sft.schema import ChatSample, image_order
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["SFTTaskEncoder"]
 
-Overlong = Literal["truncate", "skip"]
+Overlong = Literal["truncate", "skip", "error"]
 
 
 def _sha256(text: str) -> str:
@@ -50,8 +50,11 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedSample, SFTBatch, SFTBatch])
     Over-long rows (more than `max_length` tokens after expansion) are, with
     `overlong="truncate"`, stripped of their media (whole image blocks are removed, never cut),
     cut to `max_length` and given weight 0 with every label -100; with `overlong="skip"` they
-    are skipped and counted like bad data. A row left with no trainable target gets weight 0
-    and a counted warning; it never aborts the run.
+    are dropped (Energon's `SkipSample`: no failure budget spent); with `overlong="error"` the
+    first one stops the loader (`OverlongSampleError`, naming the row). Truncated and skipped
+    rows are counted (`SFTLoader.data_stats()`: `truncated`, `skipped/overlong`) and only the
+    first of each kind per worker is logged. A row left with no trainable target gets weight
+    0 and a counted warning; it never aborts the run.
 
     Args:
         processor_or_tokenizer: a fast tokenizer with a chat template, or a processor with
@@ -62,7 +65,7 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedSample, SFTBatch, SFTBatch])
         pad_to_multiple_of: batches are right-padded to a multiple of this (e.g. 2*cp).
         packing_buffer_size: when set, pack samples from a buffer of this many into rows of
             `max_length` tokens (first-fit decreasing on the expanded lengths).
-        overlong: "truncate" (zero weight, media stripped) or "skip".
+        overlong: "truncate" (zero weight, media stripped), "skip" or "error".
         failure_tolerance: bad samples one loader worker may skip before the run fails (>= 1).
         cookers: Energon cookers; default `default_cookers()`.
     """
@@ -102,8 +105,8 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedSample, SFTBatch, SFTBatch])
             raise ValueError(
                 f"train_on={train_on!r}; expected 'all_assistant' or 'final_assistant'"
             )
-        if overlong not in ("truncate", "skip"):
-            raise ValueError(f"overlong={overlong!r}; expected 'truncate' or 'skip'")
+        if overlong not in ("truncate", "skip", "error"):
+            raise ValueError(f"overlong={overlong!r}; expected 'truncate', 'skip' or 'error'")
         if packing_buffer_size is not None and packing_buffer_size < 1:
             raise ValueError(f"packing_buffer_size={packing_buffer_size} must be >= 1 or None")
         self.max_length = max_length
@@ -192,18 +195,23 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedSample, SFTBatch, SFTBatch])
         ids, trained, is_image = self._expand(rendered.input_ids, rendered.trained, counts)
         weight = 1.0
         if len(ids) > self.max_length:
-            if self.overlong == "skip":
-                raise BadSampleError(
-                    "overlong",
-                    f"{len(ids)} tokens after image expansion > max_length={self.max_length}",
+            # Image expansion is named only where the row has images.
+            size = f"{len(ids)} tokens{' after image expansion' if counts else ''}"
+            size += f" > max_length={self.max_length}"
+            fix = f"raise max_length to >= {len(ids)} to train on it"
+            if self.overlong == "error":
+                raise OverlongSampleError.from_sample(
+                    sample, f"{size} (overlong='error'); {fix}, or pass overlong='truncate'|'skip'"
                 )
+            if self.overlong == "skip":
+                self.error_handler.note("skipped/overlong", sample, f"{size}: dropped; {fix}")
+                raise SkipSample()
+            stripped = "media stripped, " if counts else ""
             self.error_handler.note(
                 "truncated",
                 sample,
-                f"{len(ids)} tokens after image expansion > max_length={self.max_length}: "
-                f"media stripped, cut to {self.max_length} tokens, weight 0 (it trains "
-                f"nothing); raise max_length to >= {len(ids)} to train on it, or pass "
-                "overlong='skip' to drop such samples",
+                f"{size}: {stripped}cut to {self.max_length} tokens, weight 0 (it trains "
+                f"nothing); {fix}, or pass overlong='skip' to drop such samples",
             )
             drop = set(self._marker_ids)
             if self._image_token_id is not None:

@@ -14,9 +14,17 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from megatron.energon.errors import FatalSampleError
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["BadSampleError", "SampleErrorHandler", "TooManyBadSamplesError", "sample_key"]
+__all__ = [
+    "BadSampleError",
+    "OverlongSampleError",
+    "SampleErrorHandler",
+    "TooManyBadSamplesError",
+    "sample_key",
+]
 
 
 class BadSampleError(ValueError):
@@ -34,6 +42,13 @@ class BadSampleError(ValueError):
 
 class TooManyBadSamplesError(RuntimeError):
     """More bad samples than `failure_tolerance` allows in one loader worker."""
+
+
+class OverlongSampleError(FatalSampleError):
+    """A row longer than `max_length` under `overlong="error"`: the loader stops.
+
+    A `FatalSampleError`, so Energon's error handling passes it on instead of skipping.
+    """
 
 
 def sample_key(sample: Any) -> str:
@@ -101,9 +116,21 @@ class SampleErrorHandler:
             ) from exc
 
     def note(self, what: str, sample: Any, detail: str) -> None:
-        """Count a row that was kept but altered (truncated, fully masked) and log it."""
+        """Count a row that was altered (truncated, fully masked) or dropped by policy.
+
+        Only the first of each kind is logged: a dataset of over-long rows gives one line per
+        worker, not one per row (the counts are in `snapshot()`).
+        """
         self.counts[what] += 1
-        logger.warning("energon-sft: sample %s %s: %s", sample_key(sample), what, detail)
+        if self.counts[what] == 1:
+            logger.warning(
+                "energon-sft: sample %s %s: %s (later rows of this kind are counted, not "
+                "logged: SFTLoader.data_stats()['%s'])",
+                sample_key(sample),
+                what,
+                detail,
+                what,
+            )
 
     def snapshot(self) -> dict[str, int]:
         """Cumulative counters of this worker: `skipped/<reason>`, `truncated`, ..."""
