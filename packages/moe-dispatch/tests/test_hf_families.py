@@ -144,6 +144,21 @@ def test_export_round_trip_gives_trained_logits(kind: str, tmp_path: Path) -> No
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_hf_state_dict_takes_the_given_experts_without_expert_parallelism() -> None:
+    """With every expert on this rank, the experts come from the given (full) state like every
+    other entry, never from the live module: under FSDP2 at ep=1 those are DTensor shards, which
+    a rank-0-only writer would gather alone (a hang)."""
+    model = tiny_causal_lm("qwen3_moe", seed=6)
+    assert convert_hf_moe(model)
+    given = {k: v + 1.0 for k, v in model.state_dict().items()}  # not the live weights
+    state = hf_state_dict(model, given)
+    for key, value in state.items():
+        source = key.replace("mlp.gate.weight", "mlp.router.weight")
+        assert torch.equal(value, given[source]), key
+    assert any(".experts.gate_up_proj" in k for k in state)
+    assert hf_state_dict(model, {}) == {}  # a rank that holds no tensors gets none
+
+
 @pytest.mark.parametrize("kind", FAMILIES)
 @pytest.mark.parametrize("record_before_convert", [False, True])
 def test_output_router_logits_equals_unconverted_model_float64(

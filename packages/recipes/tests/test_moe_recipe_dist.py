@@ -1,6 +1,7 @@
 """MoE models through the SFT recipe on gloo ranks: ep=2 follows ep=1 (float32, unequal tokens per
 rank, FSDP2 and DDP), an ep=2 checkpoint resumes exactly and exports in one process, the export
-loads with from_pretrained and gives the trained logits; bad ep rejected before launch."""
+loads with from_pretrained and gives the trained logits, an export right after the build gives
+the live weights at ep=1 and ep=2 under FSDP2 and DDP; bad ep rejected before launch."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from _moe_recipe_models import save_tiny_moe
-from _moe_recipe_workers import export_on_rank, run_moe_sft_on_rank
+from _moe_recipe_workers import export_after_build_on_rank, export_on_rank, run_moe_sft_on_rank
 from conftest import QUIET_CPU_RUN, data_overrides
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
 from train_recipes.demo import DemoSplit
@@ -201,3 +202,16 @@ def test_bad_ep_is_rejected_before_launch(tmp_path: Path, demo_data: DemoSplit) 
             ],
         )
         validate_sft(config, world_size=2)
+
+
+@pytest.mark.timeout(300)
+def test_export_right_after_build_gives_the_live_weights(rank_pool: object, tmp_path: Path) -> None:
+    """At ep=1 under FSDP2 the experts are FSDP2 shards: the export must use the gathered full
+    tensors (rank 0 alone must never touch a DTensor, a collective the others do not join). Each
+    of ep=1, ep=2 under FSDP2 and DDP exports the live weights exactly."""
+    model_dir = save_tiny_moe("qwen3_moe", tmp_path / "model")
+    layouts = [("fsdp2", 1), ("fsdp2", 2), ("ddp", 1), ("ddp", 2)]
+    ranks = rank_pool.run(  # type: ignore[attr-defined]
+        2, export_after_build_on_rank, str(model_dir), str(tmp_path / "hf"), layouts, timeout_s=240
+    )
+    assert ranks[0] == {f"{dp}-ep{ep}": [] for dp, ep in layouts}

@@ -272,16 +272,29 @@ def hf_state_dict(
 
     Every :class:`ExpertParallelMoE` becomes its HF block again: ``router.weight`` ->
     ``gate.weight``, ``router.score_correction_bias`` -> ``gate.e_score_correction_bias``, the
-    shared expert under its HF name, and the global experts gathered from the expert-parallel
-    group (a collective: call it on every rank of that group).
+    shared expert under its HF name, and the global experts. A layer that holds every expert
+    (no expert parallelism) takes them from ``state_dict``, like every other entry; a layer
+    whose experts are split over an expert-parallel group gathers them from that group's live
+    shards (a collective: call it on every rank of that group, whatever ``state_dict`` holds).
+
+    Why not always the live module: without expert parallelism the experts may be wrapped (an
+    FSDP2 shard at ep=1 is a DTensor), and a DTensor handed on to a rank-0-only writer makes
+    that writer run a collective no other rank joins: a hang.
 
     Args:
         model: the converted model (the keys of ``state_dict`` are relative to it).
         state_dict: full (unsharded) tensors to start from, e.g. gathered from FSDP2; None
-            uses ``model.state_dict()``.
+            uses ``model.state_dict()``. A rank may pass {} (it writes nothing) and still joins
+            the gathers.
 
     Returns:
-        {HF key: tensor}; load it with ``load_state_dict`` into the HF model class.
+        {HF key: tensor}, plain tensors only; load it with ``load_state_dict`` into the HF
+        model class.
+
+    Raises:
+        TypeError: an entry (or split experts to gather) is a DTensor: pass full tensors,
+            e.g. ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))``.
+            Raised on every rank alike (the wrapping is the same on all).
     """
     source = dict(model.state_dict() if state_dict is None else state_dict)
     out: dict[str, Tensor] = {}
@@ -299,14 +312,17 @@ def hf_state_dict(
                 continue
             rest = key[len(prefix) :]
             if rest.startswith("experts."):
-                renamed[key] = ""  # replaced by the gathered tensors below
+                renamed[key] = ""  # written below, in the HF storage layout
             elif rest == "router.weight":
                 renamed[key] = prefix + "gate.weight"
             elif rest == "router.score_correction_bias":
                 renamed[key] = prefix + "gate.e_score_correction_bias"
             elif rest.startswith("shared_expert."):
                 renamed[key] = prefix + shared + rest[len("shared_expert") :]
-        gate_up, down = moe.gather_experts()
+        experts = _global_experts(prefix, moe, source)
+        if experts is None:
+            continue
+        gate_up, down = experts
         if layout.get("transposed", False):
             gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
         out[prefix + "experts.gate_up_proj"] = gate_up.contiguous()
@@ -315,4 +331,35 @@ def hf_state_dict(
         new = renamed.get(key, key)
         if new:
             out[new] = value
+    for key, value in out.items():
+        _refuse_dtensor(key, value)
     return out
+
+
+def _global_experts(
+    prefix: str, moe: ExpertParallelMoE, source: Mapping[str, Tensor]
+) -> tuple[Tensor, Tensor] | None:
+    """[E, 2F, H] gate_up and [E, H, F] down of one layer, None where ``source`` has none.
+
+    The decision depends on the layer alone, never on ``source`` (which may be empty on all
+    ranks but one), so every rank of an expert-parallel group joins the same gathers.
+    """
+    if moe.dispatcher.num_local_experts == moe.config.num_experts:
+        gate_up = source.get(prefix + "experts.gate_up_proj")
+        down = source.get(prefix + "experts.down_proj")
+        return None if gate_up is None or down is None else (gate_up, down)
+    for name in ("gate_up_proj", "down_proj"):
+        _refuse_dtensor(f"{prefix}experts.{name}", getattr(moe.experts, name))
+    return moe.gather_experts()
+
+
+def _refuse_dtensor(key: str, value: Tensor) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        raise TypeError(
+            f"hf_state_dict got a DTensor for {key!r} ({value.placements}); it needs full "
+            "tensors: pass state_dict=get_model_state_dict(model, options=StateDictOptions("
+            "full_state_dict=True)) (torch.distributed.checkpoint.state_dict), gathered on "
+            "every rank"
+        )
