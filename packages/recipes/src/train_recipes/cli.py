@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -113,8 +114,21 @@ def _local_world_size(args: argparse.Namespace) -> int:
     return int(args.nproc_per_node)
 
 
+# The shorthand options and the config keys they set.
+_SHORTHANDS = (("--model", "model", "model.path"), ("--data", "data", "data.path"))
+
+
 def _overrides(args: argparse.Namespace) -> list[str]:
+    from train_recipes.config_loader import ConfigError
+
     overrides = list(args.set or [])
+    for option, dest, key in _SHORTHANDS:
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if any(item.partition("=")[0].strip() == key for item in overrides):
+            raise ConfigError(option, f"and --set {key}=... are both given; keep one of them")
+        overrides.append(f"{key}={json.dumps(value)}")  # quoted: YAML reads the path as text
     if args.output_dir is not None:
         overrides.append(f"train.output_dir={args.output_dir}")
     return overrides
@@ -123,10 +137,12 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 def _load(args: argparse.Namespace, kind: str) -> object:
     """Load the config and run the preflight (raises ConfigError); print its warnings once."""
     from train_recipes.config_commands import load_recipe_config
+    from train_recipes.direct_inputs import resolve_inputs
     from train_recipes.preflight import run_preflight
 
     recipe: Recipe = "sft" if kind == "sft" else "retrieval"
     _, config = load_recipe_config(recipe, args.config, _overrides(args))
+    config = resolve_inputs(config)  # a chat file converted, a Hub id found, before any rank
     checked = run_preflight(
         config,
         world_size=_world_size(args),
@@ -306,13 +322,15 @@ def _config_cp(args: argparse.Namespace) -> int:
 
 def _config_show(args: argparse.Namespace) -> int:
     from train_recipes.config_commands import load_recipe_config, show_config
+    from train_recipes.direct_inputs import resolve_inputs
     from train_recipes.preflight import run_preflight
 
     recipe, config = load_recipe_config(args.recipe, args.config, _overrides(args))
     nproc = args.nproc_per_node
     if nproc is None:
         nproc = _default_nproc(recipe, args.config)
-    checked = run_preflight(config, world_size=nproc, local_world_size=nproc)
+    # Checked as a launch would use it (converted, found in the Hub cache); shown as given.
+    checked = run_preflight(resolve_inputs(config), world_size=nproc, local_world_size=nproc)
     print(show_config(recipe, config, checked.plan))
     for warning in checked.warnings:
         print(f"train-recipes config show: warning: {warning}", file=sys.stderr)
@@ -344,6 +362,20 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         action="append",
         metavar="KEY=VALUE",
         help="dotted override, e.g. optim.lr=2e-5 (repeatable)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="M",
+        help="shorthand for --set model.path=M: a model folder, or a Hub id (ORG/NAME) in the "
+        "local Hugging Face cache",
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="D",
+        help="shorthand for --set data.path=D: a prepared Energon dataset, a chat JSONL, a "
+        "Parquet file or a datasets.save_to_disk folder (converted once, cached)",
     )
     p.add_argument("--output-dir", default=None, help="shorthand for --set train.output_dir=DIR")
     p.add_argument(

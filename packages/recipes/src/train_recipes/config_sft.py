@@ -106,17 +106,24 @@ class ModelConfig:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class DataConfig:
-    """Training data (an Energon dataset prepared by ``energon-sft convert``).
+    """Training data: a prepared Energon dataset, or a chat file converted into one.
 
     Attributes:
-        path: the prepared Energon dataset directory. None (with ``demo``) generates the
-            embedded demo dataset under ``<train.output_dir>/data``.
+        path: a prepared Energon dataset directory (``energon-sft convert``), or a chat JSONL
+            (``messages``, ShareGPT or Alpaca rows), a Parquet file or a ``datasets``
+            ``save_to_disk`` folder, converted once into the cache before launch
+            (``train_recipes.direct_inputs``). None (with ``demo``) generates the embedded demo
+            dataset under ``<train.output_dir>/data``.
         demo: the embedded demo task used when ``path`` is None: "addition", "reverse" or
             "shapes" (pictures; needs ``model_family: qwen2_5_vl``).
         demo_train_size: demo training conversations.
         demo_eval_size: held-out demo conversations (exact-match accuracy is measured on them).
-        eval_path: a JSONL of held-out chats (last message = reference answer); None skips
-            the accuracy measurement unless the demo provides one.
+        eval_path: held-out chats (last message = reference answer): a JSONL of ``messages``,
+            ShareGPT or Alpaca rows, a Parquet file or a ``save_to_disk`` folder; None skips
+            the accuracy measurement unless the demo or ``eval_split`` provides them.
+        eval_split: rows of a converted ``path`` held out for evaluation when ``eval_path``
+            is None (never trained on): a fraction in (0, 1), a row count, or 0 for none;
+            None: 5% of the rows, at most 200, none below 20 rows.
         model_family: energon-sft model-family adapter ("text", "qwen2_5_vl", ...).
         max_length: maximum tokens per sample after the chat template.
         micro_batch_size: samples per data-parallel rank per micro-batch.
@@ -134,6 +141,7 @@ class DataConfig:
     demo_train_size: int = 20000
     demo_eval_size: int = 200
     eval_path: str | None = None
+    eval_split: int | float | None = None
     model_family: str = "text"
     max_length: int = 32
     micro_batch_size: int = 32
