@@ -55,16 +55,22 @@ SHIPPED_CONFIGS = Path(str(files("train_recipes") / "configs"))
 
 
 def shipped_world_size(name: str) -> int:
-    """The world size a shipped config is written for (its header command says so), else 2."""
-    return {"qwen-8gpu-cp2.yaml": 8, "demo-cpu-cp2.yaml": 4, "llama-1b5-1gpu.yaml": 1}.get(name, 2)
+    """The world size a shipped config is written for: its ``launch.nproc_per_node``."""
+    import yaml
+
+    return int(yaml.safe_load((SHIPPED_CONFIGS / name).read_text())["launch"]["nproc_per_node"])
 
 
 def model_and_data_stand_ins(tmp_path: Path) -> tuple[Path, Path]:
-    """A model folder holding only a Llama config.json and an empty prepared Energon folder:
-    enough for the config checks that look at the paths, nothing that loads."""
+    """A model folder holding only a Llama config.json and a chat template, and an empty
+    prepared Energon folder: enough for the config checks that look at the paths, nothing that
+    loads."""
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (model / "config.json").write_text(
+        json.dumps({"model_type": "llama", "max_position_embeddings": 4096})
+    )
+    (model / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     data = tmp_path / "data"
     (data / ".nv-meta").mkdir(parents=True)
     return model, data

@@ -87,6 +87,7 @@ def build_encoder(
     train_on: str,
     pad_to_multiple_of: int,
     packing: bool,
+    overlong: str = "truncate",
 ) -> SFTTaskEncoder:
     """energon-sft's SFTTaskEncoder for this recipe.
 
@@ -97,6 +98,7 @@ def build_encoder(
         train_on: "all_assistant" turns or only the "final_assistant" one.
         pad_to_multiple_of: row padding (2 * cp, so rows split into the cp chunks).
         packing: pack several samples per row (a 64-sample packing buffer).
+        overlong: a row over ``max_length``: "truncate" (weight 0), "skip" or "error".
     """
     from energon_sft import SFTTaskEncoder
 
@@ -107,6 +109,7 @@ def build_encoder(
         train_on=train_on,  # type: ignore[arg-type]
         pad_to_multiple_of=pad_to_multiple_of,
         packing_buffer_size=64 if packing else None,
+        overlong=overlong,  # type: ignore[arg-type]
     )
 
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import dataclasses
 import logging
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, requires, version
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from packaging.requirements import Requirement
 
@@ -102,6 +104,52 @@ def _default_nproc(command: str, config: Path | None) -> int:
     return DEMO_RANKS if (command == "sft" and config is None) else 1
 
 
+def _with_ranks(args: argparse.Namespace, recipe: str, config: Any) -> Any:
+    """Settle the local ranks in ``args.nproc_per_node``; the config records them.
+
+    ``--nproc-per-node``, else ``launch.nproc_per_node``, else the default (the run's
+    config.yaml then says how many ranks it ran on).
+    """
+    from train_recipes.config_shared import LaunchConfig
+
+    if args.nproc_per_node is None:
+        args.nproc_per_node = config.launch.nproc_per_node or _default_nproc(recipe, args.config)
+    local = LaunchConfig(nproc_per_node=_local_world_size(args))
+    return config if config.launch == local else dataclasses.replace(config, launch=local)
+
+
+def _run_defaults(
+    args: argparse.Namespace, recipe: str, config: Any, *, model_dir: str | None = None
+) -> tuple[Any, tuple[str, ...]]:
+    """The own-model defaults of the keys the command line leaves unset, then the local ranks.
+
+    Returns:
+        The config, and the line naming the defaults chosen (none for the demo model).
+    """
+    from train_recipes.config_commands import given_keys
+    from train_recipes.config_defaults import apply_run_defaults
+    from train_recipes.config_sft import SFTConfig
+
+    note = None
+    if isinstance(config, SFTConfig):
+        given = given_keys(args.config, _overrides(args))
+        config, note = apply_run_defaults(config, given, model_dir=model_dir)
+    return _with_ranks(args, recipe, config), (() if note is None else (note,))
+
+
+def _data_report(config: Any) -> tuple[str, ...]:
+    """A sample of an SFT run's own data measured (raises ConfigError when it trains nothing)."""
+    from train_recipes.config_sft import SFTConfig
+    from train_recipes.data_report import data_report
+
+    return tuple(data_report(config)) if isinstance(config, SFTConfig) else ()
+
+
+def _prints_prelaunch() -> bool:
+    """Whether this process prints the preflight's notes and warnings (once per job)."""
+    return _PREFLIGHT_DONE not in os.environ and os.environ.get("RANK", "0") == "0"
+
+
 def _world_size(args: argparse.Namespace) -> int:
     if _under_launcher():
         return int(os.environ["WORLD_SIZE"])
@@ -143,6 +191,7 @@ def _load(args: argparse.Namespace, kind: str) -> object:
     recipe: Recipe = "sft" if kind == "sft" else "retrieval"
     _, config = load_recipe_config(recipe, args.config, _overrides(args))
     config = resolve_inputs(config)  # a chat file converted, a Hub id found, before any rank
+    config, notes = _run_defaults(args, recipe, config)
     checked = run_preflight(
         config,
         world_size=_world_size(args),
@@ -150,7 +199,11 @@ def _load(args: argparse.Namespace, kind: str) -> object:
         controller=getattr(args, "controller", "spmd"),
         ray_address=getattr(args, "ray_address", None),
     )
-    if _PREFLIGHT_DONE not in os.environ and os.environ.get("RANK", "0") == "0":
+    if _PREFLIGHT_DONE not in os.environ:  # our own launch's ranks: the launcher measured it
+        notes += _data_report(config)
+    if _prints_prelaunch():
+        for note in notes:
+            print(f"train-recipes {kind}: {note}", flush=True)
         for warning in checked.warnings:
             print(f"train-recipes {kind}: warning: {warning}", file=sys.stderr)
     return config
@@ -221,8 +274,6 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         from train_recipes._dist import die_with_parent
 
         die_with_parent()  # a rank never outlives its launcher (no orphan keeps training)
-    if args.nproc_per_node is None:
-        args.nproc_per_node = _default_nproc(args.command, args.config)
     lock = None
     try:
         if getattr(args, "controller", "spmd") == "ray" and _under_launcher():
@@ -292,6 +343,7 @@ def _demo_data(args: argparse.Namespace) -> int:
 
 def _plot(args: argparse.Namespace) -> int:
     from train_recipes.config_commands import UsageError
+    from train_recipes.extras import install_hint
     from train_recipes.metrics import METRICS_FILE, plot_loss
     from train_recipes.preflight import module_available
 
@@ -299,9 +351,7 @@ def _plot(args: argparse.Namespace) -> int:
     if not metrics.is_file():
         raise UsageError(f"{metrics} does not exist; pass a run directory or its {METRICS_FILE}")
     if not module_available("matplotlib"):
-        raise UsageError(
-            "drawing loss.png needs matplotlib; install the extra: pip install 'train-recipes[plot]'"
-        )
+        raise UsageError(f"drawing loss.png needs matplotlib; {install_hint('plot')}")
     print(plot_loss(args.run, args.out))
     return 0
 
@@ -326,15 +376,44 @@ def _config_show(args: argparse.Namespace) -> int:
     from train_recipes.preflight import run_preflight
 
     recipe, config = load_recipe_config(args.recipe, args.config, _overrides(args))
-    nproc = args.nproc_per_node
-    if nproc is None:
-        nproc = _default_nproc(recipe, args.config)
     # Checked as a launch would use it (converted, found in the Hub cache); shown as given.
-    checked = run_preflight(resolve_inputs(config), world_size=nproc, local_world_size=nproc)
-    print(show_config(recipe, config, checked.plan))
+    resolved = resolve_inputs(config)
+    config, notes = _run_defaults(args, recipe, config, model_dir=resolved.model.path)
+    resolved, _ = _run_defaults(args, recipe, resolved)
+    nproc = args.nproc_per_node
+    checked = run_preflight(resolved, world_size=nproc, local_world_size=nproc)
+    notes += _data_report(resolved)
+    rows = [("launch", _launch_line(args, recipe)), ("run folder", _folder_state(args, config))]
+    print(show_config(recipe, config, checked.plan, rows, notes))
     for warning in checked.warnings:
         print(f"train-recipes config show: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _launch_line(args: argparse.Namespace, recipe: str) -> str:
+    """The launch ``train-recipes RECIPE`` makes with ``config show``'s arguments."""
+    words = [f"--config {shlex.quote(str(args.config))}"] if args.config is not None else []
+    words += [f"--set {shlex.quote(item)}" for item in _overrides(args)]
+    words += ["--overwrite"] if args.overwrite else []
+    command = " ".join([recipe, *words])
+    if args.nproc_per_node == 1:
+        return f"train-recipes {command}  (1 rank, in this process)"
+    return (
+        f"torchrun --standalone --nproc-per-node {args.nproc_per_node} -m train_recipes.cli "
+        f"{command}"
+    )
+
+
+def _folder_state(args: argparse.Namespace, config: Any) -> str:
+    """Whether a fresh launch may use ``train.output_dir``, as the launch will check it."""
+    from train_recipes.run_folder import RunFolderError, check_output_dir
+
+    out = config.train.output_dir
+    try:
+        check_output_dir(out, resume=False, overwrite=args.overwrite)
+    except RunFolderError as err:
+        return f"{out}: used; {err}"
+    return f"{out}: {'cleared first (--overwrite)' if args.overwrite else 'free'}"
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -383,8 +462,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         dest="nproc_per_node",
         type=int,
         default=None,
-        help="local ranks started through torch's elastic launcher (torchrun); default 1 "
-        f"({DEMO_RANKS} for the embedded sft demo)",
+        help="local ranks started through torch's elastic launcher (torchrun); default the "
+        f"config's launch.nproc_per_node, else 1 ({DEMO_RANKS} for the embedded sft demo)",
     )
     p.add_argument(
         "--overwrite",

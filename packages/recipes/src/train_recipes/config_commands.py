@@ -11,12 +11,12 @@ from collections.abc import Sequence
 from importlib.resources import files
 from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 
 from train_recipes.config_help import config_keys
-from train_recipes.config_loader import ConfigError, load_config, to_dict
+from train_recipes.config_loader import ConfigError, leaf_keys, load_config, read_tree, to_dict
 from train_recipes.config_retrieval import RetrievalConfig
 from train_recipes.config_sft import SFTConfig
 from train_recipes.preflight import DevicePlan
@@ -112,19 +112,10 @@ def infer_recipe(path: Path | None) -> Recipe:
         return recipe
     tree = yaml.safe_load(path.read_text()) or {}
     known = {
-        recipe: len(_flat_keys(tree) & {doc.key for doc in config_keys(RECIPES[recipe])})
+        recipe: len(leaf_keys(tree) & {doc.key for doc in config_keys(RECIPES[recipe])})
         for recipe in RECIPES
     }
     raise errors["retrieval" if known["retrieval"] > known["sft"] else "sft"]
-
-
-def _flat_keys(tree: Any, prefix: str = "") -> set[str]:
-    if not isinstance(tree, dict):
-        return {prefix.rstrip(".")} if prefix else set()
-    out: set[str] = set()
-    for key, value in tree.items():
-        out |= _flat_keys(value, f"{prefix}{key}.")
-    return out
 
 
 def load_recipe_config(
@@ -138,6 +129,16 @@ def load_recipe_config(
     resolved = None if path is None else resolve_config_path(path)
     chosen = recipe or infer_recipe(resolved)
     return chosen, load_config(RECIPES[chosen], resolved, overrides)
+
+
+def given_keys(path: Path | None, overrides: Sequence[str]) -> set[str]:
+    """The dotted keys a command line sets: those of its config file and of its overrides.
+
+    Raises:
+        ConfigError: naming the option at fault (an unreadable file, a bad override).
+    """
+    resolved = None if path is None else resolve_config_path(path)
+    return leaf_keys(read_tree(resolved, overrides))
 
 
 # ---------------------------------------------------------------------------------- commands
@@ -200,12 +201,28 @@ def describe_plan(recipe: Recipe, plan: DevicePlan) -> str:
     return "\n".join(f"{name:<12} {value}" for name, value in rows)
 
 
-def show_config(recipe: Recipe, config: SFTConfig | RetrievalConfig, plan: DevicePlan) -> str:
-    """``config show``: the resolved config as YAML, then the device plan."""
+def show_config(
+    recipe: Recipe,
+    config: SFTConfig | RetrievalConfig,
+    plan: DevicePlan,
+    rows: Sequence[tuple[str, str]] = (),
+    notes: Sequence[str] = (),
+) -> str:
+    """``config show``: the resolved config as YAML, then the device plan.
+
+    Args:
+        recipe: the recipe the config is for.
+        config: the resolved config.
+        plan: the device plan of the preflight.
+        rows: more ``(name, value)`` rows of the plan (the launch, the run folder).
+        notes: the pre-launch notes (defaults chosen, the data report), one per line.
+    """
     text = yaml.safe_dump(to_dict(config), sort_keys=False, default_flow_style=None, width=100)
     plan_lines = describe_plan(recipe, plan).splitlines()
+    plan_lines += [f"{name:<12} {value}" for name, value in rows]
     # Comments, so that the output is itself a config file (`config show > my.yaml`).
     return "\n".join(
         [text.rstrip(), "", "# plan (validated; nothing was started):"]
         + [f"#   {line}" for line in plan_lines]
+        + [f"# {note}" for note in notes]
     )

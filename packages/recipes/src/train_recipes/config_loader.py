@@ -23,8 +23,10 @@ __all__ = [
     "ConfigError",
     "config_from_dict",
     "field_types",
+    "leaf_keys",
     "load_config",
     "parse_override",
+    "read_tree",
     "to_dict",
 ]
 
@@ -199,6 +201,17 @@ def load_config(
         ConfigError: an unknown key or a value of the wrong type, naming the key; a missing or
             unreadable YAML file (key ``"--config"``).
     """
+    return _build(cls, read_tree(path, overrides))
+
+
+def read_tree(
+    path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The plain data a config is built from: the YAML file, then the dotted overrides.
+
+    Raises:
+        ConfigError: a missing or unreadable YAML file (key ``"--config"``), a bad override.
+    """
     tree: dict[str, Any] = {}
     if path is not None:
         if not Path(path).is_file():
@@ -218,7 +231,17 @@ def load_config(
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(tree, key, value)
-    return _build(cls, tree)
+    return tree
+
+
+def leaf_keys(tree: Any, prefix: str = "") -> set[str]:
+    """The dotted keys of a config tree's values (``{"data": {"path": x}}`` -> ``data.path``)."""
+    if not isinstance(tree, dict):
+        return {prefix.rstrip(".")} if prefix else set()
+    out: set[str] = set()
+    for key, value in tree.items():
+        out |= leaf_keys(value, f"{prefix}{key}.")
+    return out
 
 
 def config_from_dict(cls: type[T], tree: Mapping[str, Any]) -> T:

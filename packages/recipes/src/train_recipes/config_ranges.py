@@ -16,7 +16,7 @@ from train_recipes.config_loader import ConfigError
 if TYPE_CHECKING:
     from train_recipes.config_retrieval import RetrievalConfig, RetrievalTrainConfig
     from train_recipes.config_sft import SFTConfig, TrainConfig
-    from train_recipes.config_shared import OptimConfig
+    from train_recipes.config_shared import LaunchConfig, OptimConfig
 
 
 def _at_least(key: str, value: int, low: int, fix: str = "") -> None:
@@ -67,9 +67,21 @@ def check_loop(train: TrainConfig | RetrievalTrainConfig) -> None:
         )
 
 
+def check_launch(launch: LaunchConfig) -> None:
+    """The ``launch`` section both recipes share."""
+    if launch.nproc_per_node is not None:
+        _at_least(
+            "launch.nproc_per_node",
+            launch.nproc_per_node,
+            1,
+            "null: 1 rank (2 for the embedded demo); e.g. 2 for two local ranks",
+        )
+
+
 def check_sft_ranges(config: SFTConfig) -> None:
     """Every SFT value that is wrong on its own, whatever the other keys say."""
     check_optim(config.optim)
+    check_launch(config.launch)
     train, data, tiny = config.train, config.data, config.model.tiny
     check_loop(train)
     _at_least("train.steps", train.steps, 1)
@@ -124,6 +136,7 @@ def check_sft_ranges(config: SFTConfig) -> None:
 def check_retrieval_ranges(config: RetrievalConfig) -> None:
     """Every retrieval value that is wrong on its own, whatever the other keys say."""
     check_optim(config.optim)
+    check_launch(config.launch)
     check_loop(config.train)
     _at_least("train.steps", config.train.steps, 1)
     _finite_above_zero("model.temperature", config.model.temperature, "e.g. 0.05")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from train_recipes.config_shared import OptimConfig, ParallelConfig
+from train_recipes.config_shared import LaunchConfig, OptimConfig, ParallelConfig
 from train_recipes.stdlib_modules import STDLIB_DOC_MODULES
 
 __all__ = [
@@ -93,3 +93,4 @@ class RetrievalConfig:
     )
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: RetrievalTrainConfig = field(default_factory=RetrievalTrainConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from train_recipes.config_shared import OptimConfig, ParallelConfig
+from train_recipes.config_shared import LaunchConfig, OptimConfig, ParallelConfig
 
 __all__ = [
     "DataConfig",
@@ -134,6 +134,14 @@ class DataConfig:
         shuffle: shuffle the stream (False gives a repeatable order).
         packing: pack several samples into one sequence.
         train_on: "all_assistant" turns or only the "final_assistant" one.
+        overlong: a row longer than ``max_length`` tokens: "truncate" (cut, trains nothing:
+            weight 0), "skip" (dropped) or "error" (the run stops, naming the row). The rows
+            affected are counted, not logged one by one; before launch a sample of the data
+            is measured and a run that would lose most trained tokens is refused.
+        chat_template: how chats are rendered into text: a named template ("chatml",
+            "llama3", "zephyr"; ``train_recipes.chat_templates``) or the path of a Jinja
+            file; None uses the tokenizer's own. A model whose tokenizer has no template
+            needs it (refused before launch otherwise).
     """
 
     path: str | None = None
@@ -150,6 +158,8 @@ class DataConfig:
     shuffle: bool = True
     packing: bool = False
     train_on: Literal["all_assistant", "final_assistant"] = "all_assistant"
+    overlong: Literal["truncate", "skip", "error"] = "truncate"
+    chat_template: str | None = None
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -254,3 +264,4 @@ class SFTConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     moe: MoELossConfig = field(default_factory=MoELossConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)

@@ -12,7 +12,21 @@ from typing import Literal
 
 from train_engine import DDPConfig, FSDP2Config
 
-__all__ = ["OptimConfig", "ParallelConfig"]
+__all__ = ["LaunchConfig", "OptimConfig", "ParallelConfig"]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LaunchConfig:
+    """How the command starts the job's ranks on this machine.
+
+    Attributes:
+        nproc_per_node: local ranks to start (through torch's elastic launcher, as torchrun
+            does); ``--nproc-per-node`` overrides it. None: 1, or 2 for the embedded sft
+            demo (no ``--config``). Not read under a launcher you start yourself (torchrun,
+            srun), whose ranks are the job.
+    """
+
+    nproc_per_node: int | None = None
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -243,9 +243,9 @@ def plot_loss(metrics: str | Path, out_png: str | Path | None = None) -> Path:
     try:
         import matplotlib
     except ImportError:
-        raise ImportError(
-            "drawing the loss curve needs matplotlib; install the extra `train-recipes[plot]`"
-        ) from None
+        from train_recipes.extras import install_hint
+
+        raise ImportError(f"drawing the loss curve needs matplotlib; {install_hint('plot')}") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -200,9 +200,9 @@ def apply_lora(model: nn.Module, config: SFTConfig) -> nn.Module:
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as err:
-        raise ImportError(
-            "lora.enabled=true needs peft: install the extra `train-recipes[lora]`"
-        ) from err
+        from train_recipes.extras import install_hint
+
+        raise ImportError(f"lora.enabled=true needs peft: {install_hint('lora')}") from err
     lora = config.lora
     peft_config = LoraConfig(
         r=lora.r, lora_alpha=lora.alpha, target_modules=list(lora.target_modules), lora_dropout=0.0

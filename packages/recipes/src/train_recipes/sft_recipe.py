@@ -203,6 +203,7 @@ class SFTRecipe:
             train_on=config.data.train_on,
             pad_to_multiple_of=row_length_multiple(config),
             packing=config.data.packing,
+            overlong=config.data.overlong,
         )
         # One loader per replica, on its first rank; its cp/tp peers receive the batches.
         self.loader = replica_loader(config, ctx, dataset_path, encoder=self._encoder)

@@ -6,6 +6,10 @@ is on by default; W&B and MLflow (``train.loggers``, extras ``train-recipes[wand
 ``train-recipes[mlflow]``) were asked for by name, so a missing one is an error naming the
 extra (checked before launch by ``train_recipes.preflight.check_extras``).
 
+MLflow writes to ``MLFLOW_TRACKING_URI`` or, unset, to a SQLite database in the run folder
+(``sqlite:///<run>/mlflow.db``): current mlflow refuses its file store ("./mlruns", in
+maintenance mode). The URI is checked before launch (:func:`mlflow_uri_problem`).
+
 Only finite numbers are sent; strings and lists (e.g. the skipped step numbers) stay in
 ``metrics.jsonl``.
 """
@@ -13,6 +17,7 @@ Only finite numbers are sent; strings and lists (e.g. the skipped step numbers) 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import math
 import os
@@ -22,9 +27,20 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
+from train_recipes.extras import install_hint
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXTRAS", "Tracker", "import_extra", "open_trackers"]
+__all__ = [
+    "EXTRAS",
+    "MLFLOW_DB",
+    "Tracker",
+    "check_trackers",
+    "import_extra",
+    "mlflow_tracking_uri",
+    "mlflow_uri_problem",
+    "open_trackers",
+]
 
 #: Module imported for each tracker name, and the train-recipes extra that installs it.
 EXTRAS = {
@@ -34,6 +50,10 @@ EXTRAS = {
 }
 #: Where an unset WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME puts the run.
 DEFAULT_PROJECT = "train-recipes"
+#: MLflow's store in the run folder when MLFLOW_TRACKING_URI is unset.
+MLFLOW_DB = "mlflow.db"
+# MLflow's database stores, reached through SQLAlchemy (in mlflow, not in mlflow-skinny).
+_DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 
 class Tracker(Protocol):
@@ -53,9 +73,61 @@ def import_extra(name: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError:
         raise ImportError(
-            f"train.loggers lists {name!r}, but {module} is not installed; install the extra "
-            f"`train-recipes[{extra}]` or remove {name!r} from train.loggers"
+            f"train.loggers lists {name!r}, but {module} is not installed; "
+            f"{install_hint(extra)}, or remove {name!r} from train.loggers"
         ) from None
+
+
+def mlflow_tracking_uri(out_dir: Path) -> str:
+    """``MLFLOW_TRACKING_URI``, else the SQLite database ``<out_dir>/mlflow.db``."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(out_dir / MLFLOW_DB).resolve()}"
+
+
+def check_trackers(loggers: Sequence[str], out_dir: Path) -> None:
+    """Before launch: MLflow's store (``train.loggers`` lists mlflow) is one it will open.
+
+    Raises:
+        ConfigError: naming ``train.loggers`` and what to change.
+    """
+    if "mlflow" not in loggers:
+        return
+    problem = mlflow_uri_problem(mlflow_tracking_uri(out_dir), out_dir=out_dir)
+    if problem is not None:
+        from train_recipes.config_loader import ConfigError
+
+        raise ConfigError("train.loggers", problem)
+
+
+def mlflow_uri_problem(uri: str, *, out_dir: Path) -> str | None:
+    """What would make MLflow fail on ``uri`` at the start of the run (None: nothing found).
+
+    Checked without importing mlflow: the file store (refused by current mlflow unless
+    ``MLFLOW_ALLOW_FILE_STORE`` is true), SQLAlchemy for the database stores, the folder of a
+    SQLite file (the run folder itself is made by the run).
+    """
+    scheme, sep, rest = uri.partition(":")
+    if not sep or scheme == "file" or len(scheme) == 1:  # a path (a Windows drive is 1 letter)
+        if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("1", "true"):
+            return None
+        return (
+            f"MLFLOW_TRACKING_URI={uri} is MLflow's file store, which current mlflow refuses "
+            "(maintenance mode); unset MLFLOW_TRACKING_URI for the run folder's "
+            f"sqlite:///<run>/{MLFLOW_DB}, use another database URI, or set "
+            "MLFLOW_ALLOW_FILE_STORE=true"
+        )
+    base = scheme.split("+")[0]
+    if base not in _DATABASE_SCHEMES:
+        return None  # a tracking server (http, databricks, ...): reached at run time
+    if importlib.util.find_spec("sqlalchemy") is None:
+        return (
+            f"MLflow's {base} store ({uri}) needs SQLAlchemy, which is not installed (mlflow-"
+            f"skinny lacks it); {install_hint('mlflow')}"
+        )
+    if base == "sqlite" and rest.startswith("///"):
+        folder = Path(rest[3:]).parent
+        if not folder.is_dir() and folder.resolve() != out_dir.resolve():
+            return f"the folder of MLflow's database {uri} does not exist; create {folder}"
+    return None
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -107,9 +179,9 @@ _MLFLOW_BAD = re.compile(r"[^\w\-. :/]")
 class _Mlflow:
     def __init__(self, out_dir: Path, *, run_name: str, config: Mapping[str, Any]) -> None:
         self._mlflow = mlflow = import_extra("mlflow")
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
-            # Not MLflow's default ./mlruns of whatever folder the job was started from.
-            mlflow.set_tracking_uri((out_dir / "mlruns").resolve().as_uri())
+        # Not MLflow's default ./mlruns (a file store, refused by current mlflow) of whatever
+        # folder the job was started from.
+        mlflow.set_tracking_uri(mlflow_tracking_uri(out_dir))
         mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", DEFAULT_PROJECT))
         mlflow.start_run(run_name=run_name)
         params = {k: str(v)[:500] for k, v in _flatten(config).items()}
@@ -152,8 +224,8 @@ def open_trackers(
     if tensorboard:
         if not module_available("tensorboard"):
             notice(
-                "tensorboard is not installed: no TensorBoard events (install "
-                "`train-recipes[tensorboard]`, or set train.tensorboard=false to silence this)"
+                f"tensorboard is not installed: no TensorBoard events ({install_hint('tensorboard')}"
+                ", or set train.tensorboard=false to silence this)"
             )
         else:
             trackers.append(_TensorBoard(out_dir, start_step=start_step))

@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from train_recipes.extras import install_hint
+
 __all__ = [
     "MEGATRON_EXTRA",
     "build_gpt_model",
@@ -26,8 +28,8 @@ __all__ = [
     "transformer_config",
 ]
 
-#: What installs megatron-core for this backend (named in every error about it).
-MEGATRON_EXTRA = "pip install 'train-recipes[megatron]'"
+#: The extra that installs megatron-core for this backend (named in every error about it).
+MEGATRON_EXTRA = "megatron"
 
 # Llama-style model types whose layers this backend maps one to one (see convert.py).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -39,7 +41,7 @@ def require_megatron() -> Any:
         return importlib.import_module("megatron.core")
     except ImportError as err:
         raise ImportError(
-            f"model.backend=megatron needs megatron-core; install it with {MEGATRON_EXTRA} "
+            f"model.backend=megatron needs megatron-core; {install_hint(MEGATRON_EXTRA)} "
             "(megatron-core 0.16.1 on Python 3.11)"
         ) from err
 

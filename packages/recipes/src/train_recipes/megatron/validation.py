@@ -6,6 +6,7 @@ import importlib.util
 from typing import Any
 
 from train_recipes.config_loader import ConfigError
+from train_recipes.extras import install_hint
 
 __all__ = ["check_megatron_config"]
 
@@ -22,7 +23,7 @@ def check_megatron_config(config: Any) -> None:
     ):
         raise ConfigError(
             "model.backend",
-            "megatron needs megatron-core: pip install 'train-recipes[megatron]' "
+            f"megatron needs megatron-core; {install_hint('megatron')} "
             "(megatron-core 0.16.1 on Python 3.11), or use model.backend=hf",
         )
     model, parallel = config.model, config.parallel
