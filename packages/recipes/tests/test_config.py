@@ -189,11 +189,14 @@ def test_cli_rejects_before_any_process_group(capsys: pytest.CaptureFixture[str]
 
 
 def test_demo_cpu_yaml_is_the_embedded_default_written_out() -> None:
-    # Its header says so: only the device is pinned (to the CPU).
+    # Its header says so: only the device is pinned (to the CPU), and the demo's 2 ranks
+    # (launch.nproc_per_node unset means 2 without --config) are written out.
     written = load_config(SFTConfig, SHIPPED_CONFIGS / "demo-cpu.yaml")
     default = SFTConfig()
     assert written == dataclasses.replace(
-        default, train=dataclasses.replace(default.train, device="cpu")
+        default,
+        train=dataclasses.replace(default.train, device="cpu"),
+        launch=dataclasses.replace(default.launch, nproc_per_node=2),
     )
 
 
