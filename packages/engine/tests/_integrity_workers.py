@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
@@ -78,3 +79,44 @@ def save_onto_a_file(rank: int, world: int, root: str) -> str | None:
     except FileExistsError as err:
         return str(err)
     return None
+
+
+def full_disk_on_rank_1(rank: int, world: int, root: str, where: str) -> dict:
+    """Save step_1, then step_2 with rank 1's writes failing with ENOSPC.
+
+    ``where``: "dcp" (DCP's file writer, after writing) or "rank-file" (torch.save of the
+    rank's own file, after DCP succeeded). Returns what the save raised on this rank.
+    """
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from train_engine import CheckpointWriteError
+
+    engine = _fsdp2_engine(seed=0)
+    ids, labels = global_batch(rank, 2)
+    engine.backward(token_loss_mean(engine(ids), labels))
+    engine.step()
+    engine.save_checkpoint(Path(root) / "step_1")
+    full = OSError(errno.ENOSPC, "No space left on device")
+    real_write, real_save = FileSystemWriter.write_data, torch.save
+
+    def write_then_fail(self: FileSystemWriter, plan: object, planner: object) -> object:
+        real_write(self, plan, planner)
+        raise full
+
+    def save_then_fail(obj: object, f: object, *args: object, **kwargs: object) -> None:
+        real_save(obj, f, *args, **kwargs)
+        if Path(str(f)).name.startswith("rank_"):
+            raise full
+
+    if rank == 1 and where == "dcp":
+        FileSystemWriter.write_data = write_then_fail  # type: ignore[method-assign]
+    if rank == 1 and where == "rank-file":
+        torch.save = save_then_fail
+    try:
+        engine.save_checkpoint(Path(root) / "step_2")
+    except CheckpointWriteError as err:
+        return {"raised": str(err), "errno": err.errno}
+    finally:
+        FileSystemWriter.write_data = real_write  # type: ignore[method-assign]
+        torch.save = real_save
+    return {"raised": None, "errno": None}

@@ -14,7 +14,11 @@ Layout of a checkpoint directory::
 A save writes everything into ``<dir>.tmp`` and only then renames it to ``<dir>`` (a directory
 that already exists is first moved aside to ``<dir>.old``), so an interrupted save never damages
 the previous checkpoint; :func:`load_checkpoint` falls back to ``<dir>.old`` when a crash hit
-between the two renames. All ranks must see the same filesystem.
+between the two renames. All ranks must see the same filesystem. A save that fails (a full
+disk, any OS error, on any rank) removes ``<dir>.tmp`` and raises
+:class:`CheckpointWriteError` on every rank together, naming the OS error and the bytes
+written and free. ``optimizer_state=False`` saves everything but the optimizer's state; its
+load starts the optimizer afresh from the loaded weights.
 
 A load first verifies the recorded checksums (the files split over the ranks), reads the small
 files, and agrees on the outcome across all ranks; only then does it touch the model,
@@ -28,27 +32,36 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from train_engine._checksums import (
-    ALGORITHM,
-    assign_to_ranks,
-    checksum_files,
-    files_written_by,
-    mismatches,
+from train_engine._checkpoint_common import (
+    DCP_DIR,
+    MARKER,
+    META,
+    READABLE_FORMATS,
+    CheckpointCorruptError,
+    Failure,
+    all_gather,
+    distributed,
+    is_complete,
+    paths,
+    raise_agreed,
+    rank_world,
 )
-from train_engine._rng import rng_state, set_rng_state
+from train_engine._checkpoint_save import CheckpointWriteError, save_checkpoint
+from train_engine._checksums import assign_to_ranks, mismatches
+from train_engine._rng import set_rng_state
 from train_engine.expert_parallel import checkpoint_views
+from train_engine.master_adamw import MasterWeightAdamW
 
 __all__ = [
     "CheckpointCorruptError",
+    "CheckpointWriteError",
     "LoadedCheckpoint",
     "complete_checkpoints",
     "latest_checkpoint",
@@ -57,34 +70,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_FORMAT_VERSION = 2  # 2: per-file checksums in the marker; 1: none
-_READABLE_FORMATS = (1, 2)
-_MARKER = "COMPLETE"
-_DCP_DIR = "model_optim"
-_META = "meta.pt"
-
-
-class CheckpointCorruptError(RuntimeError):
-    """A checkpoint's files do not match what was saved, or cannot be read.
-
-    Raised by :func:`load_checkpoint` on every rank together, before any state was changed,
-    so the caller may load an earlier checkpoint instead (see :func:`complete_checkpoints`).
-
-    Attributes:
-        checkpoint: the checkpoint directory.
-        problems: one line per bad file, each naming the file.
-    """
-
-    def __init__(self, checkpoint: Path, problems: list[str]) -> None:
-        self.checkpoint = checkpoint
-        self.problems = tuple(problems)
-        shown = "; ".join(problems[:3])
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        super().__init__(
-            f"checkpoint {checkpoint} is corrupt: {shown}{more}. Load an earlier complete "
-            "checkpoint (train_engine.complete_checkpoints lists them, newest first)"
-        )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -95,216 +80,39 @@ class LoadedCheckpoint:
         engine_state: the Engine counters saved with the checkpoint.
         extra_state: this rank's caller state (None when the world size changed).
         path: the directory actually read (``<dir>.old`` after an interrupted swap).
+        optimizer_state: the checkpoint held the optimizer's state and it was restored; False
+            for a checkpoint saved with ``optimizer_state=False`` (the optimizer was restarted
+            from the loaded weights).
     """
 
     engine_state: dict[str, int]
     extra_state: Any
     path: Path
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank_world() -> tuple[int, int]:
-    if _distributed():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order (a collective; just ``[obj]`` without a group)."""
-    if not _distributed():
-        return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
-
-
-# None, or (kind, checkpoint directory, problem lines): what a rank reports to the others.
-_Failure = tuple[str, str, list[str]] | None
-
-
-def _raise_agreed(failures: list[_Failure]) -> None:
-    """Raise the first failing rank's error on every rank (same type, same message).
-
-    Every rank passes the same gathered list, so either all ranks raise or none does.
-    """
-    failed = [(rank, f) for rank, f in enumerate(failures) if f is not None]
-    if not failed:
-        return
-    rank, (kind, checkpoint, lines) = failed[0]
-    if kind == "corrupt":
-        # Every rank verified its own share: report all bad files, once each.
-        problems = [line for _, f in failed if f[0] == "corrupt" for line in f[2]]
-        raise CheckpointCorruptError(Path(checkpoint), list(dict.fromkeys(problems)))
-    message = lines[0] + (f" [found by rank {rank}]" if len(failures) > 1 else "")
-    errors: dict[str, type[Exception]] = {
-        "missing": FileNotFoundError,
-        "exists": FileExistsError,
-        "invalid": ValueError,
-    }
-    raise errors.get(kind, RuntimeError)(message)
-
-
-def _paths(directory: str | os.PathLike[str]) -> tuple[Path, Path, Path]:
-    target = Path(directory)
-    return target, target.with_name(target.name + ".tmp"), target.with_name(target.name + ".old")
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _save_target_problem(target: Path, tmp: Path, old: Path) -> str | None:
-    """Why saving to ``target`` would destroy something that is not a checkpoint, or None."""
-    if target.exists() and not target.is_dir():
-        return (
-            f"{target} is a file, not a checkpoint directory; saving would move it aside and "
-            "delete it. Pass a new directory path (or remove the file yourself)"
-        )
-    if target.is_dir() and not _complete(target) and any(target.iterdir()):
-        return (
-            f"{target} is a non-empty directory that is not a checkpoint (no {_MARKER} marker); "
-            "saving would replace it and delete its contents. Pass a new directory path"
-        )
-    for path in (tmp, old):
-        if path.exists() and not path.is_dir():
-            return f"{path} is a file; a save to {target} needs that path. Move the file away"
-    return None
-
-
-def save_checkpoint(
-    directory: str | os.PathLike[str],
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    lr_scheduler: Any = None,
-    engine_state: dict[str, int] | None = None,
-    extra_state: Any = None,
-) -> None:
-    """Save a checkpoint atomically (collective: every rank calls it with the same directory).
-
-    Every rank checksums the files it wrote; rank 0 records them all in the marker.
-
-    Args:
-        directory: where the checkpoint lives once complete: a new path, an empty directory,
-            or an earlier checkpoint (replaced atomically).
-        model: plain module, DDP or FSDP2 model (sharded state is saved shard by shard).
-        optimizer: its optimizer.
-        lr_scheduler: saved with ``state_dict()`` when given.
-        engine_state: Engine counters (:meth:`Engine.state_dict`).
-        extra_state: any picklable per-rank object (e.g. a data loader's state).
-
-    Raises:
-        FileExistsError: on every rank, when ``directory`` is a file or a non-empty directory
-            that is not a checkpoint (nothing is written or moved).
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    rank, world = _rank_world()
-    target, tmp, old = _paths(directory)
-    refusal = _save_target_problem(target, tmp, old) if rank == 0 else None
-    _raise_agreed(_all_gather(None if refusal is None else ("exists", str(target), [refusal])))
-    if rank == 0:
-        if tmp.exists():
-            logger.warning("removing the leftover of an interrupted save at %s", tmp)
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    _barrier()
-    # Expert-parallel shards become DTensors over the ep group: every rank's experts are kept.
-    model_state, optim_state = checkpoint_views(model, *get_state_dict(model, optimizer))
-    dcp.save(
-        {"model": model_state, "optim": optim_state},
-        checkpoint_id=str(tmp / _DCP_DIR),
-        no_dist=not _distributed(),
-    )
-    rank_file = tmp / f"rank_{rank:05d}.pt"
-    torch.save({"rng": rng_state(), "extra": extra_state}, rank_file)
-    _fsync_file(rank_file)
-    if rank == 0:
-        meta = {
-            "format": _FORMAT_VERSION,
-            "world_size": world,
-            "engine": dict(engine_state or {}),
-            "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict(),
-        }
-        torch.save(meta, tmp / _META)
-        _fsync_file(tmp / _META)
-    # Each rank hashes what it wrote (in parallel, while it is in the page cache). The
-    # gather doubles as the barrier: every file is written before the marker and the rename.
-    own = files_written_by(tmp, rank, dcp_dir=_DCP_DIR)
-    if rank == 0:
-        own += [p for p in (tmp / _META, tmp / _DCP_DIR / ".metadata") if p.is_file()]
-    try:
-        report: Any = checksum_files(tmp, own)
-    except OSError as err:
-        report = ("error", str(tmp), [f"rank {rank} could not read back what it wrote: {err}"])
-    reports = _all_gather(report)
-    _raise_agreed([r if isinstance(r, tuple) else None for r in reports])
-    if rank == 0:
-        files: dict[str, Any] = {}
-        for part in reports:
-            files.update(part)
-        unclaimed = [
-            p
-            for p in sorted(tmp.rglob("*"))
-            if p.is_file() and p.relative_to(tmp).as_posix() not in files
-        ]
-        if unclaimed:  # DCP named a file in a way files_written_by does not know
-            files.update(checksum_files(tmp, unclaimed))
-        marker = {
-            "world_size": world,
-            **dict(engine_state or {}),
-            "format": _FORMAT_VERSION,
-            "checksum": ALGORITHM,
-            "files": files,
-        }
-        (tmp / _MARKER).write_text(json.dumps(marker, indent=1, sort_keys=True))
-        _fsync_file(tmp / _MARKER)
-        if target.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            target.rename(old)
-        tmp.rename(target)
-        if old.exists():
-            shutil.rmtree(old)
-    _barrier()
-
-
-def _complete(path: Path) -> bool:
-    return (path / _MARKER).is_file()
+    optimizer_state: bool = True
 
 
 def _resolve(directory: str | os.PathLike[str]) -> Path:
     """The directory to read: ``directory``, or ``<dir>.old`` after an interrupted swap."""
-    target, tmp, old = _paths(directory)
-    if _complete(target):
+    target, tmp, old = paths(directory)
+    if is_complete(target):
         return target
-    if not target.exists() and _complete(old):
+    if not target.exists() and is_complete(old):
         logger.warning("%s is missing after an interrupted save; loading %s", target, old)
         return old
     hint = f" ({tmp} is an interrupted save)" if tmp.exists() else ""
     raise FileNotFoundError(
-        f"no complete checkpoint at {target}{hint}: the {_MARKER} marker is missing; "
+        f"no complete checkpoint at {target}{hint}: the {MARKER} marker is missing; "
         "pass the directory of a finished save_checkpoint() (see latest_checkpoint())"
     )
 
 
 def _read_marker(path: Path) -> dict[str, Any]:
     try:
-        marker = json.loads((path / _MARKER).read_text())
+        marker = json.loads((path / MARKER).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise _Corrupt([f"{path / _MARKER}: unreadable ({type(err).__name__}: {err})"]) from err
+        raise _Corrupt([f"{path / MARKER}: unreadable ({type(err).__name__}: {err})"]) from err
     if not isinstance(marker, dict):
-        raise _Corrupt([f"{path / _MARKER}: not a JSON object"])
+        raise _Corrupt([f"{path / MARKER}: not a JSON object"])
     return marker
 
 
@@ -342,12 +150,12 @@ def _read_small_files(
             raise _Corrupt(problems)
     elif verify:
         logger.info("checkpoint %s has no checksums (format 1): loading it unverified", path)
-    meta = _torch_load(path / _META)
-    if not isinstance(meta, dict) or meta.get("format") not in _READABLE_FORMATS:
+    meta = _torch_load(path / META)
+    if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise ValueError(
             f"checkpoint format {found} at {path} is not one of the supported "
-            f"{_READABLE_FORMATS}; it was written by another version of train-engine"
+            f"{READABLE_FORMATS}; it was written by another version of train-engine"
         )
     per_rank = None
     if meta["world_size"] == world:
@@ -369,7 +177,10 @@ def load_checkpoint(
     balanced share of the files, so the whole checkpoint is read once more), the small files
     are read, and the ranks agree on the outcome. Then model and optimizer are loaded,
     resharded by DCP if the parallel layout changed; RNG states and extra state are per rank
-    and restored only when the world size is unchanged.
+    and restored only when the world size is unchanged. A checkpoint saved with
+    ``optimizer_state=False`` loads the model only and restarts the optimizer: zero moments
+    and steps (:class:`~train_engine.MasterWeightAdamW` takes its master weights from the
+    loaded parameters); ``LoadedCheckpoint.optimizer_state`` is then False.
 
     Args:
         directory: a checkpoint directory (see :func:`complete_checkpoints`).
@@ -386,10 +197,15 @@ def load_checkpoint(
         ValueError: an unsupported checkpoint format, or no scheduler state to load.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
-    rank, world = _rank_world()
-    failure: _Failure = None
+    rank, world = rank_world()
+    failure: Failure = None
     try:
         path, meta, per_rank = _read_small_files(directory, rank, world, verify)
     except _Corrupt as err:
@@ -400,25 +216,33 @@ def load_checkpoint(
         failure = ("invalid", str(directory), [str(err)])
     except Exception as err:  # anything else must still reach the agreement, or ranks hang
         failure = ("error", str(directory), [f"{type(err).__name__}: {err}"])
-    _raise_agreed(_all_gather(failure))
+    raise_agreed(all_gather(failure))
     if meta["lr_scheduler"] is None and lr_scheduler is not None:
         raise ValueError(f"the checkpoint at {path} holds no scheduler state to load")
-    model_state, optim_state = get_state_dict(model, optimizer)
+    with_optimizer = bool(meta.get("optimizer_state", True))
+    if with_optimizer:
+        model_state, optim_state = get_state_dict(model, optimizer)
+    else:
+        model_state, optim_state = get_model_state_dict(model), {}
     # DCP loads in place into the tensors of these dicts (expert shards through DTensor views
     # of the same storage, resharded from whatever ep layout saved them).
     model_view, optim_view = checkpoint_views(model, model_state, optim_state)
+    to_load = (
+        {"model": model_view, "optim": optim_view} if with_optimizer else {"model": model_view}
+    )
     try:
-        dcp.load(
-            {"model": model_view, "optim": optim_view},
-            checkpoint_id=str(path / _DCP_DIR),
-            no_dist=not _distributed(),
-        )
+        dcp.load(to_load, checkpoint_id=str(path / DCP_DIR), no_dist=not distributed())
     except Exception as err:
         # Only reachable unverified (format 1, or verify=False); DCP agrees on its failures.
         raise CheckpointCorruptError(
-            path, [f"{path / _DCP_DIR}: could not be read ({type(err).__name__}: {err})"]
+            path, [f"{path / DCP_DIR}: could not be read ({type(err).__name__}: {err})"]
         ) from err
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    if with_optimizer:
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    else:
+        set_model_state_dict(model, model_state)
+        _restart_optimizer(optimizer)
+        logger.info("checkpoint %s holds no optimizer state: the optimizer starts afresh", path)
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(meta["lr_scheduler"])
     extra = None
@@ -433,7 +257,17 @@ def load_checkpoint(
             meta["world_size"],
             world,
         )
-    return LoadedCheckpoint(engine_state=meta["engine"], extra_state=extra, path=path)
+    return LoadedCheckpoint(
+        engine_state=meta["engine"], extra_state=extra, path=path, optimizer_state=with_optimizer
+    )
+
+
+def _restart_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Fresh optimizer state for parameters just loaded from a checkpoint without it."""
+    if isinstance(optimizer, MasterWeightAdamW):
+        optimizer.reset_state()  # its master weights are authoritative: take the loaded ones
+    else:
+        optimizer.state.clear()  # torch's optimizers create their state at the next step
 
 
 def _resolve_quietly(directory: str | os.PathLike[str]) -> Path:
@@ -445,9 +279,9 @@ def _resolve_quietly(directory: str | os.PathLike[str]) -> Path:
 
 def _marker_steps(path: Path) -> int:
     try:
-        return int(json.loads((path / _MARKER).read_text()).get("optimizer_steps", -1))
+        return int(json.loads((path / MARKER).read_text()).get("optimizer_steps", -1))
     except (OSError, ValueError, TypeError, AttributeError):
-        logger.warning("unreadable %s marker in %s: listed last", _MARKER, path)
+        logger.warning("unreadable %s marker in %s: listed last", MARKER, path)
         return -1
 
 
@@ -471,7 +305,7 @@ def complete_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
         return []
     found: dict[str, int] = {}
     for child in root.iterdir():
-        if child.name.endswith(".tmp") or not _complete(child):
+        if child.name.endswith(".tmp") or not is_complete(child):
             continue
         name = child.name.removesuffix(".old")
         if name in found and child.name != name:

@@ -442,7 +442,11 @@ class Engine:
         self._counters.load_state_dict(state)
 
     def save_checkpoint(
-        self, directory: str | os.PathLike[str], *, extra_state: Any = None
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        extra_state: Any = None,
+        optimizer_state: bool = True,
     ) -> None:
         """Atomically save model, optimizer, scheduler, Engine counters, RNG and caller state.
 
@@ -455,6 +459,12 @@ class Engine:
                 refused (FileExistsError on every rank), never moved aside.
             extra_state: any picklable per-rank object (e.g. a data loader's state), returned
                 on this rank by :meth:`load_checkpoint`.
+            optimizer_state: False saves the weights without the optimizer's state; a load
+                of it restarts the optimizer from the loaded weights.
+
+        Raises:
+            CheckpointWriteError: on every rank, when writing failed on any rank (a full
+                disk, any OS error); the partial save was removed, nothing else changed.
         """
         from train_engine.checkpoint import save_checkpoint
 
@@ -469,6 +479,7 @@ class Engine:
             lr_scheduler=self.lr_scheduler,
             engine_state=self.state_dict(),
             extra_state=extra_state,
+            optimizer_state=optimizer_state,
         )
 
     def load_checkpoint(self, directory: str | os.PathLike[str], *, verify: bool = True) -> Any:
@@ -479,6 +490,9 @@ class Engine:
         Args:
             directory: the checkpoint directory (:func:`train_engine.complete_checkpoints`).
             verify: check the recorded file checksums before anything is loaded.
+
+        A checkpoint saved with ``optimizer_state=False`` restarts the optimizer from the
+        loaded weights (zero moments and steps).
 
         Raises:
             CheckpointCorruptError: on every rank, with the model, optimizer, scheduler,

@@ -156,6 +156,25 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 master.copy_(param.detach())
                 state["master_param"] = master
 
+    @torch.no_grad()
+    def reset_state(self) -> None:
+        """Start afresh from the current parameters, as at construction.
+
+        Moments and step counts become zero and each master weight is taken from its
+        parameter again, in place (the kernels' address tables stay valid). A load of the
+        parameters alone (a checkpoint without optimizer state) needs it: the master weights
+        are authoritative, and the next step would otherwise write the old ones back.
+        """
+        for steps in self._steps:
+            steps.zero_()
+        for group in self.param_groups:
+            for param in group["params"]:
+                state = self.state[param]
+                state["exp_avg"].zero_()
+                state["exp_avg_sq"].zero_()
+                if "master_param" in state:
+                    state["master_param"].copy_(param.detach())
+
     # -- the update -------------------------------------------------------------------------
 
     @torch.no_grad()
