@@ -57,6 +57,9 @@ class ModelConfig:
             (``train_recipes.vision_attention``) instead of transformers' per-window loop.
         compile: compile each decoder layer's forward with torch.compile (before DDP/FSDP2
             wrapping; parameter names and checkpoints are unchanged). Pays off on GPUs.
+        compile_backend: the torch.compile backend of ``compile``: "inductor" (generated
+            kernels), or "aot_eager" (the same graphs run by eager kernels: for debugging a
+            compiled run, and fast to compile on a CPU).
         compile_memory_budget: the activation memory budget of the compiled decoder layers
             (torch's ``activation_memory_budget``, applied while these layers compile and to
             nothing else), in [0, 1]: 1 saves for backward what runs fastest, 0 what full
@@ -94,6 +97,7 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     attn_implementation: str = "sdpa"
     compile: bool = False
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
     compile_memory_budget: float | None = None
     fused_loss_chunk_tokens: int | None = None
     fused_loss_trained_only: bool = True

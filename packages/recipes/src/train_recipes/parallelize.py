@@ -136,6 +136,7 @@ def build_parallel_model(
         if config.model.activation_checkpointing
         else None,
         compile_layers=config.model.compile,
+        backend=config.model.compile_backend,
         traced_whole=layers_trace_whole(config, moe_converted=expert_shards is not None),
         memory_budget=config.model.compile_memory_budget,
     )
