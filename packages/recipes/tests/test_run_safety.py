@@ -7,12 +7,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -385,10 +386,12 @@ def test_resume_on_another_dp_size_continues_the_same_losses(
         )
 
 
-def _kill_when(
+@contextlib.contextmanager
+def _running_until(
     cmd: list[str], trigger: Callable[[], bool], log: Path, timeout: float = 200
-) -> None:
-    """Start ``cmd``, freeze it (SIGSTOP) the moment ``trigger()`` holds, then SIGKILL it."""
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Start ``cmd`` (output in ``log``) and yield it the moment ``trigger()`` holds; SIGKILL
+    whatever is left of its process group after."""
     with log.open("w") as out:
         proc = subprocess.Popen(
             [*CLI, *cmd],
@@ -403,10 +406,19 @@ def _kill_when(
             assert proc.poll() is None, f"the run ended before the kill point:\n{log.read_text()}"
             assert time.monotonic() < deadline, "the kill point never came"
             time.sleep(0.001)
-        os.killpg(proc.pid, signal.SIGSTOP)
+        yield proc
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+def _kill_when(
+    cmd: list[str], trigger: Callable[[], bool], log: Path, timeout: float = 200
+) -> None:
+    """Start ``cmd``, freeze it (SIGSTOP) the moment ``trigger()`` holds, then SIGKILL it."""
+    with _running_until(cmd, trigger, log, timeout) as proc:
+        os.killpg(proc.pid, signal.SIGSTOP)
 
 
 def _assert_nothing_half_written(run: Path) -> None:
@@ -471,3 +483,65 @@ def test_sigkill_at_any_point_then_resume_is_exact(
     out = tmp_path / "exported"
     _ok(_run(["export", str(run), "--out", str(out)]))
     _assert_same_weights(out, finished_run / "hf_model")
+
+
+def _logged(run: Path, rows: int) -> Callable[[], bool]:
+    """A trigger: ``run``'s metrics.jsonl holds ``rows`` lines."""
+    metrics = run / "metrics.jsonl"
+    return lambda: metrics.is_file() and metrics.read_text().count("\n") >= rows
+
+
+def _stop_line(log: Path) -> str:
+    """The run's one stop line; no traceback from any process."""
+    text = log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    lines = [line for line in text.splitlines() if line.startswith("train-recipes sft: stopped")]
+    assert len(lines) == 1, text[-3000:]
+    return lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the launcher reads /proc")
+@pytest.mark.timeout(900)
+def test_sigterm_to_the_launcher_saves_the_step_and_resume_is_exact(
+    rank_pool: object, demo_data: DemoSplit, tmp_path: Path
+) -> None:
+    """Issue 43 item 4 and issue 42 item 6: SIGTERM to the launcher of 2 ranks stops them at
+    the next step boundary with a checkpoint of that step, one line and exit 143, no traceback
+    (torchrun's agent used to end them at once, print its SignalException and save nothing);
+    --resume then ends with an uninterrupted run's losses, bit for bit. (A second signal, the
+    grace period and a signal that reaches one rank only: test_preemption.py.)"""
+    from _recipes_workers import run_sft_on_rank
+
+    sets = ["train.steps=12", "train.checkpoint_every=0"]
+    ref = tmp_path / "ref"
+    rank_pool.run(  # type: ignore[attr-defined]
+        2,
+        run_sft_on_rank,
+        [*data_overrides(demo_data), *TINY, *sets, f"train.output_dir={ref}"],
+        [[3, 4]],
+        timeout_s=240,
+    )
+    run = tmp_path / "run"
+    cmd = _cmd(demo_data, run, *sets, nproc=2)
+    with _running_until(cmd, _logged(run, 1), tmp_path / "run.log", timeout=400) as launcher:
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=120) == 143
+    line = _stop_line(tmp_path / "run.log")
+    stopped = re.fullmatch(
+        r"train-recipes sft: stopped at step (\d+) by SIGTERM; checkpoint (step_\d+); "
+        r"continue with --resume",
+        line,
+    )
+    assert stopped is not None, line
+    step = int(stopped[1])
+    assert 1 <= step < 12 and stopped[2] == f"step_{step:06d}"
+    assert _checkpoints(run) == [stopped[2]]  # checkpoint_every=0: the stop's alone
+    assert sorted(_rows(run)) == list(range(1, step + 1))
+
+    _ok(_run([*cmd, "--resume"], timeout=400))
+    got, want = _rows(run), _rows(ref)
+    assert sorted(got) == sorted(want) == list(range(1, 13))
+    for s in want:
+        for key in ("loss", "loss_avg_window", "lr", "grad_norm"):
+            assert got[s][key] == want[s][key], (s, key, got[s][key], want[s][key])

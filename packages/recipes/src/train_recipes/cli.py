@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import dataclasses
+import json
 import logging
 import os
 import shlex
@@ -18,6 +19,8 @@ from packaging.requirements import Requirement
 
 if TYPE_CHECKING:
     from train_recipes.config_commands import Recipe
+    from train_recipes.config_sft import SFTConfig
+    from train_recipes.preemption import LauncherSignals, SignalTrap
     from train_recipes.run_folder import RunLock
 
 # The library packages whose versions this distribution pins exactly.
@@ -62,8 +65,12 @@ def _under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _relaunch(nproc: int, argv: Sequence[str]) -> int:
-    """Start ``nproc`` local ranks through torch's elastic launcher (torchrun's own API)."""
+def _relaunch(nproc: int, argv: Sequence[str], signals: LauncherSignals | None = None) -> int:
+    """Start ``nproc`` local ranks through torch's elastic launcher (torchrun's own API).
+
+    With ``signals``, SIGTERM and SIGINT are this process's, not the agent's: the ranks stop
+    at a step boundary with a checkpoint (:mod:`train_recipes.preemption`).
+    """
     from torch.distributed.run import parse_args, run
 
     # OMP threads: torchrun sets 1 per rank when unset; say it explicitly so a laptop's cores
@@ -73,15 +80,23 @@ def _relaunch(nproc: int, argv: Sequence[str]) -> int:
 
     # The ranks re-run the preflight (cheap) but leave its warnings to this process.
     os.environ[_PREFLIGHT_DONE] = "1"
-    launcher = parse_args(
-        ["--standalone", "--nproc-per-node", str(nproc), "--module", "train_recipes.cli", *argv]
-    )
-    try:
-        run(launcher)
-    except ChildFailedError:
-        # The failing ranks printed their own error; the launcher's report repeats it.
-        return 1
-    return 0
+    agent = ["--standalone", "--nproc-per-node", str(nproc)]
+    if signals is not None:
+        agent += ["--signals-to-handle", signals.agent_signals]
+    launcher = parse_args([*agent, "--module", "train_recipes.cli", *argv])
+    codes: list[int] | None = None
+    with contextlib.nullcontext() if signals is None else signals.installed():
+        try:
+            run(launcher)
+        except ChildFailedError as err:
+            # The failing ranks printed their own error; the launcher's report repeats it.
+            codes = [failure.exitcode for failure in err.failures.values()]
+    if signals is None:
+        return 0 if codes is None else 1
+    status, line = signals.outcome(codes)
+    if line is not None:  # on a line of its own: the ranks' progress bar may be unterminated
+        print(f"\ntrain-recipes sft: {line}", file=sys.stderr, flush=True)
+    return status
 
 
 def _strip_nproc(argv: Sequence[str]) -> list[str]:
@@ -267,13 +282,45 @@ def _guard_run_folder(
     return lock, None
 
 
+def _launcher_signals(config: object) -> LauncherSignals | None:
+    """The launcher's handling of SIGTERM/SIGINT for an SFT run (None: torchrun's own)."""
+    from train_recipes.config_sft import SFTConfig
+    from train_recipes.preemption import LauncherSignals
+
+    if not isinstance(config, SFTConfig):
+        return None
+    return LauncherSignals(
+        output_dir=Path(config.train.output_dir),
+        checkpoint=config.train.checkpoint_on_signal,
+        grace_s=config.train.signal_grace_s,
+    )
+
+
+def _signal_trap(config: SFTConfig) -> SignalTrap:
+    """This rank's SIGTERM/SIGINT trap.
+
+    The grace period and the at-once line are the launcher's when it forwards the signals.
+    """
+    from train_recipes.preemption import LAUNCHER_OWNS_SIGNALS, SignalTrap
+
+    forwarded = os.environ.get(LAUNCHER_OWNS_SIGNALS) == "1"
+    return SignalTrap(
+        output_dir=Path(config.train.output_dir),
+        checkpoint=config.train.checkpoint_on_signal,
+        grace_s=None if forwarded else config.train.signal_grace_s,
+        say=not forwarded and os.environ.get("RANK", "0") == "0",
+    )
+
+
 def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from train_recipes.config_loader import ConfigError
 
     if _under_launcher():
         from train_recipes._dist import die_with_parent
+        from train_recipes.preemption import hold_signals
 
         die_with_parent()  # a rank never outlives its launcher (no orphan keeps training)
+        hold_signals()  # a stop signal during start-up waits for the run's trap
     lock = None
     try:
         if getattr(args, "controller", "spmd") == "ray" and _under_launcher():
@@ -297,9 +344,10 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if args.nproc_per_node > 1 and not _under_launcher():
             out = Path(config.train.output_dir).resolve()  # type: ignore[attr-defined]
             os.environ[_GUARDED_ENV] = str(out)
-            return _relaunch(args.nproc_per_node, _strip_nproc(argv))
+            return _relaunch(args.nproc_per_node, _strip_nproc(argv), _launcher_signals(config))
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
         from train_recipes.health import TrainingAborted
+        from train_recipes.preemption import RunStopped
 
         try:
             if args.command == "sft":
@@ -307,18 +355,19 @@ def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 from train_recipes.sft import run_sft
 
                 assert isinstance(config, SFTConfig)
-                run_sft(config, resume=args.resume)
+                with _signal_trap(config) as trap:
+                    run_sft(config, resume=args.resume, signals=trap)
             else:
                 from train_recipes.config_retrieval import RetrievalConfig
                 from train_recipes.retrieval import run_retrieval
 
                 assert isinstance(config, RetrievalConfig)
                 run_retrieval(config)
-        except TrainingAborted as err:
-            # Every rank aborts at the same step; one line from rank 0 says why.
+        except (TrainingAborted, RunStopped) as err:
+            # Every rank aborts (or stops) at the same step; one line from rank 0 says why.
             if int(os.environ.get("RANK", "0")) == 0:
                 print(f"train-recipes {args.command}: {err}", file=sys.stderr, flush=True)
-            return 1
+            return err.exit_code if isinstance(err, RunStopped) else 1
         return 0
     finally:
         if lock is not None:

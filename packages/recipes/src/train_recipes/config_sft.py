@@ -197,6 +197,11 @@ class TrainConfig:
         collective_timeout_s: a rank waiting this long for the others fails the run, naming
             the ranks that did not arrive; after the first steps the limit tightens to what
             the measured step time allows (see ``train_recipes.health``).
+        checkpoint_on_signal: on SIGTERM or SIGINT (to the launcher or the ranks) the ranks
+            stop at the next step boundary, save a checkpoint of that step and exit with 143
+            or 130; false: stop at once (see ``train_recipes.preemption``).
+        signal_grace_s: seconds from the signal to a completed stop checkpoint; when they
+            pass, the run stops at once (as at a second signal).
     """
 
     steps: int = 1000
@@ -218,6 +223,8 @@ class TrainConfig:
     loggers: tuple[Literal["wandb", "mlflow"], ...] = ()
     max_consecutive_skips: int = 10
     collective_timeout_s: float = 600.0
+    checkpoint_on_signal: bool = True
+    signal_grace_s: float = 120.0
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -220,6 +220,12 @@ def _check_loop(config: SFTConfig, world_size: int) -> None:
         raise ConfigError(
             "train.collective_timeout_s", f"must be > 0 seconds, got {train.collective_timeout_s}"
         )
+    if not train.signal_grace_s > 0:
+        raise ConfigError(
+            "train.signal_grace_s",
+            f"must be > 0 seconds (the time a stop by SIGTERM/SIGINT has to save a checkpoint), "
+            f"got {train.signal_grace_s}",
+        )
 
 
 def _check_tensor_parallel(config: SFTConfig) -> None:

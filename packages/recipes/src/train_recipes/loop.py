@@ -24,6 +24,7 @@ from train_recipes.run_folder import write_atomic
 __all__ = [
     "LoopOutcome",
     "LoopPlan",
+    "LoopStop",
     "RecipeStages",
     "RunEnd",
     "RunStart",
@@ -127,11 +128,31 @@ class RunEnd:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class LoopStop:
+    """A run its processes agreed to stop at a step boundary (:mod:`train_recipes.preemption`).
+
+    Attributes:
+        step: the last step trained.
+        signum: the signal's number.
+        saved: a checkpoint of ``step`` was written (False: stopped before this job's first
+            step, whose newest checkpoint is the one it resumed from, if any).
+    """
+
+    step: int
+    signum: int
+    saved: bool
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class LoopOutcome:
-    """What :func:`drive` returns: the setup report and, when the run trained, its end."""
+    """What :func:`drive` returns: the setup report and, when the run trained, its end.
+
+    ``end`` is None when a finished run was resumed or when the run stopped (``stopped``).
+    """
 
     start: RunStart
     end: RunEnd | None
+    stopped: LoopStop | None = None
 
 
 class RecipeStages(Protocol):
@@ -176,12 +197,42 @@ def _emit(run_log: RunLogger, record: StepRecord, *, progress: bool = False) -> 
             run_log.progress(record.step, progress_postfix(record.metrics))
 
 
+def _stop(vote: Callable[[int], int | None] | None, step: int, *, saved: bool) -> LoopStop | None:
+    signum = None if vote is None else vote(step)
+    return None if signum is None else LoopStop(step=step, signum=signum, saved=saved)
+
+
+def _run_steps(
+    stages: RecipeStages,
+    start: RunStart,
+    run_log: RunLogger,
+    stop_vote: Callable[[int], int | None] | None,
+) -> LoopStop | None:
+    """The steps after ``start.start_step`` to the plan's end; the stop the processes agreed on."""
+    plan = start.plan
+    if (stopped := _stop(stop_vote, start.start_step, saved=False)) is not None:
+        return stopped
+    if start.start_step == 0:
+        _emit(run_log, stages.evaluate(0))
+    for step in range(start.start_step + 1, plan.total_steps + 1):
+        _emit(run_log, stages.train_step(step), progress=True)
+        if step < plan.total_steps and (stopped := _stop(stop_vote, step, saved=True)):
+            stages.checkpoint(step)  # within the grace period: no evaluation first
+            return stopped
+        if plan.evaluates(step):
+            _emit(run_log, stages.evaluate(step))
+        if plan.checkpoints(step):
+            stages.checkpoint(step)
+    return None
+
+
 def drive(
     stages: RecipeStages,
     start: RunStart,
     *,
     is_main: bool,
     format_summary: Callable[[RunEnd, Path, Path | None], str],
+    stop_vote: Callable[[int], int | None] | None = None,
 ) -> LoopOutcome:
     """Run a recipe's stages from ``start`` to the end of its plan, logging on the main process.
 
@@ -192,31 +243,31 @@ def drive(
             controller).
         format_summary: the recipe's summary table from its :class:`RunEnd`, the run
             directory and the loss plot's path (None without one).
+        stop_vote: called with the step just done at every boundary before the last step
+            (and with ``start.start_step`` before the first), by every process at the same
+            boundaries; a signal number, the same on every process, stops the run there: a
+            checkpoint of the step (none before the first step), no evaluation, no finish.
 
     Returns:
-        The setup report and the end of the run (None when a finished run was resumed).
+        The setup report and the end of the run (None when a finished run was resumed or
+        the run stopped).
     """
     if start.finished:
         return LoopOutcome(start=start, end=None)
-    plan = start.plan
     run_log = RunLogger(start, enabled=is_main)
     try:
         for line in start.lines:
             run_log.write(line)
-        if start.start_step == 0:
-            _emit(run_log, stages.evaluate(0))
-        for step in range(start.start_step + 1, plan.total_steps + 1):
-            _emit(run_log, stages.train_step(step), progress=True)
-            if plan.evaluates(step):
-                _emit(run_log, stages.evaluate(step))
-            if plan.checkpoints(step):
-                stages.checkpoint(step)
+        stopped = _run_steps(stages, start, run_log, stop_vote)
         run_log.close_bar()
-        end = stages.finish()
-        _emit(run_log, end.record)
+        end = stages.finish() if stopped is None else None
+        if end is not None:
+            _emit(run_log, end.record)
     finally:
         run_log.close_bar()  # an aborted run's error line must not land in the bar
     run_log.close()
+    if end is None:
+        return LoopOutcome(start=start, end=None, stopped=stopped)
     if is_main:
         png = loss_plot_or_notice(start.output_dir)
         write_atomic(start.output_dir / "summary.json", json.dumps(end.summary, indent=2))

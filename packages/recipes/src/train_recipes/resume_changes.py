@@ -31,6 +31,8 @@ CHANGEABLE = frozenset(
         "train.loggers",
         "train.max_consecutive_skips",
         "train.collective_timeout_s",
+        "train.checkpoint_on_signal",
+        "train.signal_grace_s",
         "launch.nproc_per_node",  # another dp size: checked against the loader's shards
         "lora.export",
         # evaluation (a change drops the accuracy measured before training: another test set)

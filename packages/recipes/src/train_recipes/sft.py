@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from train_recipes.config_sft import SFTConfig
 from train_recipes.loop import drive
+from train_recipes.preemption import SignalTrap, stop_vote, stopped_error
 from train_recipes.run_folder import CHECKPOINT_DIR, EXPORT_DIR
 from train_recipes.sft_recipe import SFTRecipe, SFTResult
 from train_recipes.summary import sft_summary_text
@@ -21,7 +22,9 @@ from train_recipes.token_loss import token_sum_loss
 __all__ = ["CHECKPOINT_DIR", "EXPORT_DIR", "SFTRecipe", "SFTResult", "run_sft", "token_sum_loss"]
 
 
-def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
+def run_sft(
+    config: SFTConfig, *, resume: bool = False, signals: SignalTrap | None = None
+) -> SFTResult:
     """Run the SFT recipe on the already-launched ranks (or one process).
 
     The SPMD loop: every rank drives its own :class:`SFTRecipe` through
@@ -32,15 +35,27 @@ def run_sft(config: SFTConfig, *, resume: bool = False) -> SFTResult:
         resume: continue from the newest complete checkpoint in ``train.output_dir`` (a clean
             start, with a message, when there is none; a finished run returns at once). The
             caller checks the folder first (``run_folder.check_output_dir``, under its lock).
+        signals: this process's installed trap: a signal it records stops the run at the
+            next step boundary, with a checkpoint (:mod:`train_recipes.preemption`).
 
     Returns:
         The run summary, identical on every rank.
 
     Raises:
         TrainingAborted: on every rank, e.g. after ``train.max_consecutive_skips`` skips.
+        RunStopped: on every rank, after the checkpoint of the step the ranks stopped at.
     """
     with SFTRecipe(config, resume=resume) as recipe:
         start = recipe.setup()
-        outcome = drive(recipe, start, is_main=recipe.is_main, format_summary=sft_summary_text)
+        vote = None if signals is None else stop_vote(signals)
+        outcome = drive(
+            recipe,
+            start,
+            is_main=recipe.is_main,
+            format_summary=sft_summary_text,
+            stop_vote=vote,
+        )
         dist.barrier()
+        if outcome.stopped is not None:
+            raise stopped_error(outcome.stopped, config.train.output_dir)
         return recipe.result(outcome)

@@ -1,7 +1,8 @@
 """The driver of ``train-recipes sft --controller ray``.
 
 It places one actor per rank, runs the training loop and reports a failed or dead rank in one
-line, within seconds, without hanging.
+line, within seconds, without hanging. SIGTERM or SIGINT to the driver stops the actors at the
+next step boundary with a checkpoint of that step (:mod:`train_recipes.preemption`).
 
 The driver holds no model. Each actor joins the job's process group (gloo on CPU, NCCL on GPU)
 and holds its rank's ``SFTRecipe``; the driver runs the recipes' one loop
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from train_recipes.config_sft import SFTConfig
@@ -30,6 +32,7 @@ from train_recipes.controller.ray_cluster import (
 )
 from train_recipes.data_plane import DataPlane, PlaneMismatchError
 from train_recipes.loop import RunEnd, RunStart, StepRecord, drive
+from train_recipes.preemption import RunStopped, SignalTrap, stopped_error
 from train_recipes.summary import sft_summary_text
 
 # How long the actors may take to come up and answer their first call (imports of torch and
@@ -78,6 +81,7 @@ def run_sft_on_ray(
     world_size: int,
     resume: bool = False,
     address: str | None = None,
+    signals: SignalTrap | None = None,
 ) -> RayRun:
     """Run the SFT job on ``world_size`` Ray actors.
 
@@ -89,10 +93,13 @@ def run_sft_on_ray(
         world_size: ranks (actors) of the job: dp x cp x tp.
         resume: continue from the newest complete checkpoint (as ``--resume``).
         address: a Ray cluster to join.
+        signals: this process's installed trap: a signal it records stops the job at the next
+            step boundary, with a checkpoint (this process decides for every actor).
 
     Raises:
         ControllerError: a rank died or raised (the message names it), or the cluster has no
             room for the job. The other ranks are stopped first.
+        RunStopped: after the checkpoint of the step a signal stopped the job at.
     """
     ray = import_ray()
     try:
@@ -117,7 +124,11 @@ def run_sft_on_ray(
         plane.merge(restored)
         start: RunStart = setups[0]["start"]
         outcome = drive(
-            _ActorStages(group, plane), start, is_main=True, format_summary=sft_summary_text
+            _ActorStages(group, plane),
+            start,
+            is_main=True,
+            format_summary=sft_summary_text,
+            stop_vote=None if signals is None else lambda _step: signals.received,
         )
         reports = group.call("close")
     except ActorFailure as err:
@@ -136,6 +147,8 @@ def run_sft_on_ray(
             group.shutdown()
         if started:
             ray.shutdown()
+    if outcome.stopped is not None:
+        raise stopped_error(outcome.stopped, config.train.output_dir)
     summary = {} if outcome.end is None else outcome.end.summary
     return RayRun(
         steps=int(summary.get("steps", start.start_step)),
@@ -186,11 +199,21 @@ def main_on_ray(config: object, *, world_size: int, resume: bool, address: str |
     """``train-recipes sft --controller ray``: run the job, one line on failure; exit status."""
     assert isinstance(config, SFTConfig)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    train = config.train
+    trap = SignalTrap(
+        output_dir=Path(train.output_dir),
+        checkpoint=train.checkpoint_on_signal,
+        grace_s=train.signal_grace_s,
+        say=True,
+    )
     try:
-        run = run_sft_on_ray(config, world_size=world_size, resume=resume, address=address)
-    except ControllerError as err:
+        with trap:
+            run = run_sft_on_ray(
+                config, world_size=world_size, resume=resume, address=address, signals=trap
+            )
+    except (ControllerError, RunStopped) as err:
         print(f"train-recipes sft: {err}", file=sys.stderr, flush=True)
-        return 1
+        return err.exit_code if isinstance(err, RunStopped) else 1
     where = "GPU" if run.placed_on_gpus else "CPU"
     print(
         f"train-recipes sft: {len(run.loaders_built)} Ray actors (one {where} each) finished "
