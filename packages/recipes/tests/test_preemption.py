@@ -150,6 +150,22 @@ def test_drive_stops_at_the_agreed_boundary_with_a_checkpoint(tmp_path: Path) ->
     assert [c for c in calls if c[0] == "vote"] == [("vote", 4), ("vote", 5)]
 
 
+def test_ctrl_c_outside_the_training_loop_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C while the command starts (imports, checks) or ends: no traceback, exit 130."""
+    from train_recipes import cli
+
+    def interrupted(*_: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_train", interrupted)
+    assert cli.main(["sft"]) == 130
+    assert capsys.readouterr().err.strip() == (
+        "train-recipes sft: stopped by SIGINT outside the training loop; continue with --resume"
+    )
+
+
 def test_stop_line_names_the_checkpoint() -> None:
     saved = RunStopped(step=4, signum=signal.SIGTERM, checkpoint="step_000004", saved=True)
     assert (

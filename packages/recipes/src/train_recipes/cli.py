@@ -635,7 +635,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.handler is None:
-        return _train(args, argv)
+        try:
+            return _train(args, argv)
+        except KeyboardInterrupt:  # Ctrl-C outside the training loop's trap: no traceback
+            if os.environ.get("RANK", "0") == "0":
+                hint = "; continue with --resume" if args.command == "sft" else ""
+                print(
+                    f"\ntrain-recipes {args.command}: stopped by SIGINT outside the training "
+                    f"loop{hint}",
+                    file=sys.stderr,
+                )
+            return 130
     from train_recipes.config_commands import UsageError
     from train_recipes.config_loader import ConfigError
 

@@ -168,7 +168,8 @@ class SignalTrap:
         if self._timer is not None:
             self._timer.cancel()
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+            # None: a handler not installed from Python (Ray's); the default stands in for it.
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
         self._previous.clear()
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
@@ -301,7 +302,7 @@ class LauncherSignals:
         for pid in _children():
             if self.state.at_once is not None:
                 _signal(pid, signal.SIGKILL)
-            elif pid not in forwarded:
+            elif pid not in forwarded and _listening(pid):
                 _signal(pid, signum)  # the rank alone: its loader workers must live on
                 forwarded.add(pid)
         return forwarded
@@ -346,6 +347,25 @@ def _children() -> list[int]:
         if int(stat.rsplit(")", 1)[1].split()[1]) == me:
             found.append(int(entry.name))
     return found
+
+
+def _listening(pid: int) -> bool:
+    """Whether rank ``pid`` holds or traps the stop signals yet.
+
+    :func:`hold_signals`, then its :class:`SignalTrap`; until then a signal would end it
+    (SIGTERM's default action, or a KeyboardInterrupt's traceback). Read from SIGTERM's bit in
+    the blocked and caught masks: Python itself catches SIGINT from the start, SIGTERM never.
+    """
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    bit = 1 << (signal.SIGTERM - 1)
+    for line in status.splitlines():
+        name, _, mask = line.partition(":")
+        if name in ("SigBlk", "SigCgt") and int(mask, 16) & bit:
+            return True
+    return False
 
 
 def _signal(pid: int, signum: int) -> None:

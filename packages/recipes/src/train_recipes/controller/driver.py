@@ -15,6 +15,7 @@ each replica trained on the same samples.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -93,8 +94,9 @@ def run_sft_on_ray(
         world_size: ranks (actors) of the job: dp x cp x tp.
         resume: continue from the newest complete checkpoint (as ``--resume``).
         address: a Ray cluster to join.
-        signals: this process's installed trap: a signal it records stops the job at the next
-            step boundary, with a checkpoint (this process decides for every actor).
+        signals: a trap this process enters once Ray is up (ray.init installs Ray's own
+            SIGTERM handler, which aborts); a signal it records stops the job at the next step
+            boundary, with a checkpoint (this process decides for every actor).
 
     Raises:
         ControllerError: a rank died or raised (the message names it), or the cluster has no
@@ -110,7 +112,10 @@ def run_sft_on_ray(
     dp = world_size // (config.parallel.cp * config.parallel.tp)
     plane = DataPlane(dp_size=dp)
     group: RankGroup | None = None
+    trapped = contextlib.ExitStack()
     try:
+        if signals is not None:
+            trapped.enter_context(signals)
         from train_recipes.controller.rank_actor import RankActor
 
         placement = plan_placement(ray, world_size=world_size, device=config.train.device)
@@ -143,6 +148,7 @@ def run_sft_on_ray(
     except RuntimeError as err:  # placement: no room, no GPUs
         raise ControllerError(str(err)) from None
     finally:
+        trapped.close()
         if group is not None:
             group.shutdown()
         if started:
@@ -207,10 +213,9 @@ def main_on_ray(config: object, *, world_size: int, resume: bool, address: str |
         say=True,
     )
     try:
-        with trap:
-            run = run_sft_on_ray(
-                config, world_size=world_size, resume=resume, address=address, signals=trap
-            )
+        run = run_sft_on_ray(
+            config, world_size=world_size, resume=resume, address=address, signals=trap
+        )
     except (ControllerError, RunStopped) as err:
         print(f"train-recipes sft: {err}", file=sys.stderr, flush=True)
         return err.exit_code if isinstance(err, RunStopped) else 1
