@@ -14,13 +14,13 @@ import torch.distributed as dist
 from _recipes_workers import metric_rows
 
 
-def _run(overrides: list[str], world_size: int) -> Any:
+def _run(overrides: list[str], world_size: int, resume: bool = False) -> Any:
     from train_recipes.config import SFTConfig, load_config, validate_sft
     from train_recipes.sft import run_sft
 
     config = load_config(SFTConfig, None, overrides)
     validate_sft(config, world_size=world_size)
-    return config, run_sft(config)
+    return config, run_sft(config, resume=resume)
 
 
 def run_sft_summary(rank: int, world_size: int, overrides: list[str]) -> dict[str, Any]:
@@ -42,10 +42,12 @@ def eval_loss_run(rank: int, world_size: int, overrides: list[str]) -> dict[str,
     return {"rows": rows, "summary": summary, "model": result.model.cpu()}
 
 
-def run_sft_expecting_error(rank: int, world_size: int, overrides: list[str]) -> str:
-    """Run the recipe, which must fail: returns ``ExceptionType: message``."""
+def run_sft_expecting_error(
+    rank: int, world_size: int, overrides: list[str], resume: bool = False
+) -> str:
+    """Run the recipe (``resume``: from its folder), which must fail: ``ExceptionType: message``."""
     try:
-        _run(overrides, world_size)
+        _run(overrides, world_size, resume)
     except Exception as err:  # the test asserts which one
         return f"{type(err).__name__}: {err}"
     raise AssertionError("the run did not fail")

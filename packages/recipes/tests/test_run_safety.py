@@ -119,6 +119,26 @@ def _copy(run: Path, dest: Path) -> Path:
     return dest
 
 
+def _flip_a_byte(checkpoint: Path) -> Path:
+    """Flip one byte in the middle of the checkpoint's first DCP file; returns the file."""
+    distcp = sorted(checkpoint.rglob("*.distcp"))[0]
+    data = bytearray(distcp.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    distcp.write_bytes(bytes(data))
+    return distcp
+
+
+def _error_lines(done: subprocess.CompletedProcess[str]) -> list[str]:
+    """The CLI's own error lines (one per failure, from rank 0; not the preflight's warnings),
+    after no traceback."""
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr[-3000:]
+    return [
+        line
+        for line in done.stderr.splitlines()
+        if line.startswith("train-recipes sft:") and ": warning: " not in line
+    ]
+
+
 def test_final_step_is_saved_and_export_takes_the_newest_complete(
     finished_run: Path, demo_data: DemoSplit, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -136,10 +156,7 @@ def test_final_step_is_saved_and_export_takes_the_newest_complete(
     _assert_same_weights(out, finished_run / "hf_model")
 
     # A corrupt newest checkpoint is named and skipped for the previous one (step 5).
-    distcp = sorted((run / "checkpoints" / "step_000007").rglob("*.distcp"))[0]
-    data = bytearray(distcp.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    distcp.write_bytes(bytes(data))
+    distcp = _flip_a_byte(run / "checkpoints" / "step_000007")
     out5 = tmp_path / "exported-5"
     fallback = _ok(_run(["export", str(run), "--out", str(out5)]))
     assert distcp.name in fallback.stderr and "falling back" in fallback.stderr, fallback.stderr
@@ -161,6 +178,82 @@ def test_final_step_is_saved_and_export_takes_the_newest_complete(
     failed = _main(capsys, ["export", str(empty)])
     assert failed.returncode == 2 and "no complete checkpoint" in failed.stderr, failed.stderr
     assert "Traceback" not in failed.stderr
+
+
+def test_resume_sets_damaged_checkpoints_aside_and_keeps_a_changed_schedule_continuous(
+    finished_run: Path, demo_data: DemoSplit, tmp_path: Path
+) -> None:
+    """Issue 43 items 1 and 8: the newest checkpoint fails its checksum, so the resume names
+    it, moves it to checkpoints/damaged/ (kept, never deleted, ignored by pruning) and goes on
+    from step 5; the longer run with a 2-step warm-up continues the learning rate from the
+    saved one, straight down to the schedule's end value (linear), where the new schedule
+    alone would have jumped 3.2x."""
+    run = _copy(finished_run, tmp_path / "run")
+    _flip_a_byte(run / "checkpoints" / "step_000007")
+    done = _ok(
+        _run(_cmd(demo_data, run, "train.steps=10", "optim.warmup_steps=2", flags=("--resume",)))
+    )
+    assert "step_000007 did not load" in done.stdout and "falling back" in done.stdout
+    assert "to " + str(run / "checkpoints" / "damaged") in done.stdout, done.stdout
+    assert (run / "checkpoints" / "damaged" / "step_000007" / "COMPLETE").is_file()
+    assert "at step 5" in done.stdout and "keeps the learning rate continuous" in done.stdout
+    assert _checkpoints(run) == ["damaged", "step_000005", "step_000010"]
+    rows = _rows(run)
+    assert sorted(rows) == list(range(1, 11))
+    lr, saved, end = 3e-3, 6 / 30, 0.05  # warm-up 30 of the old run; min_lr_ratio 0.05
+    assert rows[5]["lr"] == pytest.approx(lr * saved, rel=1e-12)  # the rate of step 6
+    for step in range(6, 11):
+        line = saved + (end - saved) * (step - 5) / 5
+        assert rows[step]["lr"] == pytest.approx(lr * line, rel=1e-9), step
+
+
+def test_resume_refuses_when_no_checkpoint_loads_and_changes_nothing(
+    finished_run: Path, demo_data: DemoSplit, tmp_path: Path
+) -> None:
+    """Issue 43 item 1: one flipped byte in the only checkpoint; the resume exits non-zero with
+    one line naming it and keeps every file as it was (it used to delete the checkpoint and
+    start over from step 0, exiting 0)."""
+    run = _copy(finished_run, tmp_path / "run")
+    shutil.rmtree(run / "checkpoints" / "step_000005")
+    distcp = _flip_a_byte(run / "checkpoints" / "step_000007")
+    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
+    done = _run(_cmd(demo_data, run, "train.steps=9", flags=("--resume",)))
+    assert done.returncode == 1, (done.stdout[-2000:], done.stderr[-2000:])
+    errors = _error_lines(done)
+    assert len(errors) == 1 and "no checkpoint in" in errors[0], done.stderr[-2000:]
+    assert f"step_000007: {distcp}" in errors[0] and "nothing was changed" in errors[0]
+    after = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
+    changed = [p for p in files if after.get(p) != files[p] and p.parent.name != "tokenizer"]
+    assert not changed and set(after) == set(files), (changed, set(after) ^ set(files))
+
+
+def test_resume_finishes_an_interrupted_end(
+    finished_run: Path, demo_data: DemoSplit, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 43 item 5: stopped during the final export (only hf_model.tmp, no summary), the
+    run is not reported as finished: --resume exports the final checkpoint and writes the
+    summary, saying so; after that the run is finished."""
+    from train_recipes.end_state import EndState, read_end_state, write_end_state
+
+    run = _copy(finished_run, tmp_path / "run")
+    assert read_end_state(run) == EndState(
+        steps=7, trained=True, final_checkpoint=True, exported=True, summary=True
+    )
+    (run / "hf_model").rename(run / "hf_model.tmp")
+    (run / "summary.json").unlink()
+    write_end_state(run, EndState(steps=7, trained=True, final_checkpoint=True))
+    done = _ok(_run(_cmd(demo_data, run, "train.export=true", flags=("--resume",))))
+    assert "end was interrupted: finishing the export and the summary" in done.stdout
+    _assert_same_weights(run / "hf_model", finished_run / "hf_model")
+    assert not (run / "hf_model.tmp").exists()
+    summary = json.loads((run / "summary.json").read_text())
+    reference = json.loads((finished_run / "summary.json").read_text())
+    for key in ("steps", "first_loss", "last_loss", "skipped_steps"):
+        assert summary[key] == reference[key], key
+    assert sorted(_rows(run)) == list(range(1, 8))
+    assert read_end_state(run) == read_end_state(finished_run)
+    again = _ok(_main(capsys, _cmd(demo_data, run, "train.export=true", flags=("--resume",))))
+    assert "finished at step 7" in again.stdout
 
 
 @pytest.mark.slow

@@ -431,6 +431,40 @@ def test_nonfinite_raise_policy_is_the_engines(
     assert all(e.startswith("NonFiniteGradientError") for e in errors), errors
 
 
+@pytest.mark.timeout(300)
+def test_a_run_that_trains_no_token_fails_and_its_skips_survive_a_resume(
+    rank_pool: Any, demo_data: DemoSplit, tmp_path: Path
+) -> None:
+    """Issue 43 items 2 and 6, on the recipe itself (the CLI's data report refuses this config
+    before launch, from a sample of the rows; the rows after it may still be all masked): with
+    every label cut off (data.max_length=3) each step trains no token, a skipped step with no
+    optimizer update (so weight decay moves nothing), and a run whose every step was skipped
+    fails on every rank and exports nothing. The skips and the run of skips live in the
+    checkpoint: the resume counts on from 3 (skipped_total 4 at step 4) and aborts at step 5
+    on max_consecutive_skips=5 (both counts restarted at 0 before)."""
+    out = tmp_path / "masked"
+    sets = ["data.max_length=3", "optim.weight_decay=0.1", "train.export=true"]
+    errors = rank_pool.run(
+        2, run_sft_expecting_error, _common(demo_data, out, *sets, "train.steps=3"), timeout_s=240
+    )
+    assert all(e.startswith("TrainingAborted: none of the run's 3 steps") for e in errors), errors
+    assert "data.max_length=3" in errors[0] and "nothing was exported" in errors[0]
+    assert not (out / "hf_model").exists() and not (out / "summary.json").exists()
+    marker = json.loads((out / "checkpoints" / "step_000003" / "COMPLETE").read_text())
+    assert marker["optimizer_steps"] == 0, marker
+    rows = {r["step"]: r for r in metric_rows(out) if "loss" in r}
+    assert [rows[s]["skipped"] for s in (1, 2, 3)] == [[1], [2], [3]]
+    assert [rows[s]["loss_tokens"] for s in (1, 2, 3)] == [0, 0, 0]
+
+    longer = _common(demo_data, out, *sets, "train.steps=8", "train.max_consecutive_skips=5")
+    errors = rank_pool.run(2, run_sft_expecting_error, longer, True, timeout_s=240)
+    assert all("steps 1-5: 5 optimizer steps in a row" in e for e in errors), errors
+    assert "trained no token" in errors[0]
+    rows = {r["step"]: r for r in metric_rows(out) if "loss" in r}
+    assert sorted(rows) == [1, 2, 3, 4]  # step 5's record is not written: the run aborts in it
+    assert rows[4]["skipped"] == [4] and rows[4]["skipped_total"] == 4
+
+
 def test_skip_tracker_names_the_recipe_step_and_aborts() -> None:
     from train_recipes.health import SkipTracker, TrainingAborted
 
@@ -438,9 +472,10 @@ def test_skip_tracker_names_the_recipe_step_and_aborts() -> None:
         def __init__(self, skipped: bool, consecutive_skipped_steps: int) -> None:
             self.skipped = skipped
             self.consecutive_skipped_steps = consecutive_skipped_steps
+            self.no_loss_tokens = False
 
     said: list[int] = []
-    tracker = SkipTracker(3, on_skip=said.append)
+    tracker = SkipTracker(3, on_skip=lambda step, empty: said.append(step))
     tracker.observe(1, Result(False, 0))  # type: ignore[arg-type]
     tracker.observe(2, Result(True, 1))  # type: ignore[arg-type]
     assert said == []  # read one step late (no host sync on a fused optimizer)
@@ -453,6 +488,30 @@ def test_skip_tracker_names_the_recipe_step_and_aborts() -> None:
     with pytest.raises(TrainingAborted, match=r"steps 4-6: 3 optimizer steps in a row"):
         tracker.flush()
     assert said == [2, 4, 5, 6]
+
+
+def test_skip_tracker_continues_from_a_checkpoints_state() -> None:
+    """The skipped steps and the run of skips survive a resume (issue 43 item 6): the Engine's
+    count restarts at 0 after a load, the tracker adds the run the checkpoint ended with."""
+    from train_recipes.health import SkipTracker, TrainingAborted
+
+    class Result:
+        def __init__(self, skipped: bool, in_a_row: int, empty: bool = False) -> None:
+            self.skipped, self.consecutive_skipped_steps = skipped, in_a_row
+            self.no_loss_tokens = empty
+
+    saved = SkipTracker(4, on_skip=lambda step, empty: None)
+    for step, result in [(1, Result(False, 0)), (2, Result(True, 1, True)), (3, Result(True, 2))]:
+        saved.observe(step, result)  # type: ignore[arg-type]
+    saved.flush()
+    resumed = SkipTracker(4, on_skip=lambda step, empty: None)
+    resumed.load_state_dict(saved.state_dict())
+    resumed.observe(4, Result(True, 1))  # type: ignore[arg-type]
+    resumed.observe(5, Result(True, 2))  # type: ignore[arg-type]
+    with pytest.raises(TrainingAborted, match=r"steps 2-5: 4 optimizer steps in a row.* 1 trained"):
+        resumed.flush()
+    assert resumed.skipped == [2, 3, 4, 5] and resumed.empty == [2]
+    assert resumed.new_since_last_call() == [4, 5]
 
 
 def _cli(split: DemoSplit, out: Path, *sets: str, nproc: int = 1) -> list[str]:

@@ -239,6 +239,7 @@ def _guard_run_folder(
     so that all ranks agree on a finished run.
     """
     from train_recipes.config_sft import SFTConfig
+    from train_recipes.end_state import run_finished
     from train_recipes.resume import plan_resume
     from train_recipes.run_folder import RunLock, check_output_dir, clear_run
 
@@ -267,7 +268,9 @@ def _guard_run_folder(
                     )
         if resume and isinstance(config, SFTConfig):
             saved = plan_resume(config, world_size=_world_size(args))
-            if saved is not None and saved.step >= config.train.steps:
+            if saved is not None and run_finished(
+                out, trained_to=saved.step, steps=config.train.steps, export=config.train.export
+            ):
                 print(
                     f"train-recipes sft: the run in {out} finished at step {saved.step} "
                     f"(train.steps={config.train.steps}); nothing to resume (raise "

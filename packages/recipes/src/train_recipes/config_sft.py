@@ -193,7 +193,8 @@ class TrainConfig:
         loggers: experiment trackers besides the metrics file: "wandb" (extra
             ``train-recipes[wandb]``) and/or "mlflow" (extra ``train-recipes[mlflow]``).
         max_consecutive_skips: abort the run after this many optimizer steps in a row were
-            skipped for non-finite gradients; 0 never aborts.
+            skipped (non-finite gradients, or no trained token), counted across resumes; 0
+            never aborts.
         collective_timeout_s: a rank waiting this long for the others fails the run, naming
             the ranks that did not arrive; after the first steps the limit tightens to what
             the measured step time allows (see ``train_recipes.health``).

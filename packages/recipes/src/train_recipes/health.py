@@ -1,12 +1,14 @@
-"""Run health: runs that stopped learning (non-finite skips) and ranks that stopped running.
+"""Run health: runs that stopped learning (skipped steps) and ranks that stopped running.
 
-Skips. The Engine skips an optimizer update whose global gradient norm is non-finite (the
-decision is agreed over all ranks). A run whose every update is skipped still "finishes", so
-the recipe records which steps were skipped (for metrics.jsonl and the summary), prints one line
-per skip on rank 0 (in place of the Engine's warning, which every rank logs) and aborts after
-``train.max_consecutive_skips`` in a row. With a fused optimizer the skip flag is decided on the
-device: :class:`SkipTracker` reads each step's flag one step late, when the Engine has already
-settled it, so tracking adds no host synchronisation.
+Skips. The Engine skips an optimizer update whose global gradient norm is non-finite, or whose
+window trained no token (the decision is agreed over all ranks). A run whose every update is
+skipped would still "finish", so the recipe records which steps were skipped (for
+metrics.jsonl and the summary; saved in checkpoints, so the record and the run of skips
+continue across a resume), prints one line per skip on rank 0 (in place of the Engine's
+warning, which every rank logs), aborts after ``train.max_consecutive_skips`` in a row and
+refuses to export a run whose every step was skipped. With a fused optimizer the skip flag is
+decided on the device: :class:`SkipTracker` reads each step's flag one step late, when the
+Engine has already settled it, so tracking adds no host synchronisation.
 
 Hung ranks. torch.distributed fixes a process group's timeout at creation (changing it later
 needs private API, and re-creating groups would invalidate the DDP/FSDP2 wrappers built on
@@ -73,22 +75,37 @@ class TrainingAborted(RuntimeError):
 
 
 class SkipTracker:
-    """Records optimizer steps skipped for non-finite gradients, by the recipe's step number.
+    """Records the optimizer steps skipped, by the recipe's step number, across resumes.
 
-    The run of skips in a row is the Engine's (each result's ``consecutive_skipped_steps``);
-    this class only names the steps and decides when to abort.
+    A step is skipped for a non-finite gradient norm or because it trained no token (every
+    label of its batches masked; the Engine skips it, so weight decay does not move the
+    weights). The run of skips in a row is the Engine's (each result's
+    ``consecutive_skipped_steps``) plus the run a resumed checkpoint ended with
+    (:meth:`state_dict`); this class only names the steps and decides when to abort.
 
     Args:
         max_consecutive: abort after this many skipped steps in a row; 0 never aborts.
-        on_skip: called with each skipped step's number (rank 0 prints it).
+        on_skip: called with each skipped step's number and whether it trained no token (rank
+            0 prints it).
+        no_token_hint: what to check when steps train no token (the recipe's data keys).
     """
 
-    def __init__(self, max_consecutive: int, *, on_skip: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        max_consecutive: int,
+        *,
+        on_skip: Callable[[int, bool], None],
+        no_token_hint: str = "check the data's labels",
+    ) -> None:
         self.max_consecutive = max_consecutive
         self.skipped: list[int] = []
+        self.empty: list[int] = []  # the skipped steps that trained no token
         self._on_skip = on_skip
+        self._hint = no_token_hint
         self._pending: tuple[int, StepResult] | None = None
         self._reported = 0
+        self._carried = 0  # skips in a row at the resumed checkpoint, until the next update
+        self._in_a_row = 0
 
     def observe(self, step: int, result: StepResult) -> None:
         """Take step ``step``'s result; account the previous step's (settled by now).
@@ -112,19 +129,65 @@ class SkipTracker:
         self._reported = len(self.skipped)
         return out
 
+    def state_dict(self) -> dict[str, Any]:
+        """The skipped steps and the run of skips so far (call :meth:`flush` first)."""
+        return {
+            "skipped": list(self.skipped),
+            "empty": list(self.empty),
+            "in_a_row": self._in_a_row,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's :meth:`state_dict` (before the first step)."""
+        self.skipped = [int(s) for s in state["skipped"]]
+        self.empty = [int(s) for s in state["empty"]]
+        self._carried = self._in_a_row = int(state["in_a_row"])
+        self._reported = len(self.skipped)
+
+    def check_trained(self, steps: int) -> None:
+        """Refuse a run of ``steps`` steps whose every step was skipped: it trained nothing.
+
+        Raises:
+            TrainingAborted: every step skipped; the message names the cause.
+        """
+        if steps <= 0 or len(self.skipped) < steps:
+            return
+        raise TrainingAborted(
+            f"none of the run's {steps} steps updated the model: {self._cause(self.skipped)}; "
+            "nothing was exported"
+        )
+
+    def _cause(self, steps: list[int]) -> str:
+        empty = len(set(steps) & set(self.empty))
+        if empty == len(steps):
+            return f"they trained no token (every label masked), {self._hint}"
+        if empty == 0:
+            return (
+                "their gradients were non-finite; lower optim.lr or check the data "
+                "(optim.nonfinite decides what a non-finite step does)"
+            )
+        return (
+            f"{empty} trained no token (every label masked: {self._hint}) and "
+            f"{len(steps) - empty} had non-finite gradients (lower optim.lr or check the data)"
+        )
+
     def _account(self, step: int, result: StepResult) -> None:
         if not result.skipped:
+            self._carried = self._in_a_row = 0
             return
         self.skipped.append(step)
-        self._on_skip(step)
-        in_a_row = result.consecutive_skipped_steps
+        empty = result.no_loss_tokens
+        if empty:
+            self.empty.append(step)
+        self._on_skip(step, empty)
+        in_a_row = self._in_a_row = result.consecutive_skipped_steps + self._carried
         if self.max_consecutive and in_a_row >= self.max_consecutive:
             first = step - in_a_row + 1
             raise TrainingAborted(
-                f"steps {first}-{step}: {in_a_row} optimizer steps in a row were "
-                f"skipped for non-finite gradients (train.max_consecutive_skips="
-                f"{self.max_consecutive}); the run stopped learning. Lower optim.lr, check the "
-                "data, or set train.max_consecutive_skips=0 to run on"
+                f"steps {first}-{step}: {in_a_row} optimizer steps in a row were skipped "
+                f"(train.max_consecutive_skips={self.max_consecutive}): "
+                f"{self._cause(self.skipped[-in_a_row:])}; the run stopped learning. "
+                "Set train.max_consecutive_skips=0 to run on"
             )
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from train_recipes.end_state import EndRecorder
 from train_recipes.metrics import RunLogger, loss_plot_or_notice
 from train_recipes.run_folder import write_atomic
 
@@ -239,7 +240,8 @@ def drive(
     Args:
         stages: the recipe object (or a controller's proxy of the per-rank objects).
         start: what ``stages.setup()`` returned (called first: it tells which rank is main).
-        is_main: this process logs, plots and writes ``summary.json`` (SPMD rank 0, or the
+        is_main: this process logs, plots and writes ``summary.json`` and ``state.json`` (how
+            far the run's end got: :mod:`train_recipes.end_state`) (SPMD rank 0, or the
             controller).
         format_summary: the recipe's summary table from its :class:`RunEnd`, the run
             directory and the loss plot's path (None without one).
@@ -255,13 +257,23 @@ def drive(
     if start.finished:
         return LoopOutcome(start=start, end=None)
     run_log = RunLogger(start, enabled=is_main)
+    # state.json: how far the end got, so a resume finishes an interrupted one.
+    ends = EndRecorder(
+        start.output_dir,
+        steps=start.plan.total_steps,
+        start_step=start.start_step,
+        enabled=is_main,
+    )
     try:
         for line in start.lines:
             run_log.write(line)
         stopped = _run_steps(stages, start, run_log, stop_vote)
         run_log.close_bar()
+        if stopped is None:
+            ends.record(trained=True, final_checkpoint=start.plan.checkpoint_last)
         end = stages.finish() if stopped is None else None
         if end is not None:
+            ends.record(exported=end.export_dir is not None)
             _emit(run_log, end.record)
     finally:
         run_log.close_bar()  # an aborted run's error line must not land in the bar
@@ -271,5 +283,6 @@ def drive(
     if is_main:
         png = loss_plot_or_notice(start.output_dir)
         write_atomic(start.output_dir / "summary.json", json.dumps(end.summary, indent=2))
+        ends.record(summary=True)
         print(format_summary(end, start.output_dir, png), flush=True)
     return LoopOutcome(start=start, end=end)

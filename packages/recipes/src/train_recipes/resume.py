@@ -4,16 +4,20 @@ What a save holds besides the Engine's state, which checkpoint a resume takes, a
 changes a resume applies or refuses.
 
 A save's per-rank extra state holds the loader position, the step, the loss window, the first
-logged loss, the held-out accuracy before training and the config that trained up to it. A
-resume takes the newest complete checkpoint (train-engine's marker-checked list), falls back to
-the previous one when a file fails its checksum, and starts clean, saying so, when none is
-complete. Which config changes a resume applies is :mod:`train_recipes.resume_changes`.
+and last logged losses, the held-out accuracy before training and losses, the skipped steps
+and the run of skips, the learning-rate re-base and the config that trained up to it. A resume
+takes the newest complete checkpoint (train-engine's marker-checked list) and falls back to the
+previous one when a file fails its checksum; the ones that did not load are moved to
+``checkpoints/damaged/``, never deleted. When none loads it refuses, changing nothing; it
+starts clean, saying so, only when no checkpoint is complete. Which config changes a resume
+applies is :mod:`train_recipes.resume_changes`; a changed schedule keeps the learning rate
+continuous (:class:`train_recipes.schedule.Rebase`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,10 +25,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from train_recipes.checkpoint_folder import (
+    DAMAGED_DIR,
+    checkpoint_dir,
+    complete_checkpoints,
+    prune,
+    set_aside_newer,
+)
 from train_recipes.config_loader import to_dict
 from train_recipes.config_sft import SFTConfig
-from train_recipes.resume_changes import config_changes
+from train_recipes.health import TrainingAborted
+from train_recipes.resume_changes import (
+    SCHEDULE_KEYS,
+    config_changes,
+    continue_schedule,
+    schedule_line,
+)
 from train_recipes.run_folder import CHECKPOINT_DIR
+from train_recipes.schedule import Rebase
 
 if TYPE_CHECKING:
     from energon_sft import SFTLoader
@@ -32,7 +50,9 @@ if TYPE_CHECKING:
     from train_recipes.colocated import ColocatedLoader
 
 __all__ = [
+    "DAMAGED_DIR",
     "Restored",
+    "ResumeRefused",
     "SavedRun",
     "checkpoint_dir",
     "complete_checkpoints",
@@ -45,6 +65,10 @@ logger = logging.getLogger(__name__)
 
 # Changing these measures the held-out accuracy on another set or budget.
 _EVAL_KEYS = frozenset({"train.eval_samples", "train.eval_max_new_tokens", "data.eval_path"})
+
+
+class ResumeRefused(TrainingAborted):
+    """``--resume`` found complete checkpoints but none loads; nothing was changed."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -73,6 +97,11 @@ class Restored:
         step: its step.
         accuracy_before: held-out accuracy before training (None when not comparable).
         first_loss: the run's first logged loss.
+        last_loss: the loss of the checkpoint's step (None when not logged or not saved).
+        eval_losses: the held-out losses measured so far.
+        skips: the skip record (:meth:`train_recipes.health.SkipTracker.state_dict`), None
+            for checkpoints of older versions.
+        rebase: the learning-rate correction in force (None: the config's schedule as is).
         changes: the config changes applied, ``key -> (old, new)``.
     """
 
@@ -80,19 +109,30 @@ class Restored:
     step: int
     accuracy_before: float | None
     first_loss: float | None
+    last_loss: float | None = None
+    eval_losses: list[float] = field(default_factory=list)
+    skips: dict[str, Any] | None = None
+    rebase: Rebase | None = None
     changes: dict[str, tuple[Any, Any]] = field(default_factory=dict)
 
 
-def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
-    """``<output_dir>/checkpoints/step_NNNNNN``."""
-    return Path(output_dir) / CHECKPOINT_DIR / f"step_{step:06d}"
+def _load_first_good(
+    engine: Engine, candidates: list[Path], *, say: Callable[[str], None]
+) -> tuple[tuple[Path, Any] | None, dict[Path, str]]:
+    """The first of ``candidates`` that loads, and the first problem of each that did not."""
+    from train_engine import CheckpointCorruptError
 
-
-def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """The run's complete checkpoints, newest first (train-engine's marker check)."""
-    from train_engine import complete_checkpoints as engine_complete_checkpoints
-
-    return engine_complete_checkpoints(Path(output_dir) / CHECKPOINT_DIR)
+    failed: dict[Path, str] = {}
+    for ckpt in candidates:
+        try:
+            return (ckpt, engine.load_checkpoint(ckpt)), failed
+        except CheckpointCorruptError as err:  # raised on every rank, nothing loaded yet
+            failed[ckpt] = err.problems[0] if err.problems else str(err)
+        except FileNotFoundError as err:  # the marker vanished (agreed over the ranks too)
+            failed[ckpt] = str(err)
+        if ckpt != candidates[-1]:
+            say(f"checkpoint {ckpt} did not load: {failed[ckpt]}; falling back to the previous one")
+    return None, failed
 
 
 def load_newest(
@@ -101,19 +141,12 @@ def load_newest(
     """Load the first of ``candidates`` whose files pass their checksums (collective).
 
     A corrupt checkpoint (train-engine's CheckpointCorruptError, raised on every rank before
-    any state changed) is reported, naming its bad files, and the previous one is tried.
+    any state changed) is reported, naming its bad file, and the previous one is tried.
 
     Returns:
         (the checkpoint loaded, this rank's extra state), or None when none loads.
     """
-    from train_engine import CheckpointCorruptError
-
-    for ckpt in candidates:
-        try:
-            return ckpt, engine.load_checkpoint(ckpt)
-        except CheckpointCorruptError as err:
-            say(f"{err}; falling back to the previous checkpoint")
-    return None
+    return _load_first_good(engine, candidates, say=say)[0]
 
 
 def _on_disk(checkpoint: Path) -> Path:
@@ -177,17 +210,22 @@ def _optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]
 
 
 def _apply_optimizer_settings(
-    optimizer: torch.optim.Optimizer, scheduler: Any, settings: list[dict[str, Any]]
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    settings: list[dict[str, Any]],
+    rebase: Rebase | None,
 ) -> None:
     """Put the config's hyperparameters back after a load (torch's load takes the saved ones).
 
-    The scheduler's base rates become the config's ``initial_lr`` and each group's rate is
-    recomputed at the saved step, exactly as LambdaLR computes it, so an unchanged config
-    gives the saved rates bit for bit and a new ``optim.lr`` or schedule applies from the
-    next step.
+    The scheduler's base rates become the config's ``initial_lr``, its factors take the
+    resume's ``rebase`` and each group's rate is recomputed at the saved step, exactly as
+    LambdaLR computes it, so an unchanged config gives the saved rates bit for bit and a new
+    ``optim.lr`` applies from the next step.
     """
     for group, wanted in zip(optimizer.param_groups, settings, strict=True):
         group.update(wanted)
+    if rebase is not None:
+        scheduler.lr_lambdas = [rebase.apply(fn) for fn in scheduler.lr_lambdas]
     scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
     rates = [
         base * fn(scheduler.last_epoch)
@@ -218,11 +256,17 @@ def save(
     first_loss: float | None,
     is_main: bool,
     data_plane: Any = None,
+    last_loss: float | None = None,
+    eval_losses: list[float] | None = None,
+    skips: dict[str, Any] | None = None,
+    rebase: Rebase | None = None,
 ) -> Path:
     """Save a checkpoint of ``step`` and prune older ones of this run (collective).
 
     ``data_plane`` (a ``DataPlane``: the samples each step trained on) is saved with this
-    rank's extra state, inside the checkpoint's atomic swap.
+    rank's extra state, inside the checkpoint's atomic swap, as are the records a resume
+    continues (``last_loss``, ``eval_losses``, ``skips``: the SkipTracker's state) and the
+    learning-rate correction in force (``rebase``).
     """
     import torch.distributed as dist
 
@@ -239,49 +283,24 @@ def save(
             "logical_shards": config.data.num_logical_shards or dp_size,
             "dp_size": dp_size,
             "data_plane": None if data_plane is None else data_plane.state_dict(),
+            "last_loss": last_loss,
+            "eval_losses": list(eval_losses or []),
+            "skips": skips,
+            "lr_rebase": None if rebase is None else dataclasses.asdict(rebase),
         },
     )
     if is_main:
-        _prune(output_dir, keep=config.train.keep_checkpoints, upto=step)
+        prune(output_dir, keep=config.train.keep_checkpoints, upto=step)
     dist.barrier()
     return target
 
 
-def _step_of(name: str) -> int | None:
-    base = name.removesuffix(".tmp").removesuffix(".old")
-    if not base.startswith("step_") or not base[5:].isdigit():
-        return None
-    return int(base[5:])
-
-
-def _prune(output_dir: Path, *, keep: int, upto: int) -> None:
-    """Keep the newest ``keep`` checkpoints of steps <= ``upto``.
-
-    Never a higher step: those are not this timeline's and were removed at resume.
-    """
-    if keep <= 0:
-        return
-    root = output_dir / CHECKPOINT_DIR
-    entries = [(s, p) for p in root.iterdir() if (s := _step_of(p.name)) is not None and s <= upto]
-    kept = sorted({s for s, _ in entries}, reverse=True)[:keep]
-    for step, path in entries:
-        if step not in kept:
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _drop_newer(output_dir: Path, step: int) -> list[str]:
-    """Remove checkpoints newer than the one resumed from.
-
-    They failed to load or are a discarded timeline; a reader would otherwise take them first.
-    """
-    root = output_dir / CHECKPOINT_DIR
-    removed = []
-    for path in sorted(root.iterdir()) if root.is_dir() else []:
-        found = _step_of(path.name)
-        if found is not None and found > step:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path.name)
-    return removed
+def _refusal(root: Path, failed: dict[Path, str]) -> ResumeRefused:
+    problems = "; ".join(f"{path.name}: {problem}" for path, problem in failed.items())
+    return ResumeRefused(
+        f"no checkpoint in {root} loads ({problems}); nothing was changed. Restore the files "
+        "and resume again, or start a new run (--overwrite, or another --output-dir)"
+    )
 
 
 def _layout_note(saved_dp: int, saved_accum: int, dp_size: int, config: SFTConfig) -> str:
@@ -315,7 +334,7 @@ def restore(
         data_plane: the job's ``DataPlane``, given the saved records (all old ranks' after a
             change of the world size); None leaves them.
         dp_size: the resuming job's data-parallel size.
-        is_main: rank 0 (removes stale checkpoints).
+        is_main: rank 0 (sets aside the checkpoints that did not load).
         say: prints one line on rank 0.
 
     Returns:
@@ -323,6 +342,8 @@ def restore(
 
     Raises:
         ConfigError: a refused config change.
+        ResumeRefused: complete checkpoints exist but none loads (on every rank; nothing
+            changed, no file moved).
     """
     import torch.distributed as dist
 
@@ -332,13 +353,9 @@ def restore(
         say(f"no complete checkpoint in {out_dir / CHECKPOINT_DIR}: starting clean from step 0")
         return None
     wanted = _optimizer_settings(engine.optimizer)  # the config's, before a load replaces them
-    loaded = load_newest(engine, candidates, say=say)
-    if loaded is None:
-        if is_main:
-            _drop_newer(out_dir, 0)
-        dist.barrier()
-        say(f"no checkpoint in {out_dir / CHECKPOINT_DIR} loads: starting clean from step 0")
-        return None
+    loaded, failed = _load_first_good(engine, candidates, say=say)
+    if loaded is None:  # on every rank: the load's outcome is agreed
+        raise _refusal(out_dir / CHECKPOINT_DIR, failed)
     ckpt, extra = loaded
     # Another world size: the engine restores no per-rank state; the loader continues from the
     # envelopes of all old ranks (any dp dividing the logical shards). Read after the load,
@@ -356,7 +373,9 @@ def restore(
             new_shards=config.data.num_logical_shards or dp_size,
         )
     engine.set_gradient_accumulation_steps(config.train.gradient_accumulation_steps)
-    _apply_optimizer_settings(engine.optimizer, engine.lr_scheduler, wanted)
+    scheduler = engine.lr_scheduler
+    rebase = continue_schedule(extras[0], config, at=scheduler.last_epoch, changes=changes)
+    _apply_optimizer_settings(engine.optimizer, scheduler, wanted, rebase)
     if extra is not None:
         loader.load_state_dict(extra["loader"])
         if "loss_window" in extra:
@@ -372,10 +391,11 @@ def restore(
             data_plane.load_state_dict(planes)
         extra = extras[0]
     if is_main:
-        removed = _drop_newer(out_dir, step)
-        if removed:
+        moved = set_aside_newer(out_dir, step)
+        if moved:
             say(
-                f"removed checkpoints newer than step {step} (they did not load): {', '.join(removed)}"
+                f"moved the checkpoints newer than step {step}, which did not load, to "
+                f"{out_dir / CHECKPOINT_DIR / DAMAGED_DIR}: {', '.join(moved)}"
             )
     dist.barrier()
     accuracy = extra.get("accuracy_before")
@@ -384,6 +404,10 @@ def restore(
         accuracy = None
     for key, (before, after) in changes.items():
         say(f"resume applies {key}: {before!r} -> {after!r}")
+    if rebase is not None and rebase.at == scheduler.last_epoch and rebase.offset:
+        keys = [k for k in SCHEDULE_KEYS if k in changes]
+        if keys:
+            say(schedule_line(scheduler, config, rebase, step=step, keys=keys))
     saved_dp = extra.get("dp_size")
     if saved_dp is not None and saved_dp != dp_size:
         say(_layout_note(saved_dp, engine_accum_before, dp_size, config))
@@ -392,5 +416,9 @@ def restore(
         step=step,
         accuracy_before=accuracy,
         first_loss=extra.get("first_loss"),
+        last_loss=extra.get("last_loss"),
+        eval_losses=list(extra.get("eval_losses") or []),
+        skips=extra.get("skips"),
+        rebase=rebase,
         changes=changes,
     )

@@ -1,7 +1,9 @@
 """Which config changes a resume applies, and which it refuses.
 
 Every config field is either applied on resume (:data:`CHANGEABLE`) or refused with a per-field
-diff: the others define the trained model, the data stream or the layout.
+diff: the others define the trained model, the data stream or the layout. A change of the
+learning-rate schedule (:data:`SCHEDULE_KEYS`) keeps the rate continuous at the resumed step
+(:func:`continue_schedule`; the curve is in :mod:`train_recipes.schedule`).
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from typing import Any
 
 from train_recipes.config_loader import ConfigError, config_from_dict, to_dict
 from train_recipes.config_sft import SFTConfig
+from train_recipes.schedule import Rebase, schedule_factor
 
-__all__ = ["CHANGEABLE", "config_changes"]
+__all__ = ["CHANGEABLE", "SCHEDULE_KEYS", "config_changes", "continue_schedule", "schedule_line"]
 
 # Config keys a resume applies. Everything else must equal the checkpoint's config.
 CHANGEABLE = frozenset(
@@ -66,6 +69,9 @@ CHANGEABLE = frozenset(
     }
 )
 _CHANGEABLE_PREFIXES = ("parallel.ddp.",)
+#: The keys that shape the learning-rate curve besides its peak (``optim.lr``, which a resume
+#: applies as a new peak). ``train.epochs`` changes it through the ``train.steps`` it sets.
+SCHEDULE_KEYS = ("train.steps", "optim.warmup_steps", "optim.schedule", "optim.min_lr_ratio")
 # (key, saved, new) changes applied although the key is not changeable. A checkpoint written
 # before optim.master_weights existed reads null and holds torch AdamW's state, also for bf16
 # parameters (where null now means MasterWeightAdamW): false builds that optimizer again.
@@ -142,3 +148,45 @@ def config_changes(
             f"(config.yaml) or start a new run in another --output-dir",
         )
     return applied
+
+
+def continue_schedule(
+    saved: dict[str, Any], config: SFTConfig, *, at: int, changes: dict[str, tuple[Any, Any]]
+) -> Rebase | None:
+    """The correction that keeps the learning-rate factor continuous at update index ``at``.
+
+    Args:
+        saved: the checkpoint's extra state (its ``config`` and ``lr_rebase``).
+        config: the resuming job's config.
+        at: the scheduler's update index at the checkpoint.
+        changes: the config changes the resume applies.
+
+    Returns:
+        The saved correction when the schedule is unchanged (the same curve, bit for bit), a
+        new one when the old curve and the new schedule part at ``at``, else None.
+    """
+    old_rebase = saved.get("lr_rebase")
+    rebase = None if old_rebase is None else Rebase(**old_rebase)
+    if saved.get("config") is None or not set(SCHEDULE_KEYS) & set(changes):
+        return rebase
+    old = config_from_dict(SFTConfig, saved["config"])
+    before = schedule_factor(old.optim, total_steps=old.train.steps, rebase=rebase)(at)
+    after = schedule_factor(config.optim, total_steps=config.train.steps)(at)
+    if before == after:
+        return None
+    return Rebase(at=at, offset=before - after, total=config.train.steps)
+
+
+def schedule_line(
+    scheduler: Any, config: SFTConfig, rebase: Rebase, *, step: int, keys: list[str]
+) -> str:
+    """The line saying what a resume does to the learning-rate curve after ``keys`` changed."""
+    peak = float(scheduler.base_lrs[0])
+    plain = schedule_factor(config.optim, total_steps=config.train.steps)
+    end = config.train.steps
+    return (
+        f"resume keeps the learning rate continuous across the change of {', '.join(keys)}: "
+        f"{peak * (plain(rebase.at) + rebase.offset):.3g} at step {step} (the checkpoint's "
+        f"curve), then the new schedule's shape to {peak * plain(end):.3g} at step {end} "
+        f"(the new schedule alone would jump to {peak * plain(rebase.at):.3g})"
+    )

@@ -30,6 +30,7 @@ __all__ = [
     "HISTORY_FILE",
     "LOCK_FILE",
     "RUN_ENTRIES",
+    "STATE_FILE",
     "RunFolderError",
     "RunLock",
     "check_output_dir",
@@ -48,6 +49,7 @@ EXPORT_DIR = "hf_model"
 CONFIG_FILE = "config.yaml"
 HISTORY_FILE = "config_history.jsonl"
 LOCK_FILE = ".lock"
+STATE_FILE = "state.json"  # how far the run's end got (train_recipes.end_state)
 DEMO_DATA_DIR = "data"
 
 # Everything a recipe writes at the top of its run folder. `data` is the generated demo dataset
@@ -63,6 +65,7 @@ RUN_ENTRIES = frozenset(
         "tokenizer",
         "metrics.jsonl",
         "summary.json",
+        STATE_FILE,
         "loss.png",
         "tensorboard",
         "mlflow.db",  # MLflow's store when MLFLOW_TRACKING_URI is unset (trackers.MLFLOW_DB)

@@ -10,6 +10,13 @@ recipes (and a resumed run) must agree on; it lives here once.
   ``min_lr_rate=min_lr_ratio`` (``min_lr_ratio: 0`` is transformers' plain ``cosine``).
 - ``constant``: ``transformers.get_scheduler("constant_with_warmup")``; ``min_lr_ratio`` is unused.
 
+A resume that changes the schedule (``train.steps``, ``optim.warmup_steps``, ``optim.schedule``,
+``optim.min_lr_ratio``) keeps the rate continuous (:class:`Rebase`): the new schedule's factor
+plus the difference to the old factor at the resumed update, fading out linearly to nothing at
+the new last step. Without it the factor would jump (a longer linear decay re-stretched over
+the finished steps: 6x at 300 -> 400 steps); with it a linear decay goes on linearly from the
+rate in force to the schedule's end value.
+
 The training length is ``train.steps`` or, with ``train.epochs``, derived from the number of
 training samples: one epoch is ``samples // (dp * micro_batch_size * gradient_accumulation)``
 optimizer steps (the global batch of one step, in samples; the stream repeats, so the remainder
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,9 +42,11 @@ if TYPE_CHECKING:
     from train_recipes.config_shared import OptimConfig
 
 __all__ = [
+    "Rebase",
     "build_lr_scheduler",
     "energon_train_samples",
     "linear_with_floor",
+    "schedule_factor",
     "steps_per_epoch",
     "total_steps",
 ]
@@ -98,6 +108,57 @@ def build_lr_scheduler(
         raise ValueError(f"unknown optim.schedule {optim.schedule!r}")
     assert isinstance(scheduler, LambdaLR)
     return scheduler
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Rebase:
+    """A resume's correction of the schedule that keeps the learning rate continuous.
+
+    The factor of update index ``e`` becomes ``schedule(e) + offset * (total - e) / (total -
+    at)`` from ``at`` on, and ``schedule(e)`` from ``total`` on: it starts at the old curve's
+    value and ends at the schedule's end value.
+
+    Attributes:
+        at: the scheduler's update index at the resume.
+        offset: the old curve's factor at ``at`` minus the new schedule's.
+        total: the last update index of the schedule (``train.steps`` of the resumed run).
+    """
+
+    at: int
+    offset: float
+    total: int
+
+    def apply(self, factor: Callable[[int], float]) -> Callable[[int], float]:
+        """``factor`` with this correction (a plain function: LambdaLR saves no state of it)."""
+        at, offset, total = self.at, self.offset, self.total
+
+        def rebased(step: int) -> float:
+            if step >= total:
+                return factor(step)
+            return factor(step) + offset * min(1.0, (total - step) / max(1, total - at))
+
+        return rebased
+
+
+def schedule_factor(
+    optim: OptimConfig, *, total_steps: int, rebase: Rebase | None = None
+) -> Callable[[int], float]:
+    """The LR factor of each update index, exactly as :func:`build_lr_scheduler`'s computes it.
+
+    Args:
+        optim: the schedule's settings.
+        total_steps: optimizer updates of the whole run.
+        rebase: a resume's correction, applied on top.
+    """
+    import torch
+    from torch.optim.lr_scheduler import LambdaLR
+
+    # A scheduler over a throwaway optimizer: the factor without touching the run's rates.
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = build_lr_scheduler(probe, optim, total_steps=total_steps)
+    assert isinstance(scheduler, LambdaLR)
+    factor: Callable[[int], float] = scheduler.lr_lambdas[0]
+    return factor if rebase is None else rebase.apply(factor)
 
 
 def steps_per_epoch(

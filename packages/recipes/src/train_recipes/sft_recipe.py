@@ -29,6 +29,7 @@ from train_recipes.config_loader import to_dict
 from train_recipes.config_sft import SFTConfig
 from train_recipes.data_plane import DataPlane, sample_ids_of
 from train_recipes.demo import sft_data_paths
+from train_recipes.end_state import missing_end
 from train_recipes.health import (
     HangWatchdog,
     SkipTracker,
@@ -56,6 +57,7 @@ from train_recipes.token_loss import token_sum_loss
 
 if TYPE_CHECKING:
     from train_engine import Engine, LossWindow
+    from train_recipes.schedule import Rebase
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +121,7 @@ class SFTRecipe:
         self._accuracy_before: float | None = None
         self._eval_losses: list[float] = []
         self._watchdog: HangWatchdog | None = None
+        self._rebase: Rebase | None = None  # a resume's learning-rate correction, saved on
 
     def __enter__(self) -> SFTRecipe:
         return self
@@ -210,6 +213,15 @@ class SFTRecipe:
         self.data_plane = DataPlane(dp_size=ctx.dp_size)
         # The window's ranks hold disjoint parts of the loss sum (tp ranks hold copies).
         self.window: LossWindow = LossWindow(train.loss_window, group=ctx.grad_mesh().get_group())
+        data = config.data
+        self._skips = SkipTracker(
+            train.max_consecutive_skips,
+            on_skip=self._note_skip,
+            no_token_hint=(
+                f"check data.max_length={data.max_length} (a chat cut before its answer trains "
+                f"nothing) and data.train_on={data.train_on!r}"
+            ),
+        )
         start = self._restore(out_dir)
         if start.finished:
             return start
@@ -233,7 +245,6 @@ class SFTRecipe:
         self._batches = itertools.chain.from_iterable(itertools.repeat(self.loader))
         self._tokens = TokenMeter(duplicates=ctx.cp_size * ctx.tp_size)
         self._guards.enter_context(engine_skip_warnings_replaced())
-        self._skips = SkipTracker(train.max_consecutive_skips, on_skip=self._note_skip)
         return start
 
     def _restore(self, out_dir: Path) -> RunStart:
@@ -257,6 +268,11 @@ class SFTRecipe:
         if restored is not None:
             self._accuracy_before = restored.accuracy_before
             self._first_loss = restored.first_loss
+            self._last_loss = restored.last_loss
+            self._eval_losses = list(restored.eval_losses)
+            self._rebase = restored.rebase
+            if restored.skips is not None:
+                self._skips.load_state_dict(restored.skips)
         plan = self._plan = LoopPlan(
             total_steps=train.steps,
             log_every=train.log_every,
@@ -264,13 +280,21 @@ class SFTRecipe:
             checkpoint_every=train.checkpoint_every,
             checkpoint_last=True,
         )
-        if self._start_step >= train.steps:
+        missing = []
+        if self._start_step == train.steps:  # trained; the end may have been interrupted
+            missing = missing_end(out_dir, steps=train.steps, export=train.export)
+        if self._start_step >= train.steps and not missing:
             say(
                 f"{out_dir} finished at step {self._start_step} (train.steps={train.steps}); "
                 "nothing to do"
             )
             return RunStart(
                 output_dir=out_dir, plan=plan, start_step=self._start_step, finished=True
+            )
+        if missing:
+            say(
+                f"{out_dir} trained all {train.steps} steps but its end was interrupted: "
+                f"finishing {' and '.join(missing)}"
             )
         # config.yaml says what trains from here on; the history, what changed when.
         write_run_config(out_dir, config, is_main=ctx.is_main)
@@ -375,11 +399,13 @@ class SFTRecipe:
             ).start()
             self._guards.callback(self._watchdog.stop)
 
-    def _note_skip(self, step: int) -> None:
-        self._lines.append(
-            f"step {step}: optimizer update skipped (non-finite gradient norm, "
-            f"optim.nonfinite={self.config.optim.nonfinite!r})"
+    def _note_skip(self, step: int, empty: bool) -> None:
+        why = (
+            "no trained token: every label of the step was masked"
+            if empty
+            else f"non-finite gradient norm, optim.nonfinite={self.config.optim.nonfinite!r}"
         )
+        self._lines.append(f"step {step}: optimizer update skipped ({why})")
 
     def _take_lines(self) -> tuple[str, ...]:
         lines, self._lines = tuple(self._lines), []
@@ -427,7 +453,8 @@ class SFTRecipe:
             return token_sum_loss(unwrap(self.model), batch, sharder=self.sharder, vlm=self.vlm)
 
     def checkpoint(self, step: int) -> None:
-        """Save the Engine, loader and loss window of ``step`` (collective)."""
+        """Save the Engine, loader, loss window and run records of ``step`` (collective)."""
+        self._skips.flush()  # the step's own skip goes into its checkpoint
         checkpoints.save(
             self.engine,
             self.out_dir,
@@ -440,6 +467,10 @@ class SFTRecipe:
             first_loss=self._first_loss,
             is_main=self.ctx.is_main,
             data_plane=self.data_plane,
+            last_loss=self._last_loss,
+            eval_losses=self._eval_losses,
+            skips=self._skips.state_dict(),
+            rebase=self._rebase,
         )
 
     # ------------------------------------------------------------------------------ finish
@@ -448,6 +479,7 @@ class SFTRecipe:
         """Final exact match and HF export (collective); the summary."""
         ctx, train = self.ctx, self.config.train
         self._skips.flush()
+        self._skips.check_trained(train.steps)  # on every rank: the skips are agreed
         if self._watchdog is not None:
             self._watchdog.stop()  # from here on, rank 0 alone writes plots and files
         metrics: dict[str, Any] = {}
