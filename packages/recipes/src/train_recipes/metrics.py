@@ -245,7 +245,9 @@ def plot_loss(metrics: str | Path, out_png: str | Path | None = None) -> Path:
     except ImportError:
         from train_recipes.extras import install_hint
 
-        raise ImportError(f"drawing the loss curve needs matplotlib; {install_hint('plot')}") from None
+        raise ImportError(
+            f"drawing the loss curve needs matplotlib; {install_hint('plot')}"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
