@@ -29,6 +29,7 @@ from energon_sft.render import render_conversation
 from energon_sft.rope import mrope_position_ids
 from energon_sft.sampling import FirstSamples, first_samples
 from energon_sft.schema import ChatSample, MediaItem
+from energon_sft.shard_files import ShardFileError, check_shard_files
 from energon_sft.state import StateMismatchError
 from energon_sft.topology import (
     TopologyMapper,
@@ -55,6 +56,7 @@ __all__ = [
     "SFTBatch",
     "SFTLoader",
     "SFTTaskEncoder",
+    "ShardFileError",
     "StateMismatchError",
     "SubflavorCooker",
     "TextAdapter",
@@ -65,6 +67,7 @@ __all__ = [
     "broadcast_next",
     "build_sft_loader",
     "check_cookers",
+    "check_shard_files",
     "convert_jsonl",
     "cook_chat",
     "cook_sharegpt",

@@ -234,6 +234,9 @@ def _check_prepared(path: Path) -> None:
             f"{path} has no index ({path.name}.idx); convert it with energon-sft convert "
             "(bench reads prepared datasets; inspect reads JSONL directly)"
         )
+    from energon_sft.shard_files import check_shard_files
+
+    check_shard_files(path)  # before the tokenizer loads: a damaged shard index, named
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -359,11 +362,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``energon-sft`` command line; the exit status (user errors print one line)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    from energon_sft.shard_files import ShardFileError
+
     try:
         return int(args.fn(args))
     except UsageError as exc:
         _err(f"energon-sft {args.command}: error: {exc}")
         return 2
+    except ShardFileError as exc:  # a damaged dataset: the file and the fix, one line
+        _err(f"energon-sft {args.command}: error: {exc}")
+        return 1
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import torch
 
 from energon_sft.batch import SFTBatch
 from energon_sft.encoder import SFTTaskEncoder
+from energon_sft.errors import OverlongSampleError, TooManyBadSamplesError
+from energon_sft.shard_files import check_shard_files, diagnose_read_error
 from energon_sft.state import (
     FORMAT_VERSION,
     StateMismatchError,
@@ -164,6 +166,15 @@ class SFTLoader:
             except StopIteration:
                 active.remove(shard)
                 continue
+            except (TooManyBadSamplesError, OverlongSampleError):
+                raise  # about samples, and they name them
+            except Exception as err:
+                # A damaged shard or index fails inside Energon (often in a worker process)
+                # naming no file: look at the files, and name the one at fault if there is one.
+                damaged = diagnose_read_error(self.dataset_path, err)
+                if damaged is None:
+                    raise
+                raise damaged from None
             batch.logical_shard = shard
             batch.shard_step = self._consumed[shard]
             self._consumed[shard] += 1
@@ -325,6 +336,7 @@ def build_sft_loader(
         raise ValueError(
             f"virtual_epoch_length={virtual_epoch_length} must be >= 1 or None (infinite)"
         )
+    check_shard_files(path)  # a missing or truncated shard index, named before any worker
     n_shards = dp_world_size if num_logical_shards is None else num_logical_shards
     shards = logical_shards_for(dp_rank, dp_world_size, n_shards)
     opts = options or LoaderOptions()
