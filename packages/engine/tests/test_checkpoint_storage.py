@@ -77,7 +77,7 @@ def test_a_failed_save_is_one_line_removes_its_tmp_and_keeps_the_previous_checkp
 
     monkeypatch.setattr(FileSystemWriter, "write_data", write_then_fail)
     if free is not None:
-        monkeypatch.setattr(saving, "free_bytes", lambda path: free)
+        monkeypatch.setattr(saving, "free_disk_bytes", lambda path: free)
     for target in ("step_2", "step_1"):  # a new checkpoint, and replacing the previous one
         with pytest.raises(CheckpointWriteError) as info:
             engine.save_checkpoint(tmp_path / target, extra_state="two")

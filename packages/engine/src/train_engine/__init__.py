@@ -8,6 +8,9 @@ import types
 from importlib.metadata import version as _version
 from typing import TYPE_CHECKING, Any
 
+# Torch-free as well: where a checkpoint would go, the space left (a pre-launch check reads it).
+from train_engine._save_errors import free_disk_bytes
+
 # The wrappers' settings import no torch: a config that holds them is read without it.
 from train_engine.dp_config import DDPConfig, FSDP2Config
 
@@ -97,6 +100,7 @@ __all__ = [
     "apply_data_parallel",
     "clip_grads_with_norm_",
     "complete_checkpoints",
+    "free_disk_bytes",
     "global_grad_norm",
     "latest_checkpoint",
     "load_checkpoint",

@@ -40,7 +40,7 @@ from train_engine._save_errors import (
     FULL_BELOW,
     describe_failure,
     format_size,
-    free_bytes,
+    free_disk_bytes,
     tree_bytes,
 )
 from train_engine.expert_parallel import checkpoint_views
@@ -218,7 +218,7 @@ def _raise_write_failures(reports: list[Any], target: Path, tmp: Path, rank: int
     first_rank, (_, code, reason, origin) = failed[0]
     error = None
     if rank == 0:
-        written, free = tree_bytes(tmp), free_bytes(tmp)
+        written, free = tree_bytes(tmp), free_disk_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         if code is None and free is not None and free < FULL_BELOW:
             code = errno.ENOSPC

@@ -16,7 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
-__all__ = ["FULL_BELOW", "describe_failure", "format_size", "free_bytes", "tree_bytes"]
+__all__ = ["FULL_BELOW", "describe_failure", "format_size", "free_disk_bytes", "tree_bytes"]
 
 # Free bytes under which a write failure without an errno is read as a full disk: a write that
 # ran out of space leaves at most a partial block free (f_bavail already excludes ext4's
@@ -78,7 +78,7 @@ def tree_bytes(path: Path) -> int:
     return total
 
 
-def free_bytes(path: Path) -> int | None:
+def free_disk_bytes(path: Path) -> int | None:
     """Bytes an unprivileged user may still write on ``path``'s filesystem (None: unknown).
 
     ``path`` need not exist: its nearest existing ancestor is asked.

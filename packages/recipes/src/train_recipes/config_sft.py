@@ -178,7 +178,19 @@ class TrainConfig:
         log_every: optimizer steps between metric records.
         loss_window: steps averaged in ``loss_avg_window``.
         checkpoint_every: optimizer steps between checkpoints; 0 disables them.
-        keep_checkpoints: how many recent checkpoints to keep; 0 keeps them all.
+        keep_checkpoints: how many recent checkpoints to keep; 0 keeps them all. A save
+            writes the new checkpoint before the oldest is removed: the disk holds
+            ``keep_checkpoints + 1`` of them at its peak.
+        checkpoint_optimizer: save the optimizer's state in checkpoints (exact resumes).
+            False saves the weights and the loop's state only: with AdamW and fp32 master
+            weights a seventh of the size for bf16 weights. A ``--resume`` from such a
+            checkpoint restarts AdamW from zero moments (and says so). Whatever this says,
+            when the final checkpoint cannot be written the run tries the weights alone.
+        storage_check: before launch, estimate the checkpoints' size (parameters, optimizer
+            state, small per-rank state; see ``train_recipes.storage``) and compare the disk
+            they need with the free space of ``output_dir``'s filesystem: "refuse" stops with
+            one line naming both and the fix, "warn" prints that line and launches, "ignore"
+            skips the check (e.g. for a filesystem that reports its free space wrongly).
         device: "auto" (CUDA when available), "cpu" or "cuda".
         eval_samples: held-out samples for the exact-match accuracy (0 disables it).
         eval_max_new_tokens: greedy decoding budget per answer.
@@ -213,6 +225,8 @@ class TrainConfig:
     loss_window: int = 50
     checkpoint_every: int = 250
     keep_checkpoints: int = 2
+    checkpoint_optimizer: bool = True
+    storage_check: Literal["refuse", "warn", "ignore"] = "refuse"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     eval_samples: int = 200
     eval_max_new_tokens: int = 6

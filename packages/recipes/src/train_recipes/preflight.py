@@ -278,6 +278,61 @@ def config_warnings(config: SFTConfig | RetrievalConfig, plan: DevicePlan) -> li
     return found
 
 
+def check_storage(config: SFTConfig | RetrievalConfig, *, world_size: int) -> str | None:
+    """Whether the run's checkpoints fit the free space of ``train.output_dir``'s filesystem.
+
+    The size comes from the model's shape, not its weights (:mod:`train_recipes.storage`);
+    the need counts the checkpoints kept at once (``keep_checkpoints`` + the one written) and
+    the export. ``train.storage_check`` decides what a shortfall does.
+
+    Returns:
+        The shortfall's line under ``storage_check=warn``; None when the run fits, the check
+        is off, or the size cannot be estimated (a model folder without weight files).
+
+    Raises:
+        ConfigError: under ``storage_check=refuse``, naming the bytes needed and free and
+            the fixes.
+    """
+    import dataclasses
+
+    from train_engine import free_disk_bytes
+    from train_recipes.storage import checkpoint_size, size_text, storage_need
+
+    if not isinstance(config, SFTConfig) or config.train.storage_check == "ignore":
+        return None
+    size = checkpoint_size(config, world_size=world_size)
+    free = free_disk_bytes(Path(config.train.output_dir))
+    if size is None or free is None:
+        return None
+    need = storage_need(config, size, checkpoint=size.total)
+    if need.free_needed <= free:
+        return None
+    train = config.train
+    parts = f"{size_text(size.weights)} of {config.model.dtype} weights"
+    if size.optimizer:
+        parts += f" + {size_text(size.optimizer)} of {size.optimizer_name} state"
+    kept = f"train.keep_checkpoints={train.keep_checkpoints} and the one being written"
+    fixes = []
+    if size.optimizer:
+        weights = storage_need(config, size, checkpoint=size.weights_only).free_needed
+        fixes.append(f"train.checkpoint_optimizer=false (weights only: {size_text(weights)})")
+    if train.keep_checkpoints != 1 and need.at_peak > 2:
+        one = dataclasses.replace(config, train=dataclasses.replace(train, keep_checkpoints=1))
+        fewer = storage_need(one, size, checkpoint=size.total).free_needed
+        fixes.append(f"train.keep_checkpoints=1 ({size_text(fewer)})")
+    fixes += ["another train.output_dir", "train.storage_check=warn to launch anyway"]
+    line = (
+        f"the run's checkpoints need {size_text(need.free_needed)} free and "
+        f"{train.output_dir} has {size_text(free)} free: {need.at_peak} checkpoint(s) of "
+        f"{size_text(size.total)} at once ({parts}; {kept})"
+        + (f", then the {size_text(size.export)} export" if size.export else "")
+        + f"; set {', '.join(fixes[:-1])} or {fixes[-1]}"
+    )
+    if train.storage_check == "refuse":
+        raise ConfigError("train.output_dir", line)
+    return line
+
+
 def run_preflight(
     config: SFTConfig | RetrievalConfig,
     *,
@@ -317,4 +372,6 @@ def run_preflight(
     plan = plan_devices(
         config, world_size=world_size, local_world_size=0 if remote else local_world_size
     )
-    return Preflight(plan=plan, warnings=tuple(config_warnings(config, plan)))
+    warnings = config_warnings(config, plan)
+    storage = check_storage(config, world_size=world_size)
+    return Preflight(plan=plan, warnings=(*warnings, *([storage] if storage else [])))

@@ -42,6 +42,7 @@ from train_recipes.resume_changes import (
     schedule_line,
 )
 from train_recipes.run_folder import CHECKPOINT_DIR
+from train_recipes.save_failure import save_or_abort
 from train_recipes.schedule import Rebase
 
 if TYPE_CHECKING:
@@ -263,6 +264,9 @@ def save(
 ) -> Path:
     """Save a checkpoint of ``step`` and prune older ones of this run (collective).
 
+    A save that fails stops the run with one line and prunes nothing; at the last step the
+    weights alone are tried then (:func:`train_recipes.save_failure.save_or_abort`).
+
     ``data_plane`` (a ``DataPlane``: the samples each step trained on) is saved with this
     rank's extra state, inside the checkpoint's atomic swap, as are the records a resume
     continues (``last_loss``, ``eval_losses``, ``skips``: the SkipTracker's state) and the
@@ -271,8 +275,12 @@ def save(
     import torch.distributed as dist
 
     target = checkpoint_dir(output_dir, step)
-    engine.save_checkpoint(
+    # A failed save stops the run here, on every rank, before anything is pruned.
+    save_or_abort(
+        engine,
         target,
+        optimizer_state=config.train.checkpoint_optimizer,
+        final=step == config.train.steps,
         extra_state={
             "loader": loader.state_dict(),
             "step": step,
@@ -408,6 +416,11 @@ def restore(
         keys = [k for k in SCHEDULE_KEYS if k in changes]
         if keys:
             say(schedule_line(scheduler, config, rebase, step=step, keys=keys))
+    if not extra.get("optimizer_state", True):
+        say(
+            f"{ckpt.name} holds the weights without optimizer state (train.checkpoint_optimizer"
+            "=false, or kept when a full save failed): AdamW restarts from zero moments"
+        )
     saved_dp = extra.get("dp_size")
     if saved_dp is not None and saved_dp != dp_size:
         say(_layout_note(saved_dp, engine_accum_before, dp_size, config))

@@ -27,6 +27,8 @@ CHANGEABLE = frozenset(
         "train.loss_window",
         "train.checkpoint_every",
         "train.keep_checkpoints",
+        "train.checkpoint_optimizer",  # a resume without optimizer state says so itself
+        "train.storage_check",
         "train.export",
         "train.tensorboard",
         "train.device",
