@@ -161,6 +161,26 @@ def test_eval_split_holds_rows_out_of_training(
         assert needle in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.timeout(120)
+def test_ranks_take_the_launchers_resolution_without_converting_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from train_recipes import direct_inputs
+
+    chats = _jsonl(tmp_path / "c.jsonl", [_chat(1, 2)])
+    config = load_config(SFTConfig, None, [f"data.path={chats}"])
+    launcher = resolve_inputs(config)  # exports RESOLVED_ENV, which the ranks it starts inherit
+
+    def resolve_again(*args: Any) -> None:
+        raise AssertionError("a rank resolved the inputs again")
+
+    monkeypatch.setattr(direct_inputs, "_resolve", resolve_again)
+    assert resolve_inputs(config) == launcher  # a rank: the same command line
+    other = load_config(SFTConfig, None, [f"data.path={chats}", "data.eval_split=0"])
+    with pytest.raises(AssertionError, match="resolved the inputs again"):
+        resolve_inputs(other)  # another config is resolved for itself
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.usefixtures("no_launch")
 def test_eval_files_in_other_formats_are_mapped_to_chats(
@@ -303,19 +323,12 @@ def test_sft_trains_on_a_chat_file_through_a_hub_id_and_resumes_on_the_same_conv
         "--output-dir",
         str(out),
     ]
-    # Two logical shards: the resume may run on one rank.
-    sets = [
-        *QUIET_CPU_RUN,
-        "train.export=false",
-        "data.micro_batch_size=4",
-        "data.max_length=32",
-        "data.num_logical_shards=2",
-    ]
+    sets = [*QUIET_CPU_RUN, "train.export=false", "data.micro_batch_size=4", "data.max_length=32"]
 
-    def run(*extra: str, steps: int, nproc: int) -> subprocess.CompletedProcess[str]:
+    def run(*extra: str, steps: int) -> subprocess.CompletedProcess[str]:
         flags = [arg for s in [*sets, f"train.steps={steps}"] for arg in ("--set", s)]
         done = subprocess.run(
-            [*args, "--nproc-per-node", str(nproc), *flags, *extra],
+            [*args, "--nproc-per-node", "1", *flags, *extra],
             env=env,
             capture_output=True,
             text=True,
@@ -324,12 +337,9 @@ def test_sft_trains_on_a_chat_file_through_a_hub_id_and_resumes_on_the_same_conv
         assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
         return done
 
-    first = run(steps=2, nproc=2)
+    first = run(steps=2)
     assert "data.path " + str(chats) + ": converting 40 messages rows into " in first.stderr
     assert "held out 2 rows (data.eval_split=auto" in first.stderr
-    assert "reusing" not in first.stderr, (
-        "the ranks resolved again instead of taking the launcher's"
-    )
     (entry,) = (cache / "datasets").glob("*/source.json")
     stamp = entry.stat().st_mtime_ns
     saved = yaml.safe_load((out / "config.yaml").read_text())
@@ -337,7 +347,7 @@ def test_sft_trains_on_a_chat_file_through_a_hub_id_and_resumes_on_the_same_conv
     assert saved["model"]["path"].startswith(
         str(hub / "models--tiny-org--tiny-llama" / "snapshots")
     )
-    second = run("--resume", steps=3, nproc=1)
+    second = run("--resume", steps=3)
     assert f"reusing converted dataset {entry.parent}" in second.stderr
     assert "converting" not in second.stderr
     assert entry.stat().st_mtime_ns == stamp
