@@ -4,6 +4,7 @@ environment, MLflow's store, and config errors reported before torch is imported
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -253,6 +254,21 @@ def test_mlflow_defaults_to_sqlite_in_the_run_folder_and_is_checked_before_launc
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     run = tmp_path / "run"
     assert mlflow_tracking_uri(run) == f"sqlite:///{run.resolve()}/mlflow.db"
+    # Without SQLAlchemy (mlflow-skinny, or no mlflow extra at all) the sqlite store is refused
+    # with the install command; the rest of the test runs as if it were installed.
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "sqlalchemy" else real_find_spec(name, *a),
+    )
+    with pytest.raises(ConfigError, match="needs SQLAlchemy"):
+        check_trackers(("mlflow",), run)
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "sqlalchemy" else real_find_spec(name, *a),
+    )
     check_trackers(("mlflow",), run)  # the default: a file the run folder will hold
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path}/mlruns")
     with pytest.raises(ConfigError, match="file store") as err:
