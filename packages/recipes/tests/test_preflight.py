@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.abc
+import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -16,6 +18,7 @@ import torch.distributed as dist
 
 from train_recipes import cli
 from train_recipes.config import ConfigError, RetrievalConfig, SFTConfig, load_config
+from train_recipes.demo import DemoSplit
 from train_recipes.preflight import module_available, needed_extras, run_preflight
 
 
@@ -234,3 +237,42 @@ def test_device_plan_follows_the_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     assert any("1 CUDA device(s) for 2 local ranks" in w for w in checked.warnings)
     one = run_preflight(config, world_size=1, local_world_size=1)
     assert (one.plan.device, one.plan.backend, one.warnings) == ("cuda", "nccl", ())
+
+
+@pytest.mark.usefixtures("no_launch")
+def test_megatron_backend_without_cuda_is_one_line_before_launch(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """megatron-core needs CUDA outside the tests' CPU shim: a host without it is refused before
+    any rank starts (it was two ranks' "Found no NVIDIA driver" tracebacks)."""
+    if importlib.util.find_spec("megatron") is None or not importlib.util.find_spec(
+        "megatron.core"
+    ):
+        pytest.skip("megatron-core is the megatron extra's dependency")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    for device in ("auto", "cpu"):
+        argv = ["sft", "--set", "model.backend=megatron", "--set", f"train.device={device}"]
+        assert cli.main(argv) == 2
+        err = _one_line_error(capsys)
+        assert "'model.backend'" in err and "megatron needs CUDA" in err, err
+        assert "model.backend=hf" in err, err
+    # A GPU per local rank: accepted.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    config = load_config(SFTConfig, None, ["model.backend=megatron"])
+    assert run_preflight(config, world_size=2, local_world_size=2).plan.device == "cuda"
+
+
+@pytest.mark.usefixtures("no_launch")
+def test_truncated_shard_index_is_one_line_before_launch(
+    demo_data: DemoSplit, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = Path(shutil.copytree(demo_data.energon_dir, tmp_path / "data"))
+    index = sorted(data.glob("*.tar.idx"))[0]
+    index.write_bytes(index.read_bytes()[:-12])
+    argv = ["sft", "--set", f"data.path={data}", "--set", f"data.eval_path={demo_data.eval_jsonl}"]
+    assert cli.main(argv) == 2
+    err = _one_line_error(capsys)
+    assert "'data.path'" in err and f"{index}: truncated" in err, err
+    assert "energon prepare --tar-index-only" in err, err

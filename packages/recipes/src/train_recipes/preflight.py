@@ -182,6 +182,13 @@ def check_contents(config: SFTConfig | RetrievalConfig) -> None:
         )
     if isinstance(config, RetrievalConfig) and config.data.source == "jsonl":
         _check_jsonl("data.path", Path(str(config.data.path)), ("query", "passage"), "pairs")
+    if isinstance(config, SFTConfig) and config.data.path is not None:
+        from energon_sft import ShardFileError, check_shard_files
+
+        try:  # a missing or truncated shard index: named here, not in a loader worker
+            check_shard_files(config.data.path)
+        except ShardFileError as err:
+            raise ConfigError("data.path", str(err)) from None
 
 
 def _attention(config: SFTConfig | RetrievalConfig, device_type: str) -> str:
@@ -247,6 +254,28 @@ def plan_devices(
         data_parallel=parallel.data_parallel,
         attention=_attention(config, device.type),
     )
+
+
+def check_backend_device(config: SFTConfig | RetrievalConfig, plan: DevicePlan) -> None:
+    """Refuse a backend that needs CUDA on ranks planned without it.
+
+    ``model.backend=megatron``: megatron-core 0.16.1 seeds its model-parallel RNG through the
+    CUDA generator and puts RoPE tables and its activation buffer on the current CUDA device,
+    even with the local layer spec; without CUDA every rank fails in megatron-core ("Found no
+    NVIDIA driver"). Its CPU tests patch those calls (``train_testing.megatron_cpu``, never
+    for users) and do not launch through here.
+
+    Raises:
+        ConfigError: naming ``model.backend``, the planned device and the fix.
+    """
+    if getattr(config.model, "backend", "hf") == "megatron" and plan.device != "cuda":
+        raise ConfigError(
+            "model.backend",
+            f"megatron needs CUDA (megatron-core seeds and places tensors on the GPU), but the "
+            f"{plan.local_ranks} local rank(s) would run on cpu (train.device="
+            f"{config.train.device!r}, {plan.cuda_devices} CUDA device(s) here); run it on a "
+            "host with a GPU per local rank, or use model.backend=hf",
+        )
 
 
 def config_warnings(config: SFTConfig | RetrievalConfig, plan: DevicePlan) -> list[str]:
@@ -372,6 +401,8 @@ def run_preflight(
     plan = plan_devices(
         config, world_size=world_size, local_world_size=0 if remote else local_world_size
     )
+    if not remote:  # a joined Ray cluster's devices are not this machine's
+        check_backend_device(config, plan)
     warnings = config_warnings(config, plan)
     storage = check_storage(config, world_size=world_size)
     return Preflight(plan=plan, warnings=(*warnings, *([storage] if storage else [])))
