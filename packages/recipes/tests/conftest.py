@@ -62,9 +62,9 @@ def shipped_world_size(name: str) -> int:
 
 
 def model_and_data_stand_ins(tmp_path: Path) -> tuple[Path, Path]:
-    """A model folder holding only a Llama config.json and a chat template, and an empty
-    prepared Energon folder: enough for the config checks that look at the paths, nothing that
-    loads."""
+    """A model folder holding only a Llama config.json and a chat template, and a prepared
+    Energon folder of no shard (an index of nothing): enough for the config checks that look at
+    the paths, nothing that loads."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(
@@ -73,6 +73,7 @@ def model_and_data_stand_ins(tmp_path: Path) -> tuple[Path, Path]:
     (model / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     data = tmp_path / "data"
     (data / ".nv-meta").mkdir(parents=True)
+    (data / ".nv-meta" / ".info.json").write_text(json.dumps({"shard_counts": {}}))
     return model, data
 
 
