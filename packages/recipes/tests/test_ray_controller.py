@@ -235,3 +235,97 @@ def test_without_an_address_the_job_starts_its_own_local_cluster() -> None:
     assert calls[-1]["address"] == "local" and calls[-1]["num_cpus"] >= 3, calls
     assert start_or_join(RecordingRay(), address="auto", world_size=3)
     assert calls[-1]["address"] == "auto" and "num_cpus" not in calls[-1], calls
+
+
+class _FrozenPeerGroup:
+    """Stands in for the actors of a job whose rank 1 froze (SIGSTOP) at step 12.
+
+    At ``setup`` each "rank" joins the driver's store at the address it was given, as the actors
+    do (through the process group's prefixed view); rank 0's hang watchdog fires and writes its
+    verdict there, then rank 0's actor exits: the first failure the driver sees is rank 0's.
+    """
+
+    def __init__(self, ray: Any, actor_class: type, *, placement: Any) -> None:
+        self.watchdogs: list[Any] = []
+
+    def call(self, method: str, *args: Any, ranks: Any = None, **kwargs: Any) -> list[Any]:
+        from torch.distributed import PrefixStore, TCPStore
+
+        if method == "endpoint":  # the rendezvous before the fix: a store rank 0 hosts
+            self._own = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            return [("127.0.0.1", self._own.port)]
+        if method != "setup":
+            return [0] * len(ranks or (0, 1))
+
+        from train_recipes.controller.ray_cluster import ActorFailure
+        from train_recipes.health import HangWatchdog
+
+        host, port = args[2]
+        stores = [
+            PrefixStore("default_pg", TCPStore(host, port, is_master=False)) for _ in range(2)
+        ]
+        for rank in (1, 0):  # rank 1 beats once and freezes; rank 0 waits for it
+            fired: list[str] = []
+            dog = HangWatchdog(
+                _root(stores[rank]),
+                rank=rank,
+                world_size=2,
+                timeout_s=0.3,
+                interval_s=0.05,
+                on_hang=fired.append,
+            )
+            dog.enter_step(12)
+            dog.start()
+            self.watchdogs.append((dog, fired))
+        self.watchdogs[0][0].stop()  # the SIGSTOP: no heartbeat from rank 1 from here on
+        deadline = time.monotonic() + 30
+        while not self.watchdogs[1][1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.watchdogs[1][1], "rank 0's watchdog did not fire"
+        raise ActorFailure(
+            "rank 0's actor died during setup (The actor died unexpectedly)", rank=0, died=True
+        )
+
+    def shutdown(self) -> None:
+        for dog, _ in self.watchdogs:
+            dog.stop()
+
+
+def _root(store: Any) -> Any:
+    """What ``health.default_store()`` gives a rank whose group store is ``store``."""
+    from train_recipes import health
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(health.dist, "is_initialized", lambda: True)
+        mp.setattr(health.dist.distributed_c10d, "_get_default_store", lambda: store)
+        return health.default_store()
+
+
+def test_the_driver_blames_the_rank_the_watchdog_named_not_the_first_actor_that_exited(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Issue 43 item 9: with rank 1 stopped, rank 0's watchdog names rank 1 and ends rank 0's
+    own actor; the driver's last line must name rank 1, from the verdict in the driver's store
+    (rank 0's store would have ended with rank 0)."""
+    from types import SimpleNamespace
+
+    from train_recipes.controller import driver
+    from train_recipes.controller.ray_cluster import ActorFailure, Placement
+
+    fake_ray = SimpleNamespace(
+        is_initialized=lambda: True,  # joined: the driver neither starts nor stops Ray
+        util=SimpleNamespace(get_node_ip_address=lambda: "127.0.0.1"),
+    )
+    monkeypatch.setattr(driver, "import_ray", lambda: fake_ray)
+    monkeypatch.setattr(
+        driver, "plan_placement", lambda *a, **k: Placement(world_size=2, use_gpus=False)
+    )
+    monkeypatch.setattr(driver, "RankGroup", _FrozenPeerGroup)
+    config = _config([f"train.output_dir={tmp_path}", "train.device=cpu"], 2)
+    assert driver.main_on_ray(config, world_size=2, resume=False, address=None) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("train-recipes sft: rank 1 stopped responding"), err
+    assert "rank 0's actor died" not in err[0] and "--resume" in err[0], err
+    # No watchdog fired (a SIGKILLed or raising rank): the first failed actor is the line.
+    died = ActorFailure("rank 1's actor died during train_step (...)", rank=1, died=True)
+    assert driver.failure_line(died, None).startswith("rank 1's actor died during train_step")

@@ -18,7 +18,8 @@ step and the time in the process group's store (one small write per rank per int
 rank that has waited in its step longer than the limit reads the others' entries (one
 ``multi_get``); if another rank is still at an earlier step, or has not written for longer than
 the limit (a frozen process, e.g. under SIGSTOP), it ends the run with one line naming those
-ranks. Timestamps are wall-clock, compared across hosts: clock skew must stay well below the
+ranks, and leaves that verdict in the store (:func:`hang_report`) for the process hosting it:
+the Ray driver names those ranks, not the waiting rank the watchdog ended. Timestamps are wall-clock, compared across hosts: clock skew must stay well below the
 limit (NTP keeps it far below the 30 s floor). The limit is
 ``train.collective_timeout_s`` until the warm-up steps are measured, then
 ``min(collective_timeout_s, max(MIN_STEP_LIMIT_S, STEP_LIMIT_FACTOR * slowest warm-up step))``.
@@ -50,10 +51,13 @@ __all__ = [
     "SkipTracker",
     "TrainingAborted",
     "engine_skip_warnings_replaced",
+    "hang_report",
 ]
 
 #: Exit status of a rank that the watchdog ends.
 HANG_EXIT_CODE = 3
+# Where the watchdog's keys live in the rendezvous store.
+_KEYS = "train_recipes/watchdog"
 #: Steps measured before the step limit tightens (the first step compiles and warms caches and
 #: is not measured).
 WARMUP_STEPS = 3
@@ -227,11 +231,39 @@ def _abort_process(message: str) -> None:
 
 
 def default_store() -> Any:
-    """The default process group's key-value store, or None when it cannot be reached."""
+    """The store the default process group rendezvoused on, or None when it cannot be reached.
+
+    The root store, not the group's prefixed view of it: the process that hosts it (torchrun's
+    agent, the Ray driver) reads the watchdog's verdict there (:func:`hang_report`) after the
+    ranks are gone.
+    """
     get = getattr(dist.distributed_c10d, "_get_default_store", None)
     if get is None or not dist.is_initialized():
         return None
-    return get()
+    store = get()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def hang_report(store: Any, *, world_size: int) -> str | None:
+    """The watchdog's verdict in the newest run of ``store``: the first firing rank's message.
+
+    Args:
+        store: the ranks' rendezvous store (:func:`default_store`), e.g. hosted by the driver.
+        world_size: ranks in the job.
+
+    Returns:
+        The one-line message naming the ranks that stopped or fell behind, or None when no
+        rank's watchdog fired.
+    """
+    arrivals = int(store.add(f"{_KEYS}/arrivals", 0))
+    if arrivals == 0:
+        return None
+    key = f"{_KEYS}/{(arrivals - 1) // world_size}/report"
+    if not store.check([key]):
+        return None
+    return str(store.get(key).decode().partition("|")[2]) or None
 
 
 class HangWatchdog:
@@ -245,8 +277,9 @@ class HangWatchdog:
         rank: this rank.
         world_size: ranks in the job.
         timeout_s: the limit before the step time is measured, and the cap after.
-        on_hang: called once with the one-line message; the default prints it (from one rank)
-            and ends the process with :data:`HANG_EXIT_CODE`.
+        on_hang: called once with the one-line message, after the store got the first firing
+            rank's (:func:`hang_report`); the default prints it (from that rank) and ends the
+            process with :data:`HANG_EXIT_CODE`.
         interval_s: seconds between heartbeats; default a tenth of the limit (0.2 .. 5 s).
         min_step_limit_s: floor of the tightened limit.
     """
@@ -269,8 +302,8 @@ class HangWatchdog:
         self._on_hang = on_hang
         # Every rank counts itself in; runs of one group are sequential, so the ranks of one run
         # draw the same generation and a later run never reads an earlier one's keys.
-        generation = (int(store.add("train_recipes/watchdog/arrivals", 1)) - 1) // world_size
-        self._store = dist.PrefixStore(f"train_recipes/watchdog/{generation}", store)
+        generation = (int(store.add(f"{_KEYS}/arrivals", 1)) - 1) // world_size
+        self._store = dist.PrefixStore(f"{_KEYS}/{generation}", store)
         self._step = 0
         self._entered = time.monotonic()
         self._step_times: list[float] = []
@@ -336,7 +369,7 @@ class HangWatchdog:
                 return
             if message is not None:
                 self.fired = message
-                self._report(message)
+                self._report(message, first=self._claim(message))
                 return
 
     def _check(self) -> str | None:
@@ -366,16 +399,18 @@ class HangWatchdog:
             "failing device)"
         )
 
-    def _report(self, message: str) -> None:
+    def _claim(self, message: str) -> bool:
+        """Write the verdict unless another rank's came first (:func:`hang_report` reads it)."""
+        mine = f"{self.rank}|{message}"
+        try:
+            return bool(self._store.compare_set("report", "", mine).decode() == mine)
+        except Exception:  # pragma: no cover - store gone; print rather than stay silent
+            return True
+
+    def _report(self, message: str, *, first: bool) -> None:
         if self._on_hang is not None:
             self._on_hang(message)
             return
-        # One rank prints: the first to claim the report key.
-        mine = f"{self.rank}|{message}"
-        try:
-            won = self._store.compare_set("report", "", mine).decode() == mine
-        except Exception:  # pragma: no cover - store gone; print rather than stay silent
-            won = True
-        if won:
+        if first:  # one rank prints: the first to claim the report key
             _abort_process(message)
         os._exit(HANG_EXIT_CODE)

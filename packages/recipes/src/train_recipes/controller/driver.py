@@ -4,7 +4,10 @@ It places one actor per rank, runs the training loop and reports a failed or dea
 line, within seconds, without hanging. SIGTERM or SIGINT to the driver stops the actors at the
 next step boundary with a checkpoint of that step (:mod:`train_recipes.preemption`).
 
-The driver holds no model. Each actor joins the job's process group (gloo on CPU, NCCL on GPU)
+The driver holds no model. It hosts the job's rendezvous store, as torchrun's agent does, so
+the store outlives every rank: a rank's hang watchdog leaves its verdict there before it ends
+its own (healthy) actor, and the driver's last line names the rank the verdict names, not the
+first actor that exited. Each actor joins the job's process group (gloo on CPU, NCCL on GPU)
 and holds its rank's ``SFTRecipe``; the driver runs the recipes' one loop
 (``train_recipes.loop.drive``: step accounting, when to evaluate and checkpoint, metrics.jsonl,
 TensorBoard, the progress bar, the summary) and calls each stage on every actor. The records
@@ -19,6 +22,7 @@ import contextlib
 import logging
 import sys
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,7 @@ from train_recipes.controller.ray_cluster import (
     start_or_join,
 )
 from train_recipes.data_plane import DataPlane, PlaneMismatchError
+from train_recipes.health import hang_report
 from train_recipes.loop import RunEnd, RunStart, StepRecord, drive
 from train_recipes.preemption import RunStopped, SignalTrap, stopped_error
 from train_recipes.summary import sft_summary_text
@@ -40,7 +45,7 @@ from train_recipes.summary import sft_summary_text
 # transformers on a loaded node take tens of seconds).
 _START_TIMEOUT_S = 300.0
 
-__all__ = ["ControllerError", "RayRun", "main_on_ray", "run_sft_on_ray"]
+__all__ = ["ControllerError", "RayRun", "failure_line", "main_on_ray", "run_sft_on_ray"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +118,7 @@ def run_sft_on_ray(
     plane = DataPlane(dp_size=dp)
     group: RankGroup | None = None
     trapped = contextlib.ExitStack()
+    store, master = _host_store(ray)
     try:
         if signals is not None:
             trapped.enter_context(signals)
@@ -120,9 +126,9 @@ def run_sft_on_ray(
 
         placement = plan_placement(ray, world_size=world_size, device=config.train.device)
         group = RankGroup(ray, RankActor, placement=placement)
-        # The first call also waits for the actors to come up: bounded, so that workers that
-        # die at start (before any actor exists to be reported dead) cannot hang the driver.
-        (master,) = group.call("endpoint", ranks=[0], timeout_s=_START_TIMEOUT_S)
+        # The first call waits for the actors to come up: bounded, so that workers that die at
+        # start (before any actor exists to be reported dead) cannot hang the driver.
+        group.call("pid", timeout_s=_START_TIMEOUT_S)
         setups = group.call("setup", config, resume, master)
         restored = DataPlane(dp_size=dp)
         restored.load_state_dict([s["plane"] for s in setups])  # the checkpoint's records
@@ -138,8 +144,7 @@ def run_sft_on_ray(
         reports = group.call("close")
     except ActorFailure as err:
         raise ControllerError(
-            f"{err}; the other ranks were stopped. Continue from the last checkpoint with "
-            "the same command and --resume"
+            failure_line(err, hang_report(store, world_size=world_size))
         ) from None
     except PlaneMismatchError as err:
         raise ControllerError(
@@ -167,6 +172,39 @@ def run_sft_on_ray(
         placed_on_gpus=placement.use_gpus,
         ranks=reports,
     )
+
+
+def failure_line(failure: ActorFailure, verdict: str | None) -> str:
+    """The driver's one line for a job whose rank died or raised.
+
+    A rank whose hang watchdog fires is the healthy one, waiting for a peer that stopped: it
+    ends its own actor, which is then often the first the driver sees exit. So the watchdog's
+    verdict (:func:`train_recipes.health.hang_report`), naming the ranks that stopped or fell
+    behind, is the line; the first failed actor only when no watchdog fired.
+
+    Args:
+        failure: the first rank that died or raised, as the driver saw it.
+        verdict: the watchdog's message, or None.
+    """
+    cause = str(failure) if verdict is None else verdict
+    return (
+        f"{cause}; the other ranks were stopped. Continue from the last checkpoint with the same "
+        "command and --resume"
+    )
+
+
+def _host_store(ray: Any) -> tuple[Any, tuple[str, int]]:
+    """The job's rendezvous store, served by this process; and its address for the actors.
+
+    The actors join it as torchrun's ranks join their agent's store (``rank_actor``), so it
+    does not end with rank 0 and the watchdog's verdict in it can be read after any rank died.
+    """
+    from torch.distributed import TCPStore
+
+    host = str(ray.util.get_node_ip_address())
+    # Port 0: the system picks a free one. The timeout bounds only this process's own reads.
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=1))
+    return store, (host, int(store.port))
 
 
 class _ActorStages:

@@ -1,10 +1,11 @@
 """The code one Ray actor runs: one rank of the job, torch.distributed inside it.
 
 The actor is a plain class (``ray.remote`` wraps it in the driver), importable without Ray.
-Each actor learns its rank at construction; rank 0 names the rendezvous (its node's address
-and a free port), and every actor then joins the default process group through the same
-environment torchrun would set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
-``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``). The actor holds the rank's ``SFTRecipe`` and runs its
+Each actor learns its rank at construction and joins the default process group through the
+same environment torchrun would set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``TORCHELASTIC_USE_AGENT_STORE``): the store at
+``MASTER_ADDR:MASTER_PORT`` is the driver's, as under torchrun it is the agent's, so every rank
+is its client and the store outlives them all. The actor holds the rank's ``SFTRecipe`` and runs its
 stages when the driver calls them; the driver runs the loop.
 
 What the controller costs shows in the run's own metrics: each logged step's record from rank
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import time
 from typing import Any
 
@@ -56,27 +56,21 @@ class RankActor:
             torch.set_num_threads(threads)
 
     def pid(self) -> int:
-        """This actor's process id (the tests SIGKILL it)."""
+        """This actor's process id (the driver's first call, to know the actor is up)."""
         return os.getpid()
 
-    def endpoint(self) -> tuple[str, int]:
-        """The rendezvous rank 0 offers: this node's address and a free TCP port."""
-        import ray
-
-        host = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = int(s.getsockname()[1])
-        return host, port
-
     def setup(self, config: SFTConfig, resume: bool, master: tuple[str, int]) -> dict[str, Any]:
-        """Join the process group at ``master`` and run the recipe's ``setup()`` as this rank.
+        """Join the process group on the driver's store at ``master``; the recipe's ``setup()``.
 
         Returns:
             ``start`` (the recipe's RunStart), this rank's restored data plane (``plane``)
             and its replica (``replica``).
         """
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master[0], str(master[1])
+        # torch.distributed then connects to that store as a client instead of rank 0 serving
+        # one (which would end with rank 0, and the hang watchdog's verdict in it).
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+        os.environ.setdefault("TORCHELASTIC_RESTART_COUNT", "0")  # older torch reads it then
         from train_recipes.sft_recipe import SFTRecipe
 
         self.recipe = SFTRecipe(config, resume=resume).__enter__()
