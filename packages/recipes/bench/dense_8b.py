@@ -18,9 +18,10 @@ Variants (each in this process, one after the other; random init from a config):
 Every variant: the recipe's parts (build_parallel_model's order: checkpointing, compiled decoder
 layers, FSDP2 with bf16 compute, fp32 master weights and fp32 gradient reduction), the
 vocab-parallel token-sum loss, Engine backward/step with fused AdamW and clipping at 1.0.
-Median of CUDA-event step times after warm-up; model FLOPs per token = 6 * parameters +
-6 * layers * hidden * sequence (causal attention; recomputation not counted, so checkpointing
-shows as lower MFU); MFU against ``--peak-tflops`` (989: H100/H200 SXM dense bf16).
+Median of CUDA-event step times after warm-up; model FLOPs as the recipe counts them
+(``train_recipes.throughput``: 6 x the matmul weights per token, embedding excluded, plus causal
+attention; recomputation not counted, so checkpointing shows as lower MFU); MFU against
+``--peak-tflops`` (989: H100/H200 SXM dense bf16).
 
     python packages/recipes/bench/dense_8b.py --out dense_8b.json
     python packages/recipes/bench/dense_8b.py --variants 8b+ac --batch 2 --seq 4096 --ac-every 2
@@ -48,6 +49,7 @@ from train_engine import Engine, FSDP2Config, apply_data_parallel, param_groups
 from train_recipes.checkpointing import apply_activation_checkpointing
 from train_recipes.modeling import compile_decoder_layers
 from train_recipes.sft import token_sum_loss
+from train_recipes.throughput import model_counts
 
 SHAPES = {
     "1.5b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16),
@@ -149,6 +151,7 @@ def run_variant(name: str, args: argparse.Namespace, device: torch.device) -> di
     torch.manual_seed(0)
     model = _model(shape, vocab=vocab, device=device)
     params = sum(p.numel() for p in model.parameters())
+    counts = model_counts(model)
     if checkpointing:
         apply_activation_checkpointing(model, every=args.ac_every)
     if args.compile:
@@ -200,8 +203,7 @@ def run_variant(name: str, args: argparse.Namespace, device: torch.device) -> di
         if i >= args.warmup:
             times.append(elapsed)
     seconds = statistics.median(times)
-    layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
-    flops_per_token = 6 * params + 6 * layers * hidden * args.seq
+    flops = counts.batch_flops({"attention_mask": torch.ones(args.batch, args.seq)})["total"]
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     row = {
         "variant": name,
@@ -210,7 +212,7 @@ def run_variant(name: str, args: argparse.Namespace, device: torch.device) -> di
         "cpu_offload": fsdp.cpu_offload,
         "ms_per_step": 1e3 * seconds,
         "tokens_per_s": tokens / seconds,
-        "mfu": flops_per_token * tokens / seconds / (args.peak_tflops * 1e12),
+        "mfu": flops / seconds / (args.peak_tflops * 1e12),
         "peak_gib": peak,
     }
     del engine, optimizer, model

@@ -32,7 +32,7 @@ One run measures, side by side, for a Qwen2.5-VL-style SFT workload:
    produces batches at least as fast as one GPU consumes them.
 4. MFU = model FLOPs per batch / step time / ``--peak-tflops`` (989: H100/H200 bf16 dense). The
    FLOPs, from each batch's documents (``seq_lens``) and images (``image_grid_thw``), are
-   ``_vlm_flops.batch_flops``: 6 x matmul weights x tokens (decoder + head) and x patches (vision
+   ``train_recipes.throughput`` (the recipe's own MFU count): 6 x matmul weights x tokens (decoder + head) and x patches (vision
    tower; the merger x merged tokens), plus 12 x d x layers x the attended pairs: causal per
    packed document (L(L+1)/2 each) in the decoder, per window (W^2) or per image frame in the
    vision blocks. Norms, activations, the optimizer and padding are not counted.
@@ -57,6 +57,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,6 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch
 from _vlm_data import build_processor, write_dataset
-from _vlm_flops import batch_flops, check_windows, model_counts
 from _vlm_model import PRESETS, STEP_ONLY_VARIANTS, StepVariant, build_vlm
 
 from train_testing.bench import (
@@ -185,6 +185,7 @@ def measure_step(
     from train_recipes.patch_embed import use_linear_patch_embed
     from train_recipes.processors import tokenizer_of
     from train_recipes.sft import token_sum_loss
+    from train_recipes.throughput import check_windows, document_lengths, model_counts
     from train_recipes.vision_attention import use_varlen_vision_attention
 
     if device.type == "cuda":
@@ -197,9 +198,11 @@ def measure_step(
     model = build_vlm(config, tokenizer_of(processor), preset, device, dtype)
     build_s = time.perf_counter() - t0
     counts = model_counts(model)
-    flops = [batch_flops(counts, b) for b in cpu_batches]
+    flops = [counts.batch_flops(b) for b in cpu_batches]
     for b in cpu_batches:
         check_windows(b.image_grid_thw.tolist(), model.config.vision_config, counts)
+        if sum(document_lengths(b)) != int(b.attention_mask.sum()):
+            raise AssertionError("the documents' seq_lens and the attention mask disagree")
     if variant.varlen and not use_varlen_vision_attention(model):
         raise SystemExit(f"variant {variant.name}: the model's vision tower is not supported")
     if variant.linear_patch and not use_linear_patch_embed(model):
@@ -217,7 +220,7 @@ def measure_step(
         "wrap": wrap,
         "activation_checkpointing": activation_checkpointing,
         "build_s": build_s,
-        "flop_counts": counts,
+        "flop_counts": asdict(counts),
     }
     if activation_checkpointing:
         model.gradient_checkpointing_enable()

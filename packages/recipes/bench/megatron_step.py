@@ -11,7 +11,7 @@ at 1.0, and the vocab-parallel token-sum loss on batch 4 x 4096 unpacked rows:
 
 For the tuned HF step (FSDP2 mixed precision, compiled layers) run
 ``sft_step.py --variants recipes`` on the same machine. MFU as in ``sft_step.py``:
-6 x parameters + 6 x layers x hidden x sequence FLOPs per token against ``--peak-tflops``.
+the recipe's model-FLOP count (``train_recipes.throughput``) against ``--peak-tflops``.
 
     python packages/recipes/bench/megatron_step.py --device cuda --out megatron_step.json
     python packages/recipes/bench/megatron_step.py --quick     # tiny model on the CPU (CI)

@@ -43,8 +43,9 @@ same batch) is compared with an fp32 eager reference of the unwrapped transforme
 eight parameters' gradients, printed and written next to the variant's time (``--no-check``
 skips it; the reference needs the memory of an fp32 step once, before the variants).
 
-Model FLOPs per token = 6 * parameters + 6 * layers * hidden * sequence (causal attention);
-MFU is against the dense bf16 peak given by ``--peak-tflops`` (989 for H100/H200 SXM).
+Model FLOPs: ``train_recipes.throughput``, the count the recipe reports MFU with (6 x the
+matmul weights per token, embedding excluded, plus causal attention per row); MFU is against
+the dense bf16 peak given by ``--peak-tflops`` (989 for H100/H200 SXM).
 ``--board`` samples the GPU's power draw and SM clock during each variant's timed steps (a step
 held at the board's power limit runs below its top clock).
 
@@ -77,6 +78,7 @@ from train_engine import Engine, FSDP2Config, MasterWeightAdamW, apply_data_para
 from train_recipes.attention import CausalFastPath, sdpa_backends
 from train_recipes.modeling import compile_decoder_layers
 from train_recipes.sft import token_sum_loss
+from train_recipes.throughput import model_counts
 
 # `device_name`, `free_memory`, `init_process_group`, `sync`, FULL and TINY stay importable from
 # here for the benchmarks next to this one.
@@ -86,7 +88,6 @@ from train_testing.bench import (
     add_sft_step_arguments,
     board_samples,
     device_name,
-    flops_per_token,
     fmt,
     free_memory,
     init_process_group,
@@ -415,6 +416,15 @@ def warm_up(step: Callable[[dict], None], data: list[dict], args: argparse.Names
     return warmup_s
 
 
+def step_flops(config: Any, *, batch: int, seq: int) -> float:
+    """Model FLOPs of a step of ``batch`` unpacked rows of ``seq`` tokens (the recipe's count)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return model_counts(model).batch_flops({"attention_mask": torch.ones(batch, seq)})["total"]
+
+
 def result_row(
     name: str,
     times: list[float],
@@ -426,7 +436,7 @@ def result_row(
     """The JSON row of one variant from its timed step seconds (median over ``times``)."""
     seconds = statistics.median(times)
     tokens_per_s = args.batch * args.seq / seconds
-    tflops = tokens_per_s * flops_per_token(n_params, config, args.seq) / 1e12
+    tflops = step_flops(config, batch=args.batch, seq=args.seq) / seconds / 1e12
     return {
         "variant": name,
         "ms/step": seconds * 1e3,

@@ -226,6 +226,8 @@ BAD_SFT_VALUES = [
     ("train.keep_checkpoints", "-1"),
     ("train.eval_samples", "-1"),
     ("train.eval_max_new_tokens", "0"),
+    ("train.peak_tflops", "0"),
+    ("train.peak_tflops", ".inf"),
     ("train.output_dir", "''"),
     ("train.output_dir", "'  '"),
     ("data.num_workers", "-1"),

@@ -320,6 +320,7 @@ def test_config_changes_on_resume_are_applied_or_refused(
                 "train.steps=10",
                 "optim.lr=1e-3",
                 "train.gradient_accumulation_steps=2",
+                "train.peak_tflops=0.5",
                 flags=("--resume",),
             )
         )
@@ -327,6 +328,22 @@ def test_config_changes_on_resume_are_applied_or_refused(
     assert "resume applies optim.lr: 0.003 -> 0.001" in applied.stdout, applied.stdout
     rows = _rows(run)
     assert sorted(rows) == list(range(1, 11))
+    # Rates (issue 37): tokens/s per GPU on every record (one rank: the global rate); MFU only
+    # against a peak, which a CPU has none of until train.peak_tflops gives one (the resume).
+    first = json.loads((finished_run / "summary.json").read_text())
+    assert first["tokens_per_s_per_gpu"] > 0
+    assert first["mfu"] is first["peak_tflops"] is first["peak_memory_gib"] is None, first
+    for step in range(1, 11):
+        assert rows[step]["tokens_per_s_per_gpu"] == pytest.approx(rows[step]["tokens_per_s"])
+        assert ("mfu" in rows[step]) == (step > 7), rows[step]
+        assert "peak_memory_gib" not in rows[step]  # CUDA only
+    assert all(0 < rows[s]["mfu"] < 1 for s in range(8, 11)), rows
+    resumed = json.loads((run / "summary.json").read_text())
+    assert resumed["peak_tflops"] == 0.5 and 0 < resumed["mfu"] < 1, resumed
+    assert resumed["tokens_per_s_per_gpu"] > 0
+    assert re.search(
+        r"throughput +[\d,]+ tokens/s per GPU, MFU [\d.]+% of 0.5 TFLOPS", applied.stdout
+    )
     # Linear warm-up over 30 steps: the logged rate after step s is lr * (s + 1) / 30, with the
     # new peak from the resume on (the checkpoint's base rate would give 3e-3), and the
     # schedule advances once per optimizer step (not once per micro-batch).
@@ -353,6 +370,7 @@ def test_config_changes_on_resume_are_applied_or_refused(
         "optim.lr": [0.003, 0.001],
         "train.export": [True, False],
         "train.gradient_accumulation_steps": [1, 2],
+        "train.peak_tflops": [None, 0.5],
         "train.steps": [7, 10],
     }
 

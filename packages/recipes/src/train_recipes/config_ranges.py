@@ -89,6 +89,10 @@ def check_sft_ranges(config: SFTConfig) -> None:
     _at_least("train.keep_checkpoints", train.keep_checkpoints, 0, "0 keeps every checkpoint")
     _at_least("train.eval_samples", train.eval_samples, 0, "0 disables the accuracy measurement")
     _at_least("train.eval_max_new_tokens", train.eval_max_new_tokens, 1)
+    if train.peak_tflops is not None:
+        _finite_above_zero(
+            "train.peak_tflops", train.peak_tflops, "e.g. 989 (H100 SXM, bf16 dense); null detects"
+        )
     for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads"):
         _at_least(f"model.tiny.{name}", getattr(tiny, name), 1)
     if tiny.intermediate_size is not None:

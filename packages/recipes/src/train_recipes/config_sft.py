@@ -215,6 +215,9 @@ class TrainConfig:
             or 130; false: stop at once (see ``train_recipes.preemption``).
         signal_grace_s: seconds from the signal to a completed stop checkpoint; when they
             pass, the run stops at once (as at a second signal).
+        peak_tflops: one GPU's peak TFLOPS that MFU is reported against; None takes the
+            detected GPU's dense bf16 peak (H100 SXM / H200 989, A100 312, ...; see
+            ``train_recipes.throughput``) and reports no MFU on CPU or an unknown GPU.
     """
 
     steps: int = 1000
@@ -240,6 +243,7 @@ class TrainConfig:
     collective_timeout_s: float = 600.0
     checkpoint_on_signal: bool = True
     signal_grace_s: float = 120.0
+    peak_tflops: float | None = None
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -181,10 +181,20 @@ class RecipeStages(Protocol):
 
 
 def progress_postfix(metrics: dict[str, Any]) -> dict[str, str]:
-    """The progress bar's short fields of a metric record (loss, window average, tok/s, lr)."""
+    """The progress bar's short fields of a metric record (loss, window average, tok/s, lr).
+
+    Tokens/s per GPU replaces the global tok/s where the record has it (SFT), and MFU and peak
+    memory follow where measured.
+    """
     postfix = {"loss": f"{metrics['loss']:.4f}", "avg": f"{metrics['loss_avg_window']:.4f}"}
-    if "tokens_per_s" in metrics:
+    if "tokens_per_s_per_gpu" in metrics:
+        postfix["tok/s/gpu"] = f"{metrics['tokens_per_s_per_gpu']:.0f}"
+    elif "tokens_per_s" in metrics:
         postfix["tok/s"] = f"{metrics['tokens_per_s']:.0f}"
+    if "mfu" in metrics:
+        postfix["mfu"] = f"{100 * metrics['mfu']:.1f}%"
+    if "peak_memory_gib" in metrics:
+        postfix["mem"] = f"{metrics['peak_memory_gib']:.1f}GiB"
     postfix["lr"] = f"{metrics['lr']:.2e}"
     return postfix
 

@@ -6,9 +6,12 @@ notice instead of writing ``loss.png`` (:func:`loss_plot_or_notice`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +31,7 @@ __all__ = [
     "RunLogger",
     "StartupClock",
     "TokenMeter",
+    "TokenWindow",
     "loss_plot_or_notice",
     "plot_loss",
     "read_metrics",
@@ -134,13 +138,38 @@ class RunLogger:
         self._trackers = []
 
 
-class TokenMeter:
-    """Input and loss tokens since the last metric record, and the input-token rate (per rank).
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TokenWindow:
+    """What :meth:`TokenMeter.read` measured since the previous read (global counts).
 
-    Input tokens are counted on the host copy of each micro-batch (a device read would stall the
-    GPU's queue); a replica's cp and tp ranks see the same rows, so each adds its share and the
-    sum over all ranks at read time is the global count. Loss tokens are the Engine's global count
-    of each step (a device tensor, summed without a host sync until read).
+    Attributes:
+        tokens: real input tokens (non-padding) over all replicas.
+        flops: their model FLOPs (:mod:`train_recipes.throughput`).
+        seconds: the training time they took on this rank.
+        loss_tokens: the trained (loss) tokens over all replicas.
+    """
+
+    tokens: float
+    flops: float
+    seconds: float
+    loss_tokens: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Global input tokens per second."""
+        return self.tokens / max(self.seconds, 1e-9)
+
+
+class TokenMeter:
+    """Input tokens, model FLOPs and loss tokens since the last metric record, and their time.
+
+    Input tokens (and their FLOPs) are counted on the host copy of each micro-batch (a device
+    read would stall the GPU's queue); a replica's cp and tp ranks see the same rows, so each
+    adds its share and the sum over all ranks at read time is the global count. Loss tokens are
+    the Engine's global count of each step (a device tensor, summed without a host sync until
+    read). The clock runs from :meth:`restart_clock` (the first step) and stops while
+    :meth:`paused` (evaluation, checkpoints): a rate covers the training steps with their data
+    loading, host work and the loop between them, nothing else.
 
     Args:
         duplicates: ranks that see the same rows (cp * tp).
@@ -148,35 +177,70 @@ class TokenMeter:
 
     def __init__(self, *, duplicates: int) -> None:
         self._duplicates = duplicates
-        self._inputs = torch.zeros((), dtype=torch.float64)
+        self._inputs = torch.zeros(2, dtype=torch.float64)  # tokens, model FLOPs
         self._loss_tokens: torch.Tensor | None = None
         self._since = time.perf_counter()
+        self._windows: list[TokenWindow] = []  # every read, for the run's rate
 
     def restart_clock(self) -> None:
         """Measure the rate from now (the first step of this process)."""
         self._since = time.perf_counter()
 
-    def add_inputs(self, attention_mask: torch.Tensor) -> None:
-        """Count one micro-batch's real tokens (its host ``attention_mask`` [B, S])."""
-        self._inputs += float(attention_mask.sum()) / self._duplicates
+    @contextlib.contextmanager
+    def paused(self, device: torch.device) -> Iterator[None]:
+        """Stop the clock for the block (collective work outside the steps: evaluation, saves).
+
+        The device's queued training work finishes first, so it counts as training.
+        """
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._since += time.perf_counter() - start
+
+    def add_inputs(self, attention_mask: torch.Tensor, *, flops: float = 0.0) -> None:
+        """Count one micro-batch's real tokens (its host ``attention_mask`` [B, S]) and FLOPs."""
+        self._inputs[0] += float(attention_mask.sum()) / self._duplicates
+        self._inputs[1] += flops / self._duplicates
 
     def add_loss_tokens(self, num_tokens: torch.Tensor) -> None:
         """Add one step's global loss-token count (``Engine.global_num_tokens``)."""
         tokens = self._loss_tokens
         self._loss_tokens = num_tokens if tokens is None else tokens + num_tokens
 
-    def read(self, device: torch.device) -> tuple[float, float]:
-        """(global input tokens per second, global loss tokens) since the last read; collective."""
+    def read(self, device: torch.device) -> TokenWindow:
+        """The counts and the time since the last read; collective."""
         inputs = self._inputs.clone().to(device)
         if dist.is_initialized():
             dist.all_reduce(inputs)
+        tokens, flops = inputs.tolist()  # waits for the device: its queued steps count
         now = time.perf_counter()
-        rate = float(inputs) / max(now - self._since, 1e-9)
+        loss_tokens = 0.0 if self._loss_tokens is None else float(self._loss_tokens)
+        window = TokenWindow(
+            tokens=tokens, flops=flops, seconds=now - self._since, loss_tokens=loss_tokens
+        )
         self._since = now
         self._inputs.zero_()
-        loss_tokens = 0.0 if self._loss_tokens is None else float(self._loss_tokens)
         self._loss_tokens = None
-        return rate, loss_tokens
+        self._windows.append(window)
+        return window
+
+    def run_window(self) -> TokenWindow | None:
+        """The reads after the first, summed; the first alone when there was one; None before any.
+
+        The first read holds the compilation and warm-up of the first step.
+        """
+        windows = self._windows[1:] or self._windows
+        if not windows:
+            return None
+        return TokenWindow(
+            tokens=sum(w.tokens for w in windows),
+            flops=sum(w.flops for w in windows),
+            seconds=sum(w.seconds for w in windows),
+            loss_tokens=sum(w.loss_tokens for w in windows),
+        )
 
 
 class StartupClock:

@@ -38,6 +38,7 @@ CHANGEABLE = frozenset(
         "train.collective_timeout_s",
         "train.checkpoint_on_signal",
         "train.signal_grace_s",
+        "train.peak_tflops",  # what MFU is reported against
         "launch.nproc_per_node",  # another dp size: checked against the loader's shards
         "lora.export",
         # evaluation (a change drops the accuracy measured before training: another test set)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from train_recipes import _integrations as data_api
-from train_recipes import moe, runtime
+from train_recipes import moe, runtime, throughput
 from train_recipes import resume as checkpoints
 from train_recipes._dist import describe_device, init_distributed, process_group_timeout_s
 from train_recipes._integrations import ModelBatch
@@ -38,7 +38,7 @@ from train_recipes.health import (
 )
 from train_recipes.hf_export import export_hf
 from train_recipes.loop import LoopOutcome, LoopPlan, RunEnd, RunStart, StepRecord
-from train_recipes.metrics import StartupClock, TokenMeter
+from train_recipes.metrics import StartupClock, TokenMeter, TokenWindow
 from train_recipes.modeling import is_vlm, unwrap
 from train_recipes.parallelize import build_parallel_model, row_length_multiple
 from train_recipes.processors import load_processor, tokenizer_of
@@ -244,6 +244,8 @@ class SFTRecipe:
         self._router_losses = moe.router_losses(model, self.engine, config, ctx)
         self._batches = itertools.chain.from_iterable(itertools.repeat(self.loader))
         self._tokens = TokenMeter(duplicates=ctx.cp_size * ctx.tp_size)
+        self._flops = throughput.model_counts(self._counted_model())
+        self._peak_tflops = throughput.resolve_peak_tflops(train.peak_tflops, ctx.device)
         self._guards.enter_context(engine_skip_warnings_replaced())
         return start
 
@@ -338,7 +340,10 @@ class SFTRecipe:
         router_losses = self._router_losses
         with sdpa_backends(config.model.sdpa_backends):
             for batch, host_batch in zip(micro, host, strict=True):
-                self._tokens.add_inputs(host_batch["attention_mask"])
+                self._tokens.add_inputs(
+                    host_batch["attention_mask"],
+                    flops=self._flops.batch_flops(host_batch)["total"],
+                )
                 with self._forward_attention(host_batch), router_losses.collect():
                     loss_sum = token_sum_loss(
                         engine,
@@ -367,7 +372,7 @@ class SFTRecipe:
         ctx = self.ctx
         self._skips.flush()
         loss, avg = self.window.last(), self.window.average()
-        tokens_per_s, loss_tokens = self._tokens.read(ctx.device)
+        window = self._tokens.read(ctx.device)
         self._first_loss = loss if self._first_loss is None else self._first_loss
         self._last_loss = loss
         record: dict[str, Any] = {
@@ -375,13 +380,51 @@ class SFTRecipe:
             "loss_avg_window": avg,
             "lr": self._scheduler.get_last_lr()[0],
             "grad_norm": self.engine.get_global_grad_norm(),
-            "tokens_per_s": tokens_per_s,
-            "loss_tokens": loss_tokens,
+            "tokens_per_s": window.tokens_per_s,
+            "loss_tokens": window.loss_tokens,
             "skipped": self._skips.new_since_last_call(),
             "skipped_total": len(self._skips.skipped),
         }
         record.update(self._router_losses.metrics(ctx.device))  # collective; {} without MoE
+        record.update(self._rates(window))
         return record
+
+    def _rates(self, window: TokenWindow | None) -> dict[str, float]:
+        """Tokens/s per GPU, MFU (with a known peak) and peak memory (CUDA); collective."""
+        fields: dict[str, float] = {}
+        if window is not None:
+            fields |= throughput.rate_fields(
+                tokens=window.tokens,
+                flops=window.flops,
+                seconds=window.seconds,
+                devices=self.ctx.world_size,
+                peak_tflops=self._peak_tflops,
+            )
+        memory = throughput.peak_memory_gib(self.ctx.device)
+        if memory is not None:
+            fields["peak_memory_gib"] = memory
+        return fields
+
+    def _run_rates(self) -> dict[str, float | None]:
+        """The summary's rates and peak memory; None where not measured. Collective.
+
+        The rates are those of the log windows after the first (``TokenMeter.run_window``).
+        """
+        rates = self._rates(self._tokens.run_window())
+        keys = ("tokens_per_s_per_gpu", "mfu", "peak_memory_gib")
+        return {**{k: rates.get(k) for k in keys}, "peak_tflops": self._peak_tflops}
+
+    def _counted_model(self) -> torch.nn.Module:
+        """The model whose weights the FLOP count reads (megatron: its HF config's, on meta)."""
+        if not self._megatron:
+            return unwrap(self.model)
+        from transformers import AutoModelForCausalLM
+
+        from train_recipes.megatron.recipe import hf_config
+
+        with torch.device("meta"):
+            model: torch.nn.Module = AutoModelForCausalLM.from_config(hf_config(self.model))
+        return model
 
     def _forward_attention(self, host_batch: ModelBatch) -> contextlib.AbstractContextManager[None]:
         if self._fast_path is None:
@@ -423,7 +466,8 @@ class SFTRecipe:
             rows = len(self._evaluation.rows)
             line = f"held-out exact match before training: {accuracy:.1%} ({rows} questions)"
             return StepRecord(step=0, metrics={"eval/exact_match": accuracy}, lines=(line,))
-        loss = self._evaluation.loss(unwrap(self.model))
+        with self._tokens.paused(self.ctx.device):  # not training time (the rates leave it out)
+            loss = self._evaluation.loss(unwrap(self.model))
         if loss is None:
             return StepRecord(step=step)
         self._eval_losses.append(loss)
@@ -455,23 +499,24 @@ class SFTRecipe:
     def checkpoint(self, step: int) -> None:
         """Save the Engine, loader, loss window and run records of ``step`` (collective)."""
         self._skips.flush()  # the step's own skip goes into its checkpoint
-        checkpoints.save(
-            self.engine,
-            self.out_dir,
-            step=step,
-            loader=self.loader,
-            window=self.window,
-            config=self.config,
-            dp_size=self.ctx.dp_size,
-            accuracy_before=self._accuracy_before,
-            first_loss=self._first_loss,
-            is_main=self.ctx.is_main,
-            data_plane=self.data_plane,
-            last_loss=self._last_loss,
-            eval_losses=self._eval_losses,
-            skips=self._skips.state_dict(),
-            rebase=self._rebase,
-        )
+        with self._tokens.paused(self.ctx.device):  # not training time
+            checkpoints.save(
+                self.engine,
+                self.out_dir,
+                step=step,
+                loader=self.loader,
+                window=self.window,
+                config=self.config,
+                dp_size=self.ctx.dp_size,
+                accuracy_before=self._accuracy_before,
+                first_loss=self._first_loss,
+                is_main=self.ctx.is_main,
+                data_plane=self.data_plane,
+                last_loss=self._last_loss,
+                eval_losses=self._eval_losses,
+                skips=self._skips.state_dict(),
+                rebase=self._rebase,
+            )
 
     # ------------------------------------------------------------------------------ finish
 
@@ -514,6 +559,7 @@ class SFTRecipe:
             "device": self._device_line,
             "attention": self._attention,
             "startup_s": self._clock.phases,
+            **self._run_rates(),
         }
         record = StepRecord(step=train.steps, metrics=metrics, lines=self._take_lines())
         return RunEnd(record=record, summary=summary, export_dir=export_dir)

@@ -19,6 +19,7 @@ __all__ = [
     "sft_summary_text",
     "skipped_text",
     "summary_table",
+    "throughput_text",
 ]
 
 
@@ -52,6 +53,22 @@ def skipped_text(steps: list[int]) -> str:
     return f"{len(steps)} (steps {shown})" if steps else "0"
 
 
+def throughput_text(summary: dict[str, Any]) -> str | None:
+    """``1,234 tokens/s per GPU, MFU 41.2% of 989 TFLOPS, peak memory 12.3 GiB``, or None.
+
+    None when the run measured no rate (this process trained no step).
+    """
+    rate = summary.get("tokens_per_s_per_gpu")
+    if rate is None:
+        return None
+    parts = [f"{rate:,.0f} tokens/s per GPU"]
+    if summary.get("mfu") is not None:  # None: no peak known (CPU, a GPU not in the table)
+        parts.append(f"MFU {summary['mfu']:.1%} of {summary['peak_tflops']:g} TFLOPS")
+    if summary.get("peak_memory_gib") is not None:
+        parts.append(f"peak memory {summary['peak_memory_gib']:.1f} GiB")
+    return ", ".join(parts)
+
+
 def summary_table(
     summary: dict[str, Any], out_dir: Path, png: Path | None, export_dir: Path | None
 ) -> str:
@@ -76,6 +93,8 @@ def summary_table(
         )
     if acc0 is not None and acc1 is not None:
         lines.append(f"exact match    {acc0:.1%} -> {acc1:.1%} (held-out, greedy)")
+    if (speed := throughput_text(summary)) is not None:
+        lines.append(f"throughput     {speed}")
     lines.append(f"loss curve     {png if png is not None else '-'}")
     if export_dir is not None:
         lines.append(f"HF export      {export_dir}")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["build_megatron_model", "hf_copy", "is_megatron_model"]
+__all__ = ["build_megatron_model", "hf_config", "hf_copy", "is_megatron_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,11 @@ def is_megatron_model(model: Any) -> bool:
     Imports nothing.
     """
     return type(_innermost(model)).__module__.startswith("megatron.core")
+
+
+def hf_config(model: Any) -> Any:
+    """The transformers config the GPTModel inside ``model`` was built from."""
+    return getattr(_innermost(model), _HF_CONFIG)
 
 
 def build_megatron_model(config: Any, tokenizer: Any, ctx: Any) -> nn.Module:
@@ -89,9 +94,9 @@ def hf_copy(model: Any, *, device: torch.device) -> nn.Module:
     from train_recipes.megatron.convert import megatron_state_dict_full, megatron_to_hf
 
     gpt = _innermost(model)
-    hf_config = getattr(gpt, _HF_CONFIG)
-    state = megatron_to_hf(megatron_state_dict_full(gpt, hf_config), hf_config)
+    config = hf_config(gpt)
+    state = megatron_to_hf(megatron_state_dict_full(gpt, config), config)
     dtype = next(gpt.parameters()).dtype
-    hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
     hf.load_state_dict(state)
     return hf.to(device).eval()
