@@ -359,7 +359,9 @@ def run_cell(
         outcome.result = "FAIL (loss did not fall)"
     rows = _metrics(run_dir)
     # The first step compiles and warms caches: the median of the later ones.
-    outcome.tokens_per_s = _median([r.get("tokens_per_s") for r in rows[1:] if "loss" in r])
+    outcome.tokens_per_s = _median(
+        [r.get("tokens_per_s_per_gpu", r.get("tokens_per_s")) for r in rows[1:] if "loss" in r]
+    )
     outcome.mfu = _median([r.get("mfu") for r in rows[1:] if "mfu" in r])
     summary_path = run_dir / "summary.json"
     if summary_path.is_file():
