@@ -209,6 +209,17 @@ def test_packed_stream_resumes_exactly(ds: Path, tok: Any) -> None:
     assert _take(fresh, 4) == ref[2:]
 
 
+def test_packing_draws_no_progress_bar_in_the_workers(
+    ds: Path, tok: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Energon's "Filling reading buffer" bar (every worker, every rank) is not drawn."""
+    enc = _enc(tok, max_length=256, packing_buffer_size=6)
+    with _loader(ds, enc, batch_size=1, num_workers=1) as loader:
+        assert len(_take(loader, 2)) == 2
+    err = capfd.readouterr().err
+    assert "Filling reading buffer" not in err, err
+
+
 def test_state_saved_at_an_epoch_boundary_resumes_the_next_epoch(ds: Path, tok: Any) -> None:
     enc = _enc(tok)
     ref = _loader(ds, enc, virtual_epoch_length=3)

@@ -5,14 +5,23 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import torch
-from megatron.energon import Cooker, SkipSample, TaskEncoder, WorkerConfig, stateless
+from megatron.energon import (
+    Cooker,
+    PackingDataset,
+    SavableDataset,
+    SkipSample,
+    TaskEncoder,
+    WorkerConfig,
+    stateless,
+)
 
 from energon_sft.batch import (
     IGNORE_INDEX,
@@ -288,6 +297,30 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedSample, SFTBatch, SFTBatch])
         return out_ids, out_trained, out_image
 
     # ---------------------------------------------------------------- Energon hooks
+    def build_batch(
+        self,
+        dataset: SavableDataset[Any],
+        *,
+        batch_size: int | None,
+        batch_drop_last: bool = False,
+        packing_buffer_size: int | None = None,
+        worker_config: WorkerConfig,
+    ) -> SavableDataset[Any]:
+        """Energon hook: Energon's batching (and packing), its packing buffer filled quietly."""
+        built = super().build_batch(
+            dataset,
+            batch_size=batch_size,
+            batch_drop_last=batch_drop_last,
+            packing_buffer_size=packing_buffer_size,
+            worker_config=worker_config,
+        )
+        node: Any = built
+        while node is not dataset and node is not None:
+            if isinstance(node, PackingDataset):
+                node._fill_reading_buffer = functools.partial(_fill_quietly, node)
+            node = getattr(node, "dataset", None)
+        return built
+
     @stateless
     def encode_sample(self, sample: ChatSample) -> EncodedSample:
         """Energon hook: :meth:`encode_chat`."""
@@ -332,3 +365,13 @@ class SFTTaskEncoder(TaskEncoder[ChatSample, EncodedSample, SFTBatch, SFTBatch])
             logical_shard=-1,
             shard_step=-1,
         )
+
+
+def _fill_quietly(packing: Any, source_iter: Iterator[Any], log_progress: bool = False) -> bool:
+    """Energon's ``PackingDataset._fill_reading_buffer`` without its progress bar.
+
+    Energon draws a tqdm bar ("Filling reading buffer") for the first fill, in every loader
+    worker of every rank, with no setting to turn it off; the training's own bar is the one
+    to read. (A bound partial, not a subclass: Energon's saved state names the class.)
+    """
+    return bool(type(packing)._fill_reading_buffer(packing, source_iter, log_progress=False))
