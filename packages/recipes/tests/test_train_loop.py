@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.abc
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -181,7 +182,7 @@ def test_logged_eval_loss_equals_a_float64_forward(
     )
     out = rank_pool.run(2, eval_loss_run, overrides, timeout_s=200)[0]
     logged = {r["step"]: r["eval/loss"] for r in out["rows"] if "eval/loss" in r}
-    assert sorted(logged) == [2, 4]
+    assert sorted(logged) == [0, 2, 4]  # step 0: before training (the summary's "before")
     model = out["model"].to(torch.float64).eval()
     tokenizer = build_char_tokenizer()
     encoder = SFTTaskEncoder(
@@ -202,6 +203,7 @@ def test_logged_eval_loss_equals_a_float64_forward(
     assert logged[4] == pytest.approx(reference, rel=1e-5), (logged, reference)
     assert logged[2] != pytest.approx(logged[4], rel=1e-6)  # it was evaluated twice, not copied
     assert out["summary"]["eval_loss_last"] == logged[4]
+    assert out["summary"]["eval_loss_first"] == logged[0] > logged[4]
 
 
 def test_eval_every_without_held_out_chats_is_refused(demo_data: DemoSplit) -> None:
@@ -323,6 +325,52 @@ def test_missing_matplotlib_and_tensorboard_give_notices(
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 1.0
     with pytest.raises(ImportError, match=r"train-recipes\[plot\]"):
         plot_loss(tmp_path)
+
+
+class _TimedStages:
+    """Loop stages that take known times: evaluation before training 1 s, each step 0.1 s."""
+
+    def train_step(self, step: int) -> Any:
+        from train_recipes.loop import StepRecord
+
+        time.sleep(0.1)
+        return StepRecord(step=step, metrics={"loss": 1.0, "loss_avg_window": 1.0, "lr": 1e-3})
+
+    def evaluate(self, step: int) -> Any:
+        from train_recipes.loop import StepRecord
+
+        time.sleep(1.0 if step == 0 else 0.0)
+        return StepRecord(step=step)
+
+    def checkpoint(self, step: int) -> None:
+        pass
+
+    def finish(self) -> Any:
+        from train_recipes.loop import RunEnd, StepRecord
+
+        return RunEnd(record=StepRecord(step=0), summary={})
+
+
+def test_progress_bar_rate_counts_from_the_first_step(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every rate the bar prints, the first included, is steps over the time since the first
+    step began (about 10 it/s here): not over the bar's own age (it was 323634.57it/s at the
+    first update), nor counting the evaluation before training."""
+    from train_recipes import loop
+
+    monkeypatch.setattr(loop, "loss_plot_or_notice", lambda out_dir: None)
+    plan = loop.LoopPlan(total_steps=3, log_every=1)
+    start = loop.RunStart(output_dir=tmp_path, plan=plan, tensorboard=False, desc="sft")
+    capsys.readouterr()
+    loop.drive(_TimedStages(), start, is_main=True, format_summary=lambda *_: "")  # type: ignore[arg-type]
+    err = capsys.readouterr().err
+    rates = [float(r) if unit == "it/s" else 1 / float(r) for r, unit in _RATE.findall(err)]
+    assert len(rates) >= 3, err
+    assert all(2 < r < 50 for r in rates), (rates, err)
+
+
+_RATE = re.compile(r"([\d.]+)(it/s|s/it)")
 
 
 class _Recorder:

@@ -225,6 +225,7 @@ def _run_steps(
         return stopped
     if start.start_step == 0:
         _emit(run_log, stages.evaluate(0))
+    run_log.start_steps()
     for step in range(start.start_step + 1, plan.total_steps + 1):
         _emit(run_log, stages.train_step(step), progress=True)
         if step < plan.total_steps and (stopped := _stop(stop_vote, step, saved=True)):

@@ -64,6 +64,7 @@ class RunLogger:
         self.path = out_dir / METRICS_FILE
         self._trackers: list[Tracker] = []
         self._bar: Any = None
+        self._steps_started: float | None = None
         self._bar_args = {
             "total": start.plan.total_steps,
             "initial": start_step,
@@ -90,7 +91,6 @@ class RunLogger:
             start_step=start_step,
             notice=self.write,
         )
-        self._t0 = time.perf_counter()
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         """Append one record (JSONL), mirror its finite numbers to the trackers."""
@@ -104,6 +104,13 @@ class RunLogger:
             for tracker in self._trackers:
                 tracker.log(step, scalars)
 
+    def start_steps(self) -> None:
+        """Mark the start of this process's first training step: the bar's rate counts from it.
+
+        The bar itself appears at the first logged step.
+        """
+        self._steps_started = time.time()  # tqdm's clock
+
     def progress(self, step: int, postfix: dict[str, Any]) -> None:
         """Move the bar to ``step`` and show ``postfix`` (loss, tokens/s, lr, ...)."""
         if not self.enabled:
@@ -112,6 +119,10 @@ class RunLogger:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(**self._bar_args, dynamic_ncols=True, smoothing=0.1)
+            if self._steps_started is not None:
+                # Dated from its own creation, the bar's first rate was the steps already done
+                # over a few microseconds (323634.57it/s).
+                self._bar.start_t = self._bar.last_print_t = self._steps_started
         self._bar.n = step
         self._bar.set_postfix(postfix, refresh=True)
 
