@@ -77,6 +77,31 @@ def test_own_model_takes_fine_tuning_defaults_and_given_keys_win(
     assert shown["data"]["max_length"] == 32 and shown["optim"]["lr"] == 3e-3
 
 
+def test_own_model_with_held_out_chats_measures_the_held_out_loss_before_and_after(
+    own_models: dict[str, Path], demo_data: DemoSplit
+) -> None:
+    """Issue 42: a held-out metric that moves for any task. Exact match stays at 0% for long
+    answers, so an own-model run with held-out chats (data.eval_path, or data.eval_split's rows
+    of a chat file) evaluates the held-out loss before training, every EVAL_EVERY steps and at
+    the end (test_train_loop.py checks the step-0 record); without held-out chats, or with the
+    key given, nothing changes."""
+    from train_recipes.config_commands import given_keys
+    from train_recipes.config_defaults import EVAL_EVERY, apply_run_defaults
+
+    base = [f"model.path={own_models['chat']}", f"data.path={demo_data.energon_dir}"]
+    for extra, want in (
+        ([f"data.eval_path={demo_data.eval_jsonl}"], EVAL_EVERY),
+        ([], 0),
+        ([f"data.eval_path={demo_data.eval_jsonl}", "train.eval_every=7"], 7),
+    ):
+        sets = [*base, *extra]
+        config, note = apply_run_defaults(
+            load_config(SFTConfig, None, sets), given_keys(None, sets)
+        )
+        assert config.train.eval_every == want, (extra, config.train.eval_every)
+        assert (f"train.eval_every={EVAL_EVERY}" in str(note)) == (want == EVAL_EVERY), note
+
+
 def test_own_data_that_would_train_nothing_is_refused_before_launch(
     own_models: dict[str, Path],
     demo_data: DemoSplit,

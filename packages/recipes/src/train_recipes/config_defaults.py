@@ -20,7 +20,7 @@ from typing import Any
 from train_recipes.config_loader import ConfigError
 from train_recipes.config_sft import SFTConfig
 
-__all__ = ["MAX_LENGTH_CAP", "OWN_MODEL", "apply_run_defaults", "max_position_embeddings"]
+__all__ = ["EVAL_EVERY", "MAX_LENGTH_CAP", "OWN_MODEL", "apply_run_defaults", "max_position_embeddings"]
 
 #: ``data.max_length`` of your own model: its ``max_position_embeddings``, at most this (rows
 #: are padded to the longest in their batch, so a short dataset pays nothing for it).
@@ -38,6 +38,11 @@ OWN_MODEL: dict[str, Any] = {
 }
 #: ``optim.lr`` of LoRA adapters on your own model (they start at zero and need larger steps).
 LORA_LR = 2e-4
+#: ``train.eval_every`` of your own model when it has held-out chats (``data.eval_path``, or
+#: ``data.eval_split``'s rows of a chat file): the held-out loss before training, every this
+#: many steps and at the last, so a run shows whether it generalises whatever its task (exact
+#: match stays at 0% for long answers).
+EVAL_EVERY = 500
 
 
 def max_position_embeddings(model_dir: str | Path) -> int | None:
@@ -107,6 +112,8 @@ def apply_run_defaults(
             "is needed with your own model and data.packing=true: the default length of 3 "
             "epochs has no fixed step count for packed rows; set train.steps (e.g. 1000)",
         )
+    if config.data.eval_path is not None and config.train.eval_every == 0:
+        defaults["train.eval_every"] = EVAL_EVERY
     for key, value in defaults.items():
         if key not in given:
             config = _with(config, key, value)

@@ -457,22 +457,29 @@ class SFTRecipe:
     # ---------------------------------------------------------------- evaluate, checkpoint
 
     def evaluate(self, step: int) -> StepRecord:
-        """Step 0: held-out exact match before training; later: the held-out loss."""
+        """Step 0: held-out exact match before training, and the held-out loss when
+        ``train.eval_every`` asks for it (the summary's "before"); later: the held-out loss."""
+        metrics: dict[str, float] = {}
+        lines: list[str] = []
         if step == 0:
             accuracy = self._exact_match()
-            if accuracy is None:
-                return StepRecord(step=0)
-            self._accuracy_before = accuracy
-            rows = len(self._evaluation.rows)
-            line = f"held-out exact match before training: {accuracy:.1%} ({rows} questions)"
-            return StepRecord(step=0, metrics={"eval/exact_match": accuracy}, lines=(line,))
+            if accuracy is not None:
+                self._accuracy_before = accuracy
+                rows = len(self._evaluation.rows)
+                lines.append(
+                    f"held-out exact match before training: {accuracy:.1%} ({rows} questions)"
+                )
+                metrics["eval/exact_match"] = accuracy
+            if self.config.train.eval_every == 0:
+                return StepRecord(step=0, metrics=metrics, lines=tuple(lines))
         with self._tokens.paused(self.ctx.device):  # not training time (the rates leave it out)
             loss = self._evaluation.loss(unwrap(self.model))
-        if loss is None:
-            return StepRecord(step=step)
-        self._eval_losses.append(loss)
-        line = f"step {step}: eval/loss {loss:.4f} (held-out)"
-        return StepRecord(step=step, metrics={"eval/loss": loss}, lines=(line,))
+        if loss is not None:
+            self._eval_losses.append(loss)
+            when = "before training" if step == 0 else f"step {step}"
+            lines.append(f"held-out loss {when}: {loss:.4f}")
+            metrics["eval/loss"] = loss
+        return StepRecord(step=step, metrics=metrics, lines=tuple(lines))
 
     def _hf_model(self) -> torch.nn.Module:
         """Give the model to generate from.
