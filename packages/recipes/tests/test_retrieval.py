@@ -104,6 +104,35 @@ def _tiny_encoder_dir(tmp_path: Path) -> Path:
     return tmp_path / "encoder"
 
 
+def test_loading_reports_only_what_matters(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The pooler's weights, left unused on purpose, get no LOAD REPORT table, and no process
+    draws a "Loading weights" bar; a weight the checkpoint lacks still gets the report."""
+    from safetensors.torch import load_file, save_file
+    from transformers import BertModel
+
+    from train_testing.tiny_hf import tiny_config
+
+    config = tiny_config("bert", num_attention_heads=2, max_position_embeddings=32)
+    folder = tmp_path / "with-pooler"
+    BertModel(config).save_pretrained(folder)  # as all-MiniLM-L6-v2: a pooler in the checkpoint
+    capfd.readouterr()
+    model = load_encoder(RetrievalModelConfig(path=str(folder)), torch.device("cpu"))
+    assert model.pooler is None
+    err = capfd.readouterr().err
+    assert "LOAD REPORT" not in err and "Loading weights" not in err, err
+
+    weights = folder / "model.safetensors"
+    state = load_file(weights)
+    del state["encoder.layer.0.output.dense.bias"]
+    save_file(state, weights, metadata={"format": "pt"})
+    load_encoder(RetrievalModelConfig(path=str(folder)), torch.device("cpu"))
+    err = capfd.readouterr().err
+    assert "LOAD REPORT" in err and "encoder.layer.0.output.dense.bias" in err, err
+    assert "Loading weights" not in err, err
+
+
 def _reference_mean_embedding(
     model: torch.nn.Module, batch: dict[str, torch.Tensor]
 ) -> torch.Tensor:

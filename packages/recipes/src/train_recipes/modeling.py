@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from train_recipes.config_sft import SFTConfig
+from train_recipes.quiet_loading import from_pretrained_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,11 @@ def build_model(config: SFTConfig, tokenizer: Any) -> nn.Module:
     if is_vlm(config):
         return _build_vlm(config, tokenizer, dtype)
     if config.model.path is not None:
-        return AutoModelForCausalLM.from_pretrained(
-            config.model.path, dtype=dtype, attn_implementation=config.model.attn_implementation
+        return from_pretrained_quietly(  # no weights bar on every rank
+            AutoModelForCausalLM.from_pretrained,
+            config.model.path,
+            dtype=dtype,
+            attn_implementation=config.model.attn_implementation,
         )
     tiny = config.model.tiny
     hf_config = LlamaConfig(
@@ -138,8 +142,11 @@ def _build_vlm(config: SFTConfig, tokenizer: Any, dtype: torch.dtype) -> nn.Modu
     )
 
     if config.model.path is not None:
-        loaded: nn.Module = AutoModelForImageTextToText.from_pretrained(
-            config.model.path, dtype=dtype, attn_implementation=config.model.attn_implementation
+        loaded: nn.Module = from_pretrained_quietly(
+            AutoModelForImageTextToText.from_pretrained,
+            config.model.path,
+            dtype=dtype,
+            attn_implementation=config.model.attn_implementation,
         )
         return loaded
     tiny = config.model.tiny

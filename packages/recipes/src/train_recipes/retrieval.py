@@ -135,13 +135,20 @@ def load_encoder(
     from transformers import AutoModel
 
     from train_recipes.modeling import compile_decoder_layers
+    from train_recipes.quiet_loading import from_pretrained_quietly
 
     model_path = resolve_model_path(model_config.path)
     try:
-        # BERT-style encoders: drop the unused pooler head (DDP rejects parameters without grads).
-        model = AutoModel.from_pretrained(model_path, add_pooling_layer=False)
+        # BERT-style encoders: drop the unused pooler head (DDP rejects parameters without grads);
+        # its weights in the checkpoint go unused on purpose, which is not worth a report.
+        model = from_pretrained_quietly(
+            AutoModel.from_pretrained,
+            model_path,
+            add_pooling_layer=False,
+            unused_ok=lambda key: key.startswith("pooler."),
+        )
     except TypeError:
-        model = AutoModel.from_pretrained(model_path)
+        model = from_pretrained_quietly(AutoModel.from_pretrained, model_path)
     model = model.to(device)
     if model_config.compile:
         # The blocks' forwards, not the module: parameter names (and the export) are unchanged.
