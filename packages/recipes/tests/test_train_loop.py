@@ -438,6 +438,15 @@ def test_wandb_and_mlflow_receive_the_records(
     # Not the file store ./mlruns, which current mlflow refuses: SQLite in the run folder.
     db = (tmp_path / "run1" / "mlflow.db").resolve()
     assert by_name["mlflow.set_tracking_uri"][1][0] == f"sqlite:///{db}"
+    # W&B writes <dir>/wandb (offline runs too): --overwrite clears it with the rest of the run
+    # (it refused the folder as not a run's).
+    from train_recipes.run_folder import check_output_dir, clear_run
+
+    (tmp_path / "run1" / "wandb" / "offline-run-20260101_000000-abc123").mkdir(parents=True)
+    (tmp_path / "run1" / "mlflow.db").touch()
+    check_output_dir(tmp_path / "run1", resume=False, overwrite=True)
+    assert sorted(clear_run(tmp_path / "run1")) == ["metrics.jsonl", "mlflow.db", "wandb"]
+    assert not any((tmp_path / "run1").iterdir())
 
 
 # ------------------------------------------------------------------------------------- skips

@@ -69,6 +69,7 @@ RUN_ENTRIES = frozenset(
         "loss.png",
         "tensorboard",
         "mlflow.db",  # MLflow's store when MLFLOW_TRACKING_URI is unset (trackers.MLFLOW_DB)
+        "wandb",  # W&B's files: wandb.init(dir=<run folder>) writes <run folder>/wandb (trackers)
     }
 )
 # Leftovers of an interrupted atomic replacement (`write_atomic`, `publish_dir`).
