@@ -39,6 +39,23 @@ def cli_env() -> dict[str, str]:
     return env
 
 
+# Output a successful run must not print (issue 42 item 7): a traceback, nanobind's leak report
+# at a rank's exit, Energon's packing-buffer bar, transformers' weights bar and LOAD REPORT.
+NOISE = (
+    "Traceback",
+    "nanobind: leaked",
+    "Filling reading buffer",
+    "Loading weights",
+    "LOAD REPORT",
+)
+
+
+def assert_quiet(output: str) -> None:
+    """``output`` (a run's stdout and stderr) holds none of :data:`NOISE`."""
+    found = [noise for noise in NOISE if noise in output]
+    assert not found, (found, output[-4000:])
+
+
 def sft_args(
     out: Path, sets: Iterable[str], *, nproc: int = 1, flags: Sequence[str] = ()
 ) -> list[str]:

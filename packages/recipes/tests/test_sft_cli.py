@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _recipes_workers import metric_rows
-from conftest import CLI, cli_env, data_overrides, sft_args
+from conftest import CLI, assert_quiet, cli_env, data_overrides, sft_args
 from train_recipes.demo import DemoSplit
 
 
@@ -52,6 +52,7 @@ def test_two_ranks_loss_decreases_and_a_middle_checkpoint_exports(
         [*CLI, *_args(demo_data, ref)], env=cli_env(), capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-4000:]
+    assert_quiet(done.stdout + done.stderr)
     ref_losses = _losses(ref)
     assert sorted(ref_losses) == list(range(1, STEPS + 1))
     first = sum(ref_losses[s] for s in range(1, 6)) / 5

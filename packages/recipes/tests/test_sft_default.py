@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLI
+from conftest import CLI, assert_quiet
 
 
 @pytest.mark.slow
@@ -25,6 +25,7 @@ def test_embedded_default_learns_addition(tmp_path: Path) -> None:
         timeout=840,
     )
     assert done.returncode == 0, done.stderr[-4000:]
+    assert_quiet(done.stdout + done.stderr)  # the output the README shows
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == 2
     before, after = summary["accuracy_before"], summary["accuracy_after"]

@@ -210,6 +210,7 @@ class SFTRecipe:
         )
         # One loader per replica, on its first rank; its cp/tp peers receive the batches.
         self.loader = replica_loader(config, ctx, dataset_path, encoder=self._encoder)
+        self._guards.callback(self.loader.close)  # stopped at the end, not at interpreter exit
         self.data_plane = DataPlane(dp_size=ctx.dp_size)
         # The window's ranks hold disjoint parts of the loss sum (tp ranks hold copies).
         self.window: LossWindow = LossWindow(train.loss_window, group=ctx.grad_mesh().get_group())
