@@ -187,6 +187,27 @@ def test_resume_on_a_different_dp_size_through_logical_shards(ds: Path, tok: Any
         _loader(ds, enc, dp_rank=0, dp_world_size=3, **common)
 
 
+def test_state_dict_with_workers_before_every_shard_gave_a_batch(ds: Path, tok: Any) -> None:
+    """With worker processes, a state_dict() taken after the first batch of 2 logical shards
+    waited forever: shard 1's workers counted as started but had not, and never answered."""
+    import threading
+
+    enc = _enc(tok)
+    opts = dict(shuffle=False, num_workers=1, num_logical_shards=2)
+    with _loader(ds, enc, **opts) as straight:
+        reference = _take(straight, 4)
+    with _loader(ds, enc, **opts) as loader:
+        assert _take(loader, 1) == reference[:1]
+        saved: list[Any] = []
+        saver = threading.Thread(target=lambda: saved.append(loader.state_dict()), daemon=True)
+        saver.start()
+        saver.join(timeout=60)
+        assert saved, "state_dict() did not return within 60 s"
+    with _loader(ds, enc, **opts) as resumed:
+        resumed.load_state_dict(saved[0])
+        assert _take(resumed, 3) == reference[1:]
+
+
 def test_virtual_epoch_length_counts_batches_per_shard(ds: Path, tok: Any) -> None:
     loader = _loader(ds, _enc(tok), virtual_epoch_length=3, num_logical_shards=2)
     assert len(loader) == 6

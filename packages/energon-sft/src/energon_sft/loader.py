@@ -156,12 +156,17 @@ class SFTLoader:
             raise RuntimeError("the loader was closed; build a new one")
         self._started = True
         active = list(self.shards)
-        self._iters = {s: iter(self._loaders[s]) for s in active}
+        self._iters = {}
         while active:
             # The shard that has given the fewest batches goes next (ties: lowest id), so the
             # order follows from the consumed counts alone and survives a resume.
             shard = min(active, key=lambda s: (self._consumed[s], s))
             try:
+                # A shard's Energon iterator is made when the shard is first read: Energon
+                # counts its workers as started from iter() on, though they start at the first
+                # batch, and a state_dict() before then waited forever for their answer.
+                if shard not in self._iters:
+                    self._iters[shard] = iter(self._loaders[shard])
                 batch = next(self._iters[shard])
             except StopIteration:
                 active.remove(shard)
