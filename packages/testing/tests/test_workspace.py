@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from train_testing.readme_examples import python_blocks, unmarked_blocks
 from train_testing.workspace import (
     cross_imports,
     load_members,
@@ -114,3 +115,30 @@ def test_test_module_names_are_unique_across_packages(tmp_path: Path) -> None:
     assert repeated_test_module_names(tmp_path) == [
         "tests module _workers.py exists in alpha, beta; prefix it with the package or topic"
     ]
+
+
+def _readmes_and_their_tests() -> list[tuple[Path, Path]]:
+    """Each README and the tests folder whose suite must run its examples (root: testing's)."""
+    pairs = [(ROOT / "README.md", ROOT / "packages" / "testing" / "tests")]
+    for member in load_members(ROOT).values():
+        pairs.append((member.folder / "README.md", member.folder / "tests"))
+    return [(readme, tests) for readme, tests in pairs if readme.is_file()]
+
+
+def test_every_readme_python_block_is_run_or_marked_a_fragment() -> None:
+    unmarked = [
+        where for readme, _ in _readmes_and_their_tests() for where in unmarked_blocks(readme)
+    ]
+    assert unmarked == [], (
+        "mark each ```python block `python run` (part of the README's example script, which the "
+        "package's tests run; see train_testing.readme_examples) or `python fragment` (not run; "
+        f"say in the prose what it needs): {unmarked}"
+    )
+
+
+def test_every_readme_with_examples_has_a_test_that_runs_them() -> None:
+    for readme, tests in _readmes_and_their_tests():
+        if not any(block.runs for block in python_blocks(readme)):
+            continue
+        runners = [t for t in tests.glob("test_*.py") if "run_readme_examples(" in t.read_text()]
+        assert runners, f"{readme} has ```python run blocks but no test in {tests} runs them"
