@@ -20,7 +20,13 @@ from typing import Any
 from train_recipes.config_loader import ConfigError
 from train_recipes.config_sft import SFTConfig
 
-__all__ = ["EVAL_EVERY", "MAX_LENGTH_CAP", "OWN_MODEL", "apply_run_defaults", "max_position_embeddings"]
+__all__ = [
+    "EVAL_EVERY",
+    "MAX_LENGTH_CAP",
+    "OWN_MODEL",
+    "apply_run_defaults",
+    "max_position_embeddings",
+]
 
 #: ``data.max_length`` of your own model: its ``max_position_embeddings``, at most this (rows
 #: are padded to the longest in their batch, so a short dataset pays nothing for it).

@@ -458,8 +458,11 @@ class SFTRecipe:
     # ---------------------------------------------------------------- evaluate, checkpoint
 
     def evaluate(self, step: int) -> StepRecord:
-        """Step 0: held-out exact match before training, and the held-out loss when
-        ``train.eval_every`` asks for it (the summary's "before"); later: the held-out loss."""
+        """The held-out evaluation after ``step``.
+
+        Step 0: exact match before training, and the held-out loss when ``train.eval_every``
+        asks for it (the summary's "before"); later steps: the held-out loss.
+        """
         metrics: dict[str, float] = {}
         lines: list[str] = []
         if step == 0:
