@@ -484,7 +484,7 @@ def main() -> None:
         outcome = run_cell(cell, models, args.work, quick=args.quick, steps=args.steps)
         for suffix in ("", "-resumed", "-again"):  # a failed cell's checkpoints too
             shutil.rmtree(args.work / "runs" / f"{cell.name}{suffix}", ignore_errors=True)
-        if not cell.alone:
+        if not cell.alone and args.jobs > 1:
             outcome.notes.append(f"shared the GPU with up to {args.jobs - 1} cells")
         outcomes.append(outcome)
         print(table([outcome], []).splitlines()[-1], flush=True)

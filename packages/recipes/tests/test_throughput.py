@@ -156,6 +156,11 @@ def test_meter_leaves_out_paused_time() -> None:
     meter.add_inputs(torch.ones(1, 4))
     later = meter.read(torch.device("cpu"))
     assert meter.run_window() == later  # the first read (warm-up) is left out
+    meter.add_inputs(torch.ones(1, 6))
+    third = meter.read(torch.device("cpu"))
+    summed = meter.run_window()
+    assert summed is not None and summed.tokens == later.tokens + third.tokens == 5.0
+    assert summed.seconds == pytest.approx(later.seconds + third.seconds)
 
 
 def test_vlm_count_matches_torch_flop_counter() -> None:

@@ -191,7 +191,9 @@ class TokenMeter:
         self._inputs = torch.zeros(2, dtype=torch.float64)  # tokens, model FLOPs
         self._loss_tokens: torch.Tensor | None = None
         self._since = time.perf_counter()
-        self._windows: list[TokenWindow] = []  # every read, for the run's rate
+        # The run's rate: the first read (compilation, warm-up) and the sum of the later ones.
+        self._first: TokenWindow | None = None
+        self._later: TokenWindow | None = None
 
     def restart_clock(self) -> None:
         """Measure the rate from now (the first step of this process)."""
@@ -235,7 +237,10 @@ class TokenMeter:
         self._since = now
         self._inputs.zero_()
         self._loss_tokens = None
-        self._windows.append(window)
+        if self._first is None:
+            self._first = window
+        else:
+            self._later = window if self._later is None else _added(self._later, window)
         return window
 
     def run_window(self) -> TokenWindow | None:
@@ -243,15 +248,16 @@ class TokenMeter:
 
         The first read holds the compilation and warm-up of the first step.
         """
-        windows = self._windows[1:] or self._windows
-        if not windows:
-            return None
-        return TokenWindow(
-            tokens=sum(w.tokens for w in windows),
-            flops=sum(w.flops for w in windows),
-            seconds=sum(w.seconds for w in windows),
-            loss_tokens=sum(w.loss_tokens for w in windows),
-        )
+        return self._later if self._later is not None else self._first
+
+
+def _added(a: TokenWindow, b: TokenWindow) -> TokenWindow:
+    return TokenWindow(
+        tokens=a.tokens + b.tokens,
+        flops=a.flops + b.flops,
+        seconds=a.seconds + b.seconds,
+        loss_tokens=a.loss_tokens + b.loss_tokens,
+    )
 
 
 class StartupClock:
