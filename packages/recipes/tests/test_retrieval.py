@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -114,23 +115,44 @@ def test_loading_reports_only_what_matters(
 
     from train_testing.tiny_hf import tiny_config
 
-    config = tiny_config("bert", num_attention_heads=2, max_position_embeddings=32)
-    folder = tmp_path / "with-pooler"
-    BertModel(config).save_pretrained(folder)  # as all-MiniLM-L6-v2: a pooler in the checkpoint
-    capfd.readouterr()
-    model = load_encoder(RetrievalModelConfig(path=str(folder)), torch.device("cpu"))
-    assert model.pooler is None
-    err = capfd.readouterr().err
-    assert "LOAD REPORT" not in err and "Loading weights" not in err, err
+    # The report is read from its logger: transformers' own handler holds whatever stream was
+    # sys.stderr when the library first logged (an earlier test's capture object, under xdist).
+    reports = _LoggedMessages()
+    report_logger = logging.getLogger("transformers.modeling_utils")
+    report_logger.addHandler(reports)
+    try:
+        config = tiny_config("bert", num_attention_heads=2, max_position_embeddings=32)
+        folder = tmp_path / "with-pooler"
+        BertModel(config).save_pretrained(folder)  # as all-MiniLM-L6-v2: a pooler in it
+        capfd.readouterr()
+        model = load_encoder(RetrievalModelConfig(path=str(folder)), torch.device("cpu"))
+        assert model.pooler is None
+        err = capfd.readouterr().err
+        assert not any("LOAD REPORT" in m for m in reports.messages), reports.messages
+        assert "Loading weights" not in err, err
 
-    weights = folder / "model.safetensors"
-    state = load_file(weights)
-    del state["encoder.layer.0.output.dense.bias"]
-    save_file(state, weights, metadata={"format": "pt"})
-    load_encoder(RetrievalModelConfig(path=str(folder)), torch.device("cpu"))
-    err = capfd.readouterr().err
-    assert "LOAD REPORT" in err and "encoder.layer.0.output.dense.bias" in err, err
-    assert "Loading weights" not in err, err
+        weights = folder / "model.safetensors"
+        state = load_file(weights)
+        del state["encoder.layer.0.output.dense.bias"]
+        save_file(state, weights, metadata={"format": "pt"})
+        load_encoder(RetrievalModelConfig(path=str(folder)), torch.device("cpu"))
+        err = capfd.readouterr().err
+        logged = "\n".join(reports.messages)
+        assert "LOAD REPORT" in logged and "encoder.layer.0.output.dense.bias" in logged, logged
+        assert "Loading weights" not in err, err
+    finally:
+        report_logger.removeHandler(reports)
+
+
+class _LoggedMessages(logging.Handler):
+    """Keeps the formatted message of every record it handles."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def _reference_mean_embedding(
