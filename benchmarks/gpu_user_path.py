@@ -177,7 +177,7 @@ def save_llama(directory: Path, shape: str, device: str) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from train_recipes.demo import build_char_tokenizer
+    from train_recipes.data.demo import build_char_tokenizer
 
     if (directory / "config.json").is_file():
         return directory

@@ -91,7 +91,7 @@ def write_dataset(
     """
     import numpy as np
 
-    from train_recipes._integrations import convert_chat_jsonl
+    from train_recipes.data.energon_api import convert_chat_jsonl
 
     settings = {
         "num_samples": num_samples,
@@ -162,8 +162,8 @@ def build_processor(image_size: int) -> Any:
         Qwen2VLImageProcessorPil,
     )
 
-    from train_recipes.demo import build_char_tokenizer
-    from train_recipes.processors import LocalProcessor
+    from train_recipes.data.demo import build_char_tokenizer
+    from train_recipes.data.processors import LocalProcessor
 
     if image_size % 28:
         raise SystemExit(f"--image-size {image_size} must be a multiple of 28 (patch 14 x merge 2)")

@@ -74,7 +74,7 @@ def build_vlm(
     """
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from train_recipes.modeling import build_model
+    from train_recipes.model.build import build_model
 
     if preset["vocab_size"] is not None:
         tokenizer = _PaddedVocab(tokenizer, preset["vocab_size"])
@@ -115,9 +115,9 @@ class StepVariant:
 
     Attributes:
         name: as given on the command line.
-        varlen: the vision tower through ``train_recipes.vision_attention`` (one varlen call
+        varlen: the vision tower through ``train_recipes.model.vision_attention`` (one varlen call
             per block); "stock" is transformers' per-window attention.
-        linear_patch: the patch embedding as a matmul (``train_recipes.patch_embed``), not
+        linear_patch: the patch embedding as a matmul (``train_recipes.model.patch_embed``), not
             cuDNN's Conv3d.
         fused_adam: ``AdamW(fused=True)``, the recipe's optimizer on CUDA (the Engine then clips
             and skips inside the kernel, without the host sync of the foreach AdamW's step).

@@ -19,7 +19,7 @@ Every variant: the recipe's parts (build_parallel_model's order: checkpointing, 
 layers, FSDP2 with bf16 compute, fp32 master weights and fp32 gradient reduction), the
 vocab-parallel token-sum loss, Engine backward/step with fused AdamW and clipping at 1.0.
 Median of CUDA-event step times after warm-up; model FLOPs as the recipe counts them
-(``train_recipes.throughput``: 6 x the matmul weights per token, embedding excluded, plus causal
+(``train_recipes.loop.throughput``: 6 x the matmul weights per token, embedding excluded, plus causal
 attention; recomputation not counted, so checkpointing shows as lower MFU); MFU against
 ``--peak-tflops`` (989: H100/H200 SXM dense bf16).
 
@@ -46,10 +46,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from train_engine import Engine, FSDP2Config, apply_data_parallel, param_groups
-from train_recipes.checkpointing import apply_activation_checkpointing
-from train_recipes.modeling import compile_decoder_layers
-from train_recipes.sft import token_sum_loss
-from train_recipes.throughput import model_counts
+from train_recipes.loop.throughput import model_counts
+from train_recipes.model.activation_checkpointing import apply_activation_checkpointing
+from train_recipes.model.build import compile_decoder_layers
+from train_recipes.sft.run import token_sum_loss
 
 SHAPES = {
     "1.5b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16),
@@ -86,7 +86,7 @@ def _compare_loads(
 ) -> list[dict[str, Any]]:
     from transformers import AutoModelForCausalLM
 
-    from train_recipes.loading import build_on_meta, load_sharded_safetensors
+    from train_recipes.model.loading import build_on_meta, load_sharded_safetensors
 
     shape = TINY if args.quick else SHAPES["8b"]
     if not os.path.exists(os.path.join(folder, "config.json")):

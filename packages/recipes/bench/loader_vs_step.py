@@ -2,8 +2,8 @@
 
 One run measures, side by side, for a Qwen2.5-VL-style SFT workload:
 
-1. loader: the recipe's energon-sft loader (``train_recipes._integrations.build_encoder`` and
-   ``build_loader`` with the settings ``train_recipes.sft`` passes: family ``qwen2_5_vl``, packing,
+1. loader: the recipe's energon-sft loader (``train_recipes.data.energon_api.build_encoder`` and
+   ``build_loader`` with the settings ``train_recipes.sft.run`` passes: family ``qwen2_5_vl``, packing,
    ``pad_to_multiple_of=2``, one data-parallel replica, ``--num-workers`` workers) over an Energon
    dataset written the way the VLM demo writes its own (chat JSONL + image files ->
    ``convert_chat_jsonl``): generated photo-like RGB pictures (448x448 JPEG by default, 256
@@ -20,8 +20,8 @@ One run measures, side by side, for a Qwen2.5-VL-style SFT workload:
    ``Engine.step()``, AdamW. Median over ``--steps`` steps (device synchronised) after
    ``--warmup-steps``, for each of ``--step-variants`` in turn (a fresh model from the same seed
    each, so the first step's losses agree): ``stock`` (transformers' per-window vision
-   attention), ``varlen`` (``train_recipes.vision_attention``), then any of ``+linearpatch``
-   (``train_recipes.patch_embed``: the patch embedding as a matmul), ``+fusedadam`` (fused AdamW:
+   attention), ``varlen`` (``train_recipes.model.vision_attention``), then any of ``+linearpatch``
+   (``train_recipes.model.patch_embed``: the patch embedding as a matmul), ``+fusedadam`` (fused AdamW:
    no host sync in ``Engine.step``), ``+compile`` (``compile_decoder_layers``: decoder layers and
    vision blocks), ``+fsdp2`` (fp32 weights, 1-rank FSDP2, bf16 compute) and ``+allpositions``
    (the fused loss over every position, ``model.fused_loss_trained_only=false``; without it the
@@ -32,7 +32,7 @@ One run measures, side by side, for a Qwen2.5-VL-style SFT workload:
    produces batches at least as fast as one GPU consumes them.
 4. MFU = model FLOPs per batch / step time / ``--peak-tflops`` (989: H100/H200 bf16 dense). The
    FLOPs, from each batch's documents (``seq_lens``) and images (``image_grid_thw``), are
-   ``train_recipes.throughput`` (the recipe's own MFU count): 6 x matmul weights x tokens (decoder + head) and x patches (vision
+   ``train_recipes.loop.throughput`` (the recipe's own MFU count): 6 x matmul weights x tokens (decoder + head) and x patches (vision
    tower; the merger x merged tokens), plus 12 x d x layers x the attended pairs: causal per
    packed document (L(L+1)/2 each) in the decoder, per window (W^2) or per image frame in the
    vision blocks. Norms, activations, the optimizer and padding are not counted.
@@ -91,10 +91,10 @@ def measure_loader(
     config: Any, processor: Any, *, warmup: int, batches: int, keep: int
 ) -> tuple[dict[str, Any], list[Any]]:
     """Throughput of the recipe's loader; returns the row and the first ``keep`` timed batches."""
-    from train_recipes import _integrations as data_api
+    from train_recipes.data import energon_api as data_api
 
     data = config.data
-    # The same calls, with the same arguments, as train_recipes.sft.run_sft on one dp rank, cp=1.
+    # The same calls, with the same arguments, as train_recipes.sft.run.run_sft on one dp rank, cp=1.
     encoder = data_api.build_encoder(
         processor,
         model_family=data.model_family,
@@ -179,14 +179,14 @@ def measure_step(
     the GPU's idle gaps, ``sft_step.profile``).
     """
     from train_engine import Engine, FSDP2Config, apply_data_parallel, param_groups
-    from train_recipes import _integrations as data_api
-    from train_recipes.fused_loss import fused_head
-    from train_recipes.modeling import compile_decoder_layers
-    from train_recipes.patch_embed import use_linear_patch_embed
-    from train_recipes.processors import tokenizer_of
-    from train_recipes.sft import token_sum_loss
-    from train_recipes.throughput import check_windows, document_lengths, model_counts
-    from train_recipes.vision_attention import use_varlen_vision_attention
+    from train_recipes.data import energon_api as data_api
+    from train_recipes.data.processors import tokenizer_of
+    from train_recipes.loop.throughput import check_windows, document_lengths, model_counts
+    from train_recipes.loss.fused_loss import fused_head
+    from train_recipes.model.build import compile_decoder_layers
+    from train_recipes.model.patch_embed import use_linear_patch_embed
+    from train_recipes.model.vision_attention import use_varlen_vision_attention
+    from train_recipes.sft.run import token_sum_loss
 
     if device.type == "cuda":
         torch.cuda.set_device(device)  # main() gives it an index
@@ -243,7 +243,7 @@ def measure_step(
         fused=True if variant.fused_adam else None,  # None: torch's default (foreach on CUDA)
     )
     engine = Engine(model, optimizer, max_grad_norm=config.optim.max_grad_norm)
-    fused = fused_head(engine) is not None  # token_sum_loss takes train_recipes.fused_loss
+    fused = fused_head(engine) is not None  # token_sum_loss takes train_recipes.loss.fused_loss
 
     # Host -> device copy of each batch, as the recipe's loop does it (timed separately).
     h2d: list[float] = []

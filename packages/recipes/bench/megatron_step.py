@@ -11,7 +11,7 @@ at 1.0, and the vocab-parallel token-sum loss on batch 4 x 4096 unpacked rows:
 
 For the tuned HF step (FSDP2 mixed precision, compiled layers) run
 ``sft_step.py --variants recipes`` on the same machine. MFU as in ``sft_step.py``:
-the recipe's model-FLOP count (``train_recipes.throughput``) against ``--peak-tflops``.
+the recipe's model-FLOP count (``train_recipes.loop.throughput``) against ``--peak-tflops``.
 
     python packages/recipes/bench/megatron_step.py --device cuda --out megatron_step.json
     python packages/recipes/bench/megatron_step.py --quick     # tiny model on the CPU (CI)
@@ -43,8 +43,8 @@ from sft_step import (
 from torch.nn.parallel import DistributedDataParallel
 
 from train_engine import Engine, param_groups
-from train_recipes.attention import CausalFastPath
-from train_recipes.sft import token_sum_loss
+from train_recipes.model.attention import CausalFastPath
+from train_recipes.sft.run import token_sum_loss
 from train_testing.bench import (
     add_sft_step_arguments,
     device_name,

@@ -61,8 +61,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from sft_step import FULL, TINY, device_name, free_memory, init_process_group, sync, timed_steps
 
 from train_engine import Engine, FSDP2Config, apply_data_parallel, param_groups
-from train_recipes.attention import CausalFastPath
-from train_recipes.sft import token_sum_loss
+from train_recipes.model.attention import CausalFastPath
+from train_recipes.sft.run import token_sum_loss
 from train_testing.bench import add_device_argument
 
 # Name of the bench's own attention (torch's varlen_attn, called directly).

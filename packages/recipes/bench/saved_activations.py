@@ -20,7 +20,7 @@ forward, less the output, is a second, independent measure ("allocator bytes/tok
 activations computed in the layer, so the layer input (allocated before, 2*H bytes a token in
 bf16) is not in it.
 
-Variants: ``eager``; ``compiled`` (``train_recipes.modeling.compile_decoder_layers`` as the
+Variants: ``eager``; ``compiled`` (``train_recipes.model.build.compile_decoder_layers`` as the
 recipe calls it: inductor); ``budget=<b>`` (the same with ``memory_budget=b``, the recipe's
 ``model.compile_memory_budget``); ``aggressive`` (functorch's ``aggressive_recomputation``);
 ``liger`` (CUDA only: Liger-Kernel's RMSNorm/SwiGLU/RoPE patched into the eager layer; runs
@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from train_recipes.attention import sdpa_backends
-from train_recipes.modeling import compile_decoder_layers
+from train_recipes.model.attention import sdpa_backends
+from train_recipes.model.build import compile_decoder_layers
 from train_testing.bench import (
     LLAMA_1P5B,
     LLAMA_TINY,

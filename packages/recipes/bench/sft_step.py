@@ -43,7 +43,7 @@ same batch) is compared with an fp32 eager reference of the unwrapped transforme
 eight parameters' gradients, printed and written next to the variant's time (``--no-check``
 skips it; the reference needs the memory of an fp32 step once, before the variants).
 
-Model FLOPs: ``train_recipes.throughput``, the count the recipe reports MFU with (6 x the
+Model FLOPs: ``train_recipes.loop.throughput``, the count the recipe reports MFU with (6 x the
 matmul weights per token, embedding excluded, plus causal attention per row); MFU is against
 the dense bf16 peak given by ``--peak-tflops`` (989 for H100/H200 SXM).
 ``--board`` samples the GPU's power draw and SM clock during each variant's timed steps (a step
@@ -75,10 +75,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from train_engine import Engine, FSDP2Config, MasterWeightAdamW, apply_data_parallel, param_groups
-from train_recipes.attention import CausalFastPath, sdpa_backends
-from train_recipes.modeling import compile_decoder_layers
-from train_recipes.sft import token_sum_loss
-from train_recipes.throughput import model_counts
+from train_recipes.loop.throughput import model_counts
+from train_recipes.model.attention import CausalFastPath, sdpa_backends
+from train_recipes.model.build import compile_decoder_layers
+from train_recipes.sft.run import token_sum_loss
 
 # `device_name`, `free_memory`, `init_process_group`, `sync`, FULL and TINY stay importable from
 # here for the benchmarks next to this one.

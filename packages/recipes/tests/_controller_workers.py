@@ -18,7 +18,7 @@ def run_sft_plane_on_rank(rank: int, world_size: int, overrides: list[str]) -> d
     """Run the SFT recipe (SPMD) on this rank; every rank returns its data plane and the
     loaders it built, rank 0 also the logged losses."""
     from train_recipes.config import SFTConfig, load_config, validate_sft
-    from train_recipes.sft import run_sft
+    from train_recipes.sft.run import run_sft
 
     config = load_config(SFTConfig, None, overrides)
     validate_sft(config, world_size=world_size)
@@ -39,7 +39,7 @@ def loader_sample_ids(
     """The source ids of the first ``batches`` batches of an energon-sft loader built directly
     (not through the recipe) as the recipe builds replica ``dp_rank``'s."""
     from energon_sft import SFTTaskEncoder, build_sft_loader
-    from train_recipes.demo import build_char_tokenizer
+    from train_recipes.data.demo import build_char_tokenizer
 
     encoder = SFTTaskEncoder(
         build_char_tokenizer(),

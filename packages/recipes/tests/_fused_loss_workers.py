@@ -14,7 +14,7 @@ def fused_loss(
     model: Any, batch: dict[str, Any], *, chunk_tokens: int | None = None
 ) -> torch.Tensor:
     """The recipe's loss hook; asserts that it took the fused path (no logits built)."""
-    from train_recipes.fused_loss import fused_head, token_sum_loss_of
+    from train_recipes.loss.fused_loss import fused_head, token_sum_loss_of
 
     assert fused_head(model) is not None, "the fused path was not taken"
     inputs = dict(batch)
@@ -45,7 +45,7 @@ def fused_under_tp(rank: int, world_size: int, kind: str, model_dir: str) -> dic
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from train_recipes.tensor_parallel import apply_tensor_parallel
+    from train_recipes.model.tensor_parallel import apply_tensor_parallel
 
     auto = AutoModelForImageTextToText if kind == "qwen2_5_vl" else AutoModelForCausalLM
     model = auto.from_pretrained(model_dir, dtype=torch.float64)

@@ -19,8 +19,8 @@ def run_and_describe(
 
     from _recipes_workers import logged_losses, metric_rows
     from train_recipes.config import SFTConfig, load_config, validate_sft
-    from train_recipes.resume import complete_checkpoints
-    from train_recipes.sft import run_sft
+    from train_recipes.run.checkpoints import complete_checkpoints
+    from train_recipes.sft.run import run_sft
 
     config = load_config(SFTConfig, None, overrides)
     validate_sft(config, world_size=world_size)
@@ -51,6 +51,6 @@ def run_and_describe(
 
 def export_on_rank(rank: int, world_size: int, checkpoint: str, out_dir: str) -> str:
     """``train-recipes export CHECKPOINT --out OUT_DIR`` in this rank's process."""
-    from train_recipes.export import export_checkpoint
+    from train_recipes.export.command import export_checkpoint
 
     return str(export_checkpoint(checkpoint, out_dir))

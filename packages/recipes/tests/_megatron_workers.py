@@ -26,7 +26,7 @@ def _unpacked_batch(seed: int) -> tuple[dict[str, Any], list[list[Any]]]:
     """Two rows of one document each (bshd), as the recipe's batch_tensors gives them."""
     from _packing_workers import _encoded, _text_doc
     from energon_sft.batch import collate
-    from train_recipes import _integrations as data_api
+    from train_recipes.data import energon_api as data_api
 
     g = torch.Generator().manual_seed(seed)
     docs = [_encoded(_text_doc(n, g), vlm=False, key=f"u{n}") for n in (9, 14)]
@@ -247,7 +247,7 @@ def run_megatron_sft_on_rank(
 
     from train_recipes.config import SFTConfig, load_config, validate_sft
     from train_recipes.megatron.recipe import hf_copy
-    from train_recipes.sft import run_sft
+    from train_recipes.sft.run import run_sft
     from train_testing.megatron_cpu import megatron_on_cpu
 
     config = load_config(SFTConfig, None, [*overrides, "model.backend=megatron"])

@@ -26,7 +26,7 @@ _FIELDS: dict[str, dict[str, Any]] = {
 def save_tiny_moe(kind: str, directory: Path, *, seed: int = 0) -> Path:
     """Write a 2-layer top-2 ``kind`` model ("qwen3_moe", "mixtral": 4 experts; "deepseek_v3":
     8 experts in 4 groups, a shared expert, MoE in layer 1) to ``directory``."""
-    from train_recipes.demo import build_char_tokenizer
+    from train_recipes.data.demo import build_char_tokenizer
 
     if kind not in _FIELDS:
         raise ValueError(kind)

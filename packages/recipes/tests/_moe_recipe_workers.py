@@ -31,7 +31,7 @@ def run_moe_sft_on_rank(rank: int, world_size: int, *sft_args: Any) -> dict[str,
 
 def export_on_rank(rank: int, world_size: int, checkpoint: str, out_dir: str) -> str:
     """``train-recipes export`` of ``checkpoint`` (one process, all experts) into ``out_dir``."""
-    from train_recipes.export import export_checkpoint
+    from train_recipes.export.command import export_checkpoint
 
     return str(export_checkpoint(checkpoint, out_dir))
 
@@ -47,10 +47,10 @@ def export_after_build_on_rank(
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from train_recipes._dist import init_distributed
     from train_recipes.config import SFTConfig, load_config
-    from train_recipes.hf_export import export_hf
-    from train_recipes.parallelize import build_parallel_model
+    from train_recipes.export.hf import export_hf
+    from train_recipes.model.parallelize import build_parallel_model
+    from train_recipes.run.process_group import init_distributed
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     want = {

@@ -128,7 +128,7 @@ def packed_batch(
     """(the recipe's model batch, the documents row by row) of the test's packed rows."""
     from energon_sft import EncodedSample
     from energon_sft.batch import collate, pack_samples
-    from train_recipes import _integrations as data_api
+    from train_recipes.data import energon_api as data_api
 
     vlm = family == "qwen2_5_vl"
     g = torch.Generator().manual_seed(seed)
@@ -216,7 +216,7 @@ def packed_loss_matches_documents_alone(
     from torch.distributed.device_mesh import init_device_mesh
 
     from cp_sharder import ContextParallelSharder
-    from train_recipes.sft import token_sum_loss
+    from train_recipes.sft.run import token_sum_loss
 
     vlm = family == "qwen2_5_vl"
     batch, rows = packed_batch(family)
@@ -247,7 +247,7 @@ def packed_loss_matches_documents_alone(
 def dense_mask_path_is_refused(rank: int, world_size: int) -> str:
     """The teeth of ``forbid_dense_masks``: the old packed path (restarting position ids,
     transformers' SDPA deriving a per-document mask) must trip it."""
-    from train_recipes.sft import token_sum_loss
+    from train_recipes.sft.run import token_sum_loss
 
     batch, _ = packed_batch("llama")
     model = tiny_model("llama")
@@ -267,7 +267,7 @@ def packed_token_sum_loss(
     from torch.distributed.device_mesh import init_device_mesh
 
     from cp_sharder import ContextParallelSharder
-    from train_recipes.sft import token_sum_loss
+    from train_recipes.sft.run import token_sum_loss
 
     sharder = ContextParallelSharder(model, init_device_mesh("cpu", (1,)), padding_token_id=0)
     with torch.no_grad():
@@ -281,7 +281,7 @@ def run_packed_sft_without_dense_masks(
     logged losses by step."""
 
     from train_recipes.config import SFTConfig, load_config, validate_sft
-    from train_recipes.sft import run_sft
+    from train_recipes.sft.run import run_sft
 
     config = load_config(SFTConfig, None, overrides)
     validate_sft(config, world_size=world_size)

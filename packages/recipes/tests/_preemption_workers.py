@@ -14,8 +14,8 @@ def stop_by_a_signal_to_rank0(
     """Run SFT with a trap on every rank; rank 0 alone signals itself once its metrics file
     holds ``after_rows`` rows. Returns what this rank's RunStopped says (empty: no stop)."""
     from train_recipes.config import SFTConfig, load_config, validate_sft
-    from train_recipes.preemption import RunStopped, SignalTrap
-    from train_recipes.sft import run_sft
+    from train_recipes.run.preemption import RunStopped, SignalTrap
+    from train_recipes.sft.run import run_sft
 
     config = load_config(SFTConfig, None, overrides)
     validate_sft(config, world_size=world_size)

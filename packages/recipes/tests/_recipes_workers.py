@@ -30,7 +30,7 @@ def run_sft_on_rank(
     """Run the SFT recipe on this rank (``resume``: from the output folder's newest checkpoint);
     rank 0 returns the logged losses and probe logits."""
     from train_recipes.config import SFTConfig, load_config, validate_sft
-    from train_recipes.sft import run_sft
+    from train_recipes.sft.run import run_sft
 
     config = load_config(SFTConfig, None, overrides)
     validate_sft(config, world_size=world_size)
@@ -57,7 +57,7 @@ def run_sft_on_rank(
 def run_retrieval_on_rank(rank: int, world_size: int, overrides: list[str]) -> dict[str, Any]:
     """Run the retrieval recipe; every rank returns its recall numbers (they must agree)."""
     from train_recipes.config import RetrievalConfig, load_config, validate_retrieval
-    from train_recipes.retrieval import run_retrieval
+    from train_recipes.retrieval.recipe import run_retrieval
 
     config = load_config(RetrievalConfig, None, overrides)
     validate_retrieval(config, world_size=world_size)
@@ -75,10 +75,10 @@ def run_lora_on_rank(
 ) -> dict[str, Any]:
     """A LoRA SFT run; rank 0 also writes the adapter-only export and checks frozen weights."""
     from train_recipes.config import SFTConfig, load_config, validate_sft
-    from train_recipes.demo import build_char_tokenizer
-    from train_recipes.hf_export import export_hf
-    from train_recipes.modeling import build_model
-    from train_recipes.sft import run_sft
+    from train_recipes.data.demo import build_char_tokenizer
+    from train_recipes.export.hf import export_hf
+    from train_recipes.model.build import build_model
+    from train_recipes.sft.run import run_sft
 
     config = load_config(SFTConfig, None, overrides)
     validate_sft(config, world_size=world_size)
@@ -117,8 +117,8 @@ def compiled_layers_under_fsdp2(
     from torch.distributed.device_mesh import init_device_mesh
 
     from train_engine import FSDP2Config, apply_data_parallel
-    from train_recipes.modeling import compile_decoder_layers
-    from train_recipes.sft import token_sum_loss
+    from train_recipes.model.build import compile_decoder_layers
+    from train_recipes.sft.run import token_sum_loss
     from train_testing.tiny_hf import tiny_model
 
     config = {"vocab_size": 97, "num_hidden_layers": 3, "use_cache": False}

@@ -108,8 +108,8 @@ def tp_loss_and_grads(
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from train_recipes.modeling import compile_decoder_layers
-    from train_recipes.tensor_parallel import apply_tensor_parallel
+    from train_recipes.model.build import compile_decoder_layers
+    from train_recipes.model.tensor_parallel import apply_tensor_parallel
 
     auto = AutoModelForImageTextToText if kind == "qwen2_5_vl" else AutoModelForCausalLM
     model = auto.from_pretrained(model_dir, dtype=torch.float64)
@@ -138,8 +138,8 @@ def ac_under_fsdp2(rank: int, world_size: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from train_engine import FSDP2Config, apply_data_parallel
-    from train_recipes.checkpointing import apply_activation_checkpointing
-    from train_recipes.modeling import compile_decoder_layers
+    from train_recipes.model.activation_checkpointing import apply_activation_checkpointing
+    from train_recipes.model.build import compile_decoder_layers
 
     torch.manual_seed(0)
     model = tiny_hf_model("llama")
@@ -183,8 +183,8 @@ def sharded_load_on_rank(
     from torch.distributed.device_mesh import init_device_mesh
 
     from train_engine import FSDP2Config, apply_data_parallel
-    from train_recipes.loading import build_on_meta, load_sharded_safetensors
-    from train_recipes.tensor_parallel import apply_tensor_parallel
+    from train_recipes.model.loading import build_on_meta, load_sharded_safetensors
+    from train_recipes.model.tensor_parallel import apply_tensor_parallel
 
     dims = (world_size, 1) if layout == "fsdp2" else (1, world_size)
     mesh = init_device_mesh("cpu", dims, mesh_dim_names=("dp", "tp"))
@@ -240,8 +240,8 @@ def export_on_rank(
     from transformers import AutoModelForCausalLM
 
     from train_engine import FSDP2Config, apply_data_parallel
-    from train_recipes.streaming_export import export_streaming
-    from train_recipes.tensor_parallel import apply_tensor_parallel
+    from train_recipes.export.streaming import export_streaming
+    from train_recipes.model.tensor_parallel import apply_tensor_parallel
 
     dims = (world_size, 1) if layout == "fsdp2" else (1, world_size)
     mesh = init_device_mesh("cpu", dims, mesh_dim_names=("dp", "tp"))
@@ -268,10 +268,10 @@ def lora_fsdp2_on_rank(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from train_recipes.config import SFTConfig, load_config, validate_sft
-    from train_recipes.demo import build_char_tokenizer
-    from train_recipes.hf_export import export_hf
-    from train_recipes.modeling import build_model
-    from train_recipes.sft import run_sft
+    from train_recipes.data.demo import build_char_tokenizer
+    from train_recipes.export.hf import export_hf
+    from train_recipes.model.build import build_model
+    from train_recipes.sft.run import run_sft
 
     config = load_config(SFTConfig, None, overrides)
     validate_sft(config, world_size=world_size)
@@ -332,7 +332,7 @@ def lora_tp_loss_and_grads(
     """The LoRA model sharded over tp=world: loss and the adapters' full gradients."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from train_recipes.tensor_parallel import apply_tensor_parallel
+    from train_recipes.model.tensor_parallel import apply_tensor_parallel
 
     model = lora_model()
     apply_tensor_parallel(
@@ -364,8 +364,8 @@ def packed_loss_and_grads_with_checkpointing(
 
     from _packing_workers import packed_batch, reference_loss, tiny_model
     from cp_sharder import ContextParallelSharder
-    from train_recipes.checkpointing import checkpoint_and_compile
-    from train_recipes.sft import token_sum_loss
+    from train_recipes.model.activation_checkpointing import checkpoint_and_compile
+    from train_recipes.sft.run import token_sum_loss
 
     batch, rows = packed_batch("llama")
     mesh = init_device_mesh("cpu", (world_size // cp, cp), mesh_dim_names=("dp", "cp"))

@@ -16,7 +16,7 @@ from _recipes_workers import metric_rows
 
 def _run(overrides: list[str], world_size: int, resume: bool = False) -> Any:
     from train_recipes.config import SFTConfig, load_config, validate_sft
-    from train_recipes.sft import run_sft
+    from train_recipes.sft.run import run_sft
 
     config = load_config(SFTConfig, None, overrides)
     validate_sft(config, world_size=world_size)
@@ -72,7 +72,7 @@ def _tcp_store(rank: int, world_size: int) -> Any:
 
 
 def _watchdog(rank: int, world_size: int, timeout_s: float, min_step_limit_s: float) -> Any:
-    from train_recipes.health import HangWatchdog
+    from train_recipes.loop.health import HangWatchdog
 
     fired: list[tuple[float, str]] = []
     dog = HangWatchdog(

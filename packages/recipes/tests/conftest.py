@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from train_recipes.demo import DemoSplit, write_demo_dataset
+from train_recipes.data.demo import DemoSplit, write_demo_dataset
 
 # A short CPU run that logs every step and spends nothing on checkpoints, held-out evaluation or
 # TensorBoard: the tests of training behaviour add their own steps, parallelism and export.
@@ -183,8 +183,8 @@ def check_lora_exports(run: dict[str, Any], adapter_dir: Path, probe: list[list[
     from transformers import AutoModelForCausalLM
 
     from train_recipes.config import SFTConfig, load_config
-    from train_recipes.demo import build_char_tokenizer
-    from train_recipes.modeling import build_model
+    from train_recipes.data.demo import build_char_tokenizer
+    from train_recipes.model.build import build_model
 
     merged = AutoModelForCausalLM.from_pretrained(run["export_dir"]).eval()
     assert not any("lora_" in k for k in merged.state_dict())

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from _scale_workers import ac_under_fsdp2, batch_for, reference_token_sum_loss, tiny_hf_model
-from train_recipes.checkpointing import apply_activation_checkpointing
+from train_recipes.model.activation_checkpointing import apply_activation_checkpointing
 
 
 def _run(every: int | None) -> tuple[float, dict[str, torch.Tensor], int, list[str]]:
@@ -107,7 +107,7 @@ def test_checkpointed_compiled_layers_with_packed_rows_keep_loss_and_gradients(
 
 def test_checkpoint_nests_around_compile_where_a_layer_breaks_the_graph() -> None:
     from train_recipes.config import SFTConfig, load_config
-    from train_recipes.parallelize import layers_trace_whole
+    from train_recipes.model.parallelize import layers_trace_whole
 
     def traced(*overrides: str, moe: bool = False) -> bool:
         return layers_trace_whole(load_config(SFTConfig, None, list(overrides)), moe_converted=moe)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from train_recipes.cli import main
-from train_recipes.demo import build_char_tokenizer, demo_chats, read_jsonl
-from train_recipes.metrics import read_metrics
+from train_recipes.cli.main import main
+from train_recipes.data.demo import build_char_tokenizer, demo_chats, read_jsonl
+from train_recipes.loop.metrics import read_metrics
 
 
 def test_demo_data_writes_disjoint_splits_in_energon_format(

@@ -1,7 +1,7 @@
 from importlib.metadata import version
 
 import train_recipes
-from train_recipes.cli import COMPONENTS, main, pinned_components
+from train_recipes.cli.main import COMPONENTS, main, pinned_components
 
 
 def test_every_component_is_pinned_exactly() -> None:

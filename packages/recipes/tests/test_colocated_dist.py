@@ -11,8 +11,8 @@ import pytest
 
 from _controller_workers import loader_sample_ids, run_sft_plane_on_rank
 from conftest import unshuffled_cpu_run
-from train_recipes.data_plane import DataPlane
-from train_recipes.demo import DemoSplit
+from train_recipes.data.demo import DemoSplit
+from train_recipes.data.plane import DataPlane
 
 EPOCH_STEPS = 12  # 96 samples / batches of 8, one replica
 

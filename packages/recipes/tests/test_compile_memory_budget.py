@@ -9,7 +9,7 @@ import torch._functorch.config as functorch_config
 from torch import nn
 
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
-from train_recipes.modeling import compile_decoder_layers
+from train_recipes.model.build import compile_decoder_layers
 from train_testing.tiny_hf import tiny_model
 
 VOCAB = 50

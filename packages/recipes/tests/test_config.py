@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from conftest import SHIPPED_CONFIGS, model_and_data_stand_ins, shipped_world_size
-from train_recipes.cli import main
+from train_recipes.cli.main import main
 from train_recipes.config import (
     ConfigError,
     RetrievalConfig,

@@ -8,11 +8,11 @@ import pytest
 import yaml
 
 from conftest import SHIPPED_CONFIGS, model_and_data_stand_ins, shipped_world_size
-from train_recipes.cli import main
+from train_recipes.cli.config_commands import given_keys, header, shipped_configs
+from train_recipes.cli.main import main
 from train_recipes.config import RetrievalConfig, SFTConfig, load_config, to_dict
-from train_recipes.config_commands import given_keys, header, shipped_configs
-from train_recipes.config_defaults import apply_run_defaults
-from train_recipes.config_help import config_keys
+from train_recipes.config.defaults import apply_run_defaults
+from train_recipes.config.key_help import config_keys
 
 
 def test_config_ls_lists_every_shipped_config(capsys: pytest.CaptureFixture[str]) -> None:

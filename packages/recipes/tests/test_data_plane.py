@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from train_recipes.data_plane import DataPlane, PlaneMismatchError, sample_ids_of
-from train_recipes.resume import checkpoint_dir, complete_checkpoints, load_newest
-from train_recipes.run_folder import publish_dir
+from train_recipes.data.plane import DataPlane, PlaneMismatchError, sample_ids_of
+from train_recipes.run.checkpoints import checkpoint_dir, complete_checkpoints, load_newest
+from train_recipes.run.folder import publish_dir
 
 
 def _plane(steps: int, *, dp: int = 2, start: int = 1) -> DataPlane:

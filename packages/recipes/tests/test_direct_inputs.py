@@ -18,11 +18,11 @@ import yaml
 
 from _recipes_workers import metric_rows
 from conftest import CLI, QUIET_CPU_RUN, cli_env
-from train_recipes import cli
+from train_recipes.cli import main as cli
+from train_recipes.cli.preflight import run_preflight
 from train_recipes.config import ConfigError, SFTConfig, load_config
-from train_recipes.direct_inputs import RESOLVED_ENV, resolve_inputs, resolve_model_path
-from train_recipes.input_cache import CACHE_ENV
-from train_recipes.preflight import run_preflight
+from train_recipes.data.direct_inputs import RESOLVED_ENV, resolve_inputs, resolve_model_path
+from train_recipes.data.input_cache import CACHE_ENV
 
 DATA = Path(__file__).parent / "data"
 
@@ -165,7 +165,7 @@ def test_eval_split_holds_rows_out_of_training(
 def test_ranks_take_the_launchers_resolution_without_converting_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from train_recipes import direct_inputs
+    from train_recipes.data import direct_inputs
 
     chats = _jsonl(tmp_path / "c.jsonl", [_chat(1, 2)])
     config = load_config(SFTConfig, None, [f"data.path={chats}"])
@@ -239,7 +239,7 @@ def _hub_cache(root: Path, repo: str, files: dict[str, bytes]) -> Path:
 
 def _tiny_model_files(folder: Path) -> dict[str, bytes]:
     """A saved tiny Llama with the demo's character tokenizer and chat template, as files."""
-    from train_recipes.demo import build_char_tokenizer
+    from train_recipes.data.demo import build_char_tokenizer
     from train_testing.tiny_hf import save_tiny, tiny_model
 
     tokenizer = build_char_tokenizer()

@@ -15,7 +15,7 @@ from torch import nn
 
 from _fused_loss_workers import fused_loss, fused_under_fsdp2, fused_under_tp
 from _scale_workers import batch_for, reference_token_sum_loss, save_tiny, tiny_hf_model
-from train_recipes.fused_loss import fused_head, token_sum_loss_of
+from train_recipes.loss.fused_loss import fused_head, token_sum_loss_of
 
 
 def _reference(model: nn.Module, batch: dict[str, Any]) -> tuple[float, dict[str, torch.Tensor]]:

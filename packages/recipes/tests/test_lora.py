@@ -8,7 +8,7 @@ import pytest
 
 from _recipes_workers import run_lora_on_rank
 from conftest import check_lora_run, merged_lora_run
-from train_recipes.demo import DemoSplit
+from train_recipes.data.demo import DemoSplit
 
 pytest.importorskip("peft", reason="needs the lora extra (peft)")
 

@@ -17,8 +17,8 @@ from torch import nn
 from _master_weights_workers import export_on_rank, run_and_describe
 from conftest import QUIET_CPU_RUN, data_overrides
 from train_recipes.config import OptimConfig, SFTConfig, load_config, validate_sft
-from train_recipes.config_loader import ConfigError
-from train_recipes.demo import DemoSplit
+from train_recipes.config.loader import ConfigError
+from train_recipes.data.demo import DemoSplit
 
 PROBE = [[3, 23, 24, 17, 25, 35, 5, 4], [3, 30, 31, 17, 22, 22, 35, 5]]
 CPU = torch.device("cpu")
@@ -42,7 +42,7 @@ def _block(dtype: torch.dtype) -> nn.Module:
 
 
 def _build(model: nn.Module, **optim: Any) -> torch.optim.Optimizer:
-    from train_recipes.runtime import build_optimizer
+    from train_recipes.run.runtime import build_optimizer
 
     config = OptimConfig(lr=1e-2, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, **optim)
     optimizer, _ = build_optimizer(model, config, device=CPU, total_steps=4)
@@ -64,11 +64,11 @@ def test_build_optimizer_resolves_master_weights(
 ) -> None:
     from train_engine import MasterWeightAdamW
 
-    with caplog.at_level("INFO", logger="train_recipes.runtime"):
+    with caplog.at_level("INFO", logger="train_recipes.run.runtime"):
         optimizer = _build(_block(dtype), master_weights=setting, fused=False)
     expected = MasterWeightAdamW if master else torch.optim.AdamW
     assert type(optimizer) is expected, type(optimizer)
-    lines = [r.getMessage() for r in caplog.records if r.name == "train_recipes.runtime"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "train_recipes.run.runtime"]
     assert len(lines) == 1 and lines[0].startswith("optimizer: "), lines
     assert expected.__name__ in lines[0], lines[0]
     reason = "optim.master_weights=" + ("null" if setting is None else str(setting).lower())
@@ -249,7 +249,7 @@ def test_no_wrapper_is_refused_where_it_cannot_work(
 def test_no_wrapper_on_one_rank_is_valid_and_shown_in_the_plan(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from train_recipes.cli import main
+    from train_recipes.cli.main import main
 
     config = load_config(SFTConfig, None, ["parallel.data_parallel=none", "model.dtype=bfloat16"])
     validate_sft(config, world_size=1)
@@ -265,7 +265,7 @@ def test_no_wrapper_on_one_rank_is_valid_and_shown_in_the_plan(
 
 
 def test_pure_bf16_adamw_is_warned_about() -> None:
-    from train_recipes.preflight import config_warnings, plan_devices
+    from train_recipes.cli.preflight import config_warnings, plan_devices
 
     def warnings(*overrides: str) -> list[str]:
         config = load_config(SFTConfig, None, ["train.device=cpu", *overrides])
@@ -280,8 +280,8 @@ def test_pure_bf16_adamw_is_warned_about() -> None:
 def test_resume_applies_only_null_to_false_master_weights() -> None:
     """A checkpoint from before optim.master_weights (null, torch AdamW state) resumes with
     false; every other change of the key would load another optimizer's state: refused."""
-    from train_recipes.config_loader import to_dict
-    from train_recipes.resume_changes import config_changes
+    from train_recipes.config.loader import to_dict
+    from train_recipes.run.resume_changes import config_changes
 
     def change(saved: str, new: str) -> dict[str, Any]:
         old = to_dict(load_config(SFTConfig, None, [f"optim.master_weights={saved}"]))

@@ -15,7 +15,7 @@ import torch
 from _megatron_workers import run_megatron_sft_on_rank
 from _recipes_workers import run_sft_on_rank
 from conftest import data_overrides
-from train_recipes.demo import DemoSplit
+from train_recipes.data.demo import DemoSplit
 
 pytest.importorskip("megatron.core", reason="megatron-core is the megatron extra's dependency")
 

@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from train_recipes.config_sft import MoELossConfig
-from train_recipes.moe import MoEGroups, RouterLosses, convert_model
+from train_recipes.config.sft import MoELossConfig
+from train_recipes.model.moe import MoEGroups, RouterLosses, convert_model
 from train_testing.tiny_hf import tiny_model
 
 

@@ -15,7 +15,7 @@ from _moe_recipe_models import save_tiny_moe
 from _moe_recipe_workers import export_after_build_on_rank, export_on_rank, run_moe_sft_on_rank
 from conftest import QUIET_CPU_RUN, data_overrides
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
-from train_recipes.demo import DemoSplit
+from train_recipes.data.demo import DemoSplit
 
 PROBE = [[3, 23, 24, 17, 25, 35, 5, 4], [3, 30, 31, 17, 22, 22, 35, 5]]
 STEPS = 4

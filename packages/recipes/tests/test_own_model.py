@@ -15,16 +15,16 @@ import pytest
 import yaml
 
 from conftest import CLI, QUIET_CPU_RUN, SHIPPED_CONFIGS, cli_env, sft_args
-from train_recipes.cli import main
+from train_recipes.cli.main import main
 from train_recipes.config import ConfigError, SFTConfig, load_config
-from train_recipes.demo import DemoSplit
+from train_recipes.data.demo import DemoSplit
 
 
 @pytest.fixture(scope="module")
 def own_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny Llama folders (max_position_embeddings 256) with the demo's character tokenizer:
     "chat" has its chat template, "plain" has none."""
-    from train_recipes.demo import build_char_tokenizer
+    from train_recipes.data.demo import build_char_tokenizer
     from train_testing import tiny_hf
 
     root = tmp_path_factory.mktemp("own")
@@ -85,8 +85,8 @@ def test_own_model_with_held_out_chats_measures_the_held_out_loss_before_and_aft
     of a chat file) evaluates the held-out loss before training, every EVAL_EVERY steps and at
     the end (test_train_loop.py checks the step-0 record); without held-out chats, or with the
     key given, nothing changes."""
-    from train_recipes.config_commands import given_keys
-    from train_recipes.config_defaults import EVAL_EVERY, apply_run_defaults
+    from train_recipes.cli.config_commands import given_keys
+    from train_recipes.config.defaults import EVAL_EVERY, apply_run_defaults
 
     base = [f"model.path={own_models['chat']}", f"data.path={demo_data.energon_dir}"]
     for extra, want in (
@@ -132,8 +132,8 @@ def test_tokenizer_without_template_is_refused_and_data_chat_template_names_one(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from train_recipes.chat_templates import TEMPLATES
-    from train_recipes.processors import load_tokenizer
+    from train_recipes.data.chat_templates import TEMPLATES
+    from train_recipes.data.processors import load_tokenizer
 
     plain = [f"model.path={own_models['plain']}", f"data.path={demo_data.energon_dir}"]
     assert main(["config", "show", *_sets(*plain)]) == 2
@@ -244,7 +244,7 @@ def test_missing_extra_message_gives_the_command_of_the_environment(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from train_recipes import extras
+    from train_recipes.config import extras
 
     for name in ("UV", "UV_PROJECT_ENVIRONMENT"):
         monkeypatch.delenv(name, raising=False)
@@ -273,7 +273,7 @@ def test_missing_extra_message_gives_the_command_of_the_environment(
 def test_mlflow_defaults_to_sqlite_in_the_run_folder_and_is_checked_before_launch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from train_recipes.trackers import check_trackers, mlflow_tracking_uri
+    from train_recipes.loop.trackers import check_trackers, mlflow_tracking_uri
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
@@ -312,7 +312,7 @@ def test_config_mistakes_are_reported_before_torch_is_imported() -> None:
     no model are torch-free, train-engine's DDP/FSDP2 configs included."""
     script = (
         "import sys\n"
-        "from train_recipes.cli import main\n"
+        "from train_recipes.cli.main import main\n"
         "for argv in (['sft', '--set', 'train.stepz=1'], ['sft', '--set', 'train.steps=many'],\n"
         "             ['sft', '--config', 'missing.yaml'], ['sft', '--set', 'model.path=/nowhere'],\n"
         "             ['config', 'show', '--set', 'parallel.fsdp.param_dtype=int8'],\n"

@@ -15,11 +15,11 @@ from _packing_workers import (
     packed_token_sum_loss,
 )
 from conftest import data_overrides
-from train_recipes import _integrations as data_api
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
-from train_recipes.demo import DemoSplit, build_char_tokenizer
-from train_recipes.modeling import build_model, is_vlm
-from train_recipes.processors import load_processor, tokenizer_of
+from train_recipes.data import energon_api as data_api
+from train_recipes.data.demo import DemoSplit, build_char_tokenizer
+from train_recipes.data.processors import load_processor, tokenizer_of
+from train_recipes.model.build import build_model, is_vlm
 
 
 def _first_batch(

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from train_recipes.patch_embed import use_linear_patch_embed
+from train_recipes.model.patch_embed import use_linear_patch_embed
 from train_testing.tiny_hf import tiny_model
 
 

@@ -18,10 +18,10 @@ import pytest
 
 from _preemption_workers import stop_by_a_signal_to_rank0
 from conftest import QUIET_CPU_RUN, data_overrides
-from train_recipes import preemption
-from train_recipes.demo import DemoSplit
-from train_recipes.loop import LoopPlan, RunEnd, RunStart, StepRecord, drive
-from train_recipes.preemption import LauncherSignals, RunStopped, SignalTrap
+from train_recipes.data.demo import DemoSplit
+from train_recipes.loop.drive import LoopPlan, RunEnd, RunStart, StepRecord, drive
+from train_recipes.run import preemption
+from train_recipes.run.preemption import LauncherSignals, RunStopped, SignalTrap
 
 
 @pytest.fixture
@@ -154,7 +154,7 @@ def test_ctrl_c_outside_the_training_loop_is_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Ctrl-C while the command starts (imports, checks) or ends: no traceback, exit 130."""
-    from train_recipes import cli
+    from train_recipes.cli import main as cli
 
     def interrupted(*_: object) -> int:
         raise KeyboardInterrupt
@@ -180,8 +180,7 @@ def test_stop_line_names_the_checkpoint() -> None:
 _LAUNCHER = """
 import subprocess, sys
 from pathlib import Path
-from train_recipes import preemption
-
+from train_recipes.run import preemption
 preemption._LAUNCHER_MARGIN_S = 0.0
 preemption._last_checkpoint = lambda _output_dir: "last checkpoint step_000003"
 rank = (
@@ -244,7 +243,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(
 ) -> None:
     """SIGINT reaches rank 0 only (as when one host's processes are signalled first): the ranks
     agree at the next step boundary, save that step and raise RunStopped (exit 130) on both."""
-    from train_recipes.resume import complete_checkpoints
+    from train_recipes.run.checkpoints import complete_checkpoints
 
     out = tmp_path / "run"
     overrides = [

@@ -16,10 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from train_recipes import cli
+from train_recipes.cli import main as cli
+from train_recipes.cli.preflight import needed_extras, run_preflight
 from train_recipes.config import ConfigError, RetrievalConfig, SFTConfig, load_config
-from train_recipes.demo import DemoSplit
-from train_recipes.preflight import module_available, needed_extras, run_preflight
+from train_recipes.config.extras import module_available
+from train_recipes.data.demo import DemoSplit
 
 
 class _HideModules(importlib.abc.MetaPathFinder):
@@ -99,7 +100,7 @@ def test_hidden_extra_in_a_fresh_process_gives_one_line_and_no_rank(tmp_path: Pa
         "        if name.split('.')[0] == 'peft':\n"
         "            raise ModuleNotFoundError(name)\n"
         "sys.meta_path.insert(0, Hide())\n"
-        "from train_recipes.cli import main\n"
+        "from train_recipes.cli.main import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     done = subprocess.run(

@@ -21,12 +21,12 @@ import torch
 from _controller_workers import metrics_losses, run_sft_plane_on_rank
 from _recipes_workers import metric_rows
 from conftest import unshuffled_cpu_run
-from train_recipes import cli
+from train_recipes.cli import main as cli
 from train_recipes.config import SFTConfig, load_config, validate_sft
 from train_recipes.controller import RayRun, import_ray, run_sft_on_ray
-from train_recipes.data_plane import DataPlane
-from train_recipes.demo import DemoSplit
-from train_recipes.resume import checkpoint_dir, complete_checkpoints
+from train_recipes.data.demo import DemoSplit
+from train_recipes.data.plane import DataPlane
+from train_recipes.run.checkpoints import checkpoint_dir, complete_checkpoints
 
 STEPS = 20
 
@@ -199,7 +199,7 @@ def test_sigkilled_actor_is_one_line_within_a_minute_and_resume_continues_exactl
 def test_missing_ray_is_one_line_naming_the_extra_before_anything_starts(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from train_recipes import preflight
+    from train_recipes.cli import preflight
 
     monkeypatch.setattr(preflight, "module_available", lambda name: name != "ray" and bool(name))
     assert cli.main(["sft", "--controller", "ray"]) == 2
@@ -258,7 +258,7 @@ class _FrozenPeerGroup:
             return [0] * len(ranks or (0, 1))
 
         from train_recipes.controller.ray_cluster import ActorFailure
-        from train_recipes.health import HangWatchdog
+        from train_recipes.loop.health import HangWatchdog
 
         host, port = args[2]
         stores = [
@@ -293,7 +293,7 @@ class _FrozenPeerGroup:
 
 def _root(store: Any) -> Any:
     """What ``health.default_store()`` gives a rank whose group store is ``store``."""
-    from train_recipes import health
+    from train_recipes.loop import health
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(health.dist, "is_initialized", lambda: True)

@@ -24,9 +24,9 @@ import train_engine
 from _recipes_workers import logged_losses, metric_rows
 from conftest import CLI, cli_env
 from test_run_safety import _cmd, _main, _one_line_error
-from train_recipes.config_loader import ConfigError, load_config
-from train_recipes.config_sft import SFTConfig
-from train_recipes.demo import DemoSplit
+from train_recipes.config.loader import ConfigError, load_config
+from train_recipes.config.sft import SFTConfig
+from train_recipes.data.demo import DemoSplit
 
 # Imported by every Python process whose PYTHONPATH starts with its folder: on rank 1 of a run
 # with FULL_DISK_AT set, the first DCP write into that checkpoint raises ENOSPC after writing.
@@ -91,7 +91,8 @@ def test_the_8b_of_issue_37_is_refused_before_launch_and_fits_weights_only(
 ) -> None:
     """bf16 weights with fp32 master weights: 14 bytes a parameter, 112 GB for 8.03B, on a
     64 GiB disk; the weights alone (16 GB) fit."""
-    from train_recipes import preflight, storage
+    from train_recipes.cli import preflight
+    from train_recipes.run import storage
 
     model = tmp_path / "llama-8b"
     shapes = _llama_8b() | {"lm_head.weight": [128256, 4096]}
@@ -143,8 +144,8 @@ def test_a_shortfall_is_one_line_before_any_rank_or_a_warning(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from train_recipes.config_commands import load_recipe_config
-    from train_recipes.preflight import run_preflight
+    from train_recipes.cli.config_commands import load_recipe_config
+    from train_recipes.cli.preflight import run_preflight
 
     monkeypatch.setattr(train_engine, "free_disk_bytes", lambda path: 100 << 10)
     run = tmp_path / "run"
@@ -182,7 +183,7 @@ def test_a_full_disk_at_the_final_checkpoint_keeps_the_weights_and_a_resume_cont
 ) -> None:
     import torch
 
-    from train_recipes import storage
+    from train_recipes.run import storage
 
     inject = tmp_path / "inject"
     inject.mkdir()
@@ -292,8 +293,8 @@ class _FullDiskEngine:
 def test_what_a_failed_save_tries_and_says(
     tmp_path: Path, final: bool, optimizer_state: bool, fails: int, saves: list[bool], said: str
 ) -> None:
-    from train_recipes.health import TrainingAborted
-    from train_recipes.save_failure import save_or_abort
+    from train_recipes.loop.health import TrainingAborted
+    from train_recipes.run.save_failure import save_or_abort
 
     engine = _FullDiskEngine(fails)
     target = tmp_path / "run" / "checkpoints" / "step_000004"

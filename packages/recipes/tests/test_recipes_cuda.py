@@ -10,7 +10,7 @@ import pytest
 
 from _recipes_workers import metric_rows
 from conftest import CLI, data_overrides, sft_args
-from train_recipes.demo import DemoSplit
+from train_recipes.data.demo import DemoSplit
 from train_testing import requires_cuda
 
 
@@ -97,7 +97,7 @@ def test_sharded_load_onto_cuda_is_bitwise_from_pretrained(tmp_path: Path) -> No
     import torch
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    from train_recipes.loading import build_on_meta, load_sharded_safetensors
+    from train_recipes.model.loading import build_on_meta, load_sharded_safetensors
     from train_testing.tiny_hf import tiny_config
 
     # train_testing's 2 layers and 4/2 heads, wider: the bf16 files span several 50 KB shards.
@@ -149,9 +149,9 @@ def test_vision_varlen_bf16_on_cuda_matches_float64_per_window(
     import torch
 
     from cp_sharder.attention import varlen
-    from train_recipes.modeling import compile_decoder_layers
-    from train_recipes.patch_embed import use_linear_patch_embed
-    from train_recipes.vision_attention import use_varlen_vision_attention
+    from train_recipes.model.build import compile_decoder_layers
+    from train_recipes.model.patch_embed import use_linear_patch_embed
+    from train_recipes.model.vision_attention import use_varlen_vision_attention
     from train_testing.tiny_hf import tiny_model
 
     vision = {
@@ -204,8 +204,8 @@ def test_fused_loss_over_trained_rows_does_not_synchronise_on_cuda(
     import torch
 
     import vocab_parallel as vp
-    from train_recipes.attention import CausalFastPath
-    from train_recipes.fused_loss import token_sum_loss_of
+    from train_recipes.loss.fused_loss import token_sum_loss_of
+    from train_recipes.model.attention import CausalFastPath
     from train_testing.tiny_hf import tiny_model
 
     reference = tiny_model("llama", dtype=torch.float64)

@@ -10,7 +10,7 @@ import torch
 
 from _recipes_workers import run_retrieval_on_rank
 from train_recipes.config import RetrievalConfig, RetrievalModelConfig
-from train_recipes.retrieval import (
+from train_recipes.retrieval.recipe import (
     autocast_dtype,
     docstring_pairs,
     embed,

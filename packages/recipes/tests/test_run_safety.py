@@ -22,7 +22,7 @@ import yaml
 
 from _recipes_workers import metric_rows
 from conftest import CLI, cli_env, data_overrides, sft_args
-from train_recipes.demo import DemoSplit
+from train_recipes.data.demo import DemoSplit
 
 # 7 steps of a hidden-32 model: the import of torch and transformers is most of a run's time.
 TINY = [
@@ -56,7 +56,7 @@ def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess[s
 def _main(capsys: pytest.CaptureFixture[str], args: list[str]) -> subprocess.CompletedProcess[str]:
     """The CLI's entry point in this process: for refusals and checks that start no rank
     (saves a process start; one test per check runs it as a real process too)."""
-    from train_recipes.cli import main
+    from train_recipes.cli.main import main
 
     capsys.readouterr()
     code = main(args)
@@ -233,7 +233,7 @@ def test_resume_finishes_an_interrupted_end(
     """Issue 43 item 5: stopped during the final export (only hf_model.tmp, no summary), the
     run is not reported as finished: --resume exports the final checkpoint and writes the
     summary, saying so; after that the run is finished."""
-    from train_recipes.end_state import EndState, read_end_state, write_end_state
+    from train_recipes.run.end_state import EndState, read_end_state, write_end_state
 
     run = _copy(finished_run, tmp_path / "run")
     assert read_end_state(run) == EndState(
@@ -407,7 +407,7 @@ def _descendants(pid: int) -> list[int]:
 def test_ranks_die_with_their_launcher_and_a_live_run_folder_is_locked(
     demo_data: DemoSplit, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from train_recipes.run_folder import RunLock
+    from train_recipes.run.folder import RunLock
 
     run = tmp_path / "run"
     launcher = subprocess.Popen(
@@ -533,7 +533,7 @@ def _kill_when(
 
 
 def _assert_nothing_half_written(run: Path) -> None:
-    from train_recipes.resume import complete_checkpoints
+    from train_recipes.run.checkpoints import complete_checkpoints
 
     root = run / "checkpoints"
     plain = [p for p in root.iterdir() if "." not in p.name] if root.is_dir() else []

@@ -16,7 +16,7 @@ import torch
 
 from _recipes_workers import run_sft_on_rank
 from conftest import unshuffled_cpu_run
-from train_recipes.demo import DemoSplit
+from train_recipes.data.demo import DemoSplit
 
 
 def _common(split: DemoSplit, out: Path, steps: int) -> list[str]:
@@ -109,7 +109,7 @@ def test_packed_rows_under_tp2_with_sequence_parallel_follow_the_dp_losses(
 
 def _save_tiny_qwen3(directory: Path) -> Path:
     """An unmodified transformers Qwen3 (q/k norms, tied head) saved with the demo tokenizer."""
-    from train_recipes.demo import build_char_tokenizer
+    from train_recipes.data.demo import build_char_tokenizer
     from train_testing.tiny_hf import save_tiny, tiny_model
 
     tokenizer = build_char_tokenizer()

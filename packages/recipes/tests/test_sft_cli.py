@@ -13,7 +13,7 @@ import torch
 
 from _recipes_workers import metric_rows
 from conftest import CLI, assert_quiet, cli_env, data_overrides, sft_args
-from train_recipes.demo import DemoSplit
+from train_recipes.data.demo import DemoSplit
 
 
 def _losses(run: Path) -> dict[int, float]:

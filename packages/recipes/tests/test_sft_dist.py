@@ -10,7 +10,7 @@ import torch
 from _packing_workers import run_packed_sft_without_dense_masks
 from _recipes_workers import run_sft_on_rank
 from conftest import QUIET_CPU_RUN, data_overrides
-from train_recipes.demo import DemoSplit
+from train_recipes.data.demo import DemoSplit
 
 PROBE = [[3, 23, 24, 17, 25, 35, 5, 4], [3, 30, 31, 17, 22, 22, 35, 5]]
 

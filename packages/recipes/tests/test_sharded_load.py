@@ -72,7 +72,7 @@ def test_each_rank_reads_and_holds_about_its_shard(rank_pool: Any, tmp_path: Pat
 def test_bfloat16_checkpoint_loads_bitwise_in_one_process(tmp_path: Path) -> None:
     """No process group, no DTensor: every tensor is read whole; bf16 on disk and in memory."""
     from _scale_workers import tiny_hf_model
-    from train_recipes.loading import build_on_meta, load_sharded_safetensors
+    from train_recipes.model.loading import build_on_meta, load_sharded_safetensors
 
     torch.manual_seed(0)
     saved: Any = tiny_hf_model("qwen3", dtype=torch.bfloat16)
@@ -97,7 +97,7 @@ def test_bfloat16_checkpoint_loads_bitwise_in_one_process(tmp_path: Path) -> Non
 def test_missing_tensor_names_the_key_and_the_fix(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from train_recipes.loading import build_on_meta, load_sharded_safetensors
+    from train_recipes.model.loading import build_on_meta, load_sharded_safetensors
 
     folder = save_tiny("llama", tmp_path / "llama")
     weights = load_file(folder / "model.safetensors")
@@ -116,7 +116,7 @@ def test_recipe_with_sharded_load_matches_from_pretrained(
     from_pretrained on every rank train to the same losses."""
     from _recipes_workers import run_sft_on_rank
     from conftest import QUIET_CPU_RUN, data_overrides
-    from train_recipes.demo import build_char_tokenizer
+    from train_recipes.data.demo import build_char_tokenizer
     from train_testing import tiny_hf
 
     tokenizer = build_char_tokenizer()

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from _recipes_workers import compiled_layers_under_fsdp2
-from train_recipes.attention import sdpa_backends
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
-from train_recipes.modeling import decoder_layers
+from train_recipes.model.attention import sdpa_backends
+from train_recipes.model.build import decoder_layers
 from train_testing.tiny_hf import tiny_model
 
 
@@ -60,7 +60,7 @@ def test_sdpa_backends_restrict_the_choice() -> None:
 
 
 def test_token_sum_loss_without_position_ids_is_the_same_for_unpacked_rows() -> None:
-    from train_recipes.sft import token_sum_loss
+    from train_recipes.sft.run import token_sum_loss
 
     model = _tiny_llama()
     ids = torch.randint(0, 50, (2, 10))
@@ -93,8 +93,8 @@ def test_speed_config_keys() -> None:
 
 
 def test_causal_fast_path_matches_transformers_sdpa_and_switches_back() -> None:
-    from train_recipes.attention import CAUSAL_ATTENTION, CausalFastPath, rows_are_packed
-    from train_recipes.sft import token_sum_loss
+    from train_recipes.model.attention import CAUSAL_ATTENTION, CausalFastPath, rows_are_packed
+    from train_recipes.sft.run import token_sum_loss
 
     model = _tiny_llama()
     ids = torch.randint(0, 50, (2, 12))
@@ -136,7 +136,7 @@ def test_causal_fast_path_matches_transformers_sdpa_and_switches_back() -> None:
 
 
 def test_causal_fast_path_is_off_for_other_attention_implementations() -> None:
-    from train_recipes.attention import CausalFastPath
+    from train_recipes.model.attention import CausalFastPath
 
     model = _tiny_llama()
     model.config._attn_implementation = "eager"

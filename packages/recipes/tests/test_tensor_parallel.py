@@ -13,7 +13,7 @@ import torch
 
 from _scale_workers import batch_for, reference_token_sum_loss, save_tiny, tp_loss_and_grads
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
-from train_recipes.tensor_parallel import SUPPORTED_ARCHITECTURES, plan_for
+from train_recipes.model.tensor_parallel import SUPPORTED_ARCHITECTURES, plan_for
 
 
 def _auto(kind: str) -> Any:

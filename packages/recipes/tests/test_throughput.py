@@ -1,4 +1,4 @@
-"""The model-FLOP count and MFU helpers (``train_recipes.throughput``): by hand for tiny Llama,
+"""The model-FLOP count and MFU helpers (``train_recipes.loop.throughput``): by hand for tiny Llama,
 Qwen3-MoE and LoRA models, against torch's FlopCounterMode on one forward and backward of a
 tiny Qwen2.5-VL (windowed and full-attention vision blocks, a packed text row of two
 documents), the attention term of packed documents, the GPU peak table and the meter's clock."""
@@ -14,9 +14,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from train_recipes.metrics import TokenMeter
-from train_recipes.patch_embed import use_linear_patch_embed
-from train_recipes.throughput import (
+from train_recipes.loop.metrics import TokenMeter
+from train_recipes.loop.throughput import (
     attention_flops,
     check_windows,
     detected_peak_tflops,
@@ -26,7 +25,8 @@ from train_recipes.throughput import (
     rate_fields,
     resolve_peak_tflops,
 )
-from train_recipes.vision_attention import use_varlen_vision_attention
+from train_recipes.model.patch_embed import use_linear_patch_embed
+from train_recipes.model.vision_attention import use_varlen_vision_attention
 from train_testing.tiny_hf import TEXT_SIZES, tiny_model
 
 _VISION = {"depth": 3, "num_heads": 2, "window_size": 56, "fullatt_block_indexes": [2]}

@@ -27,8 +27,8 @@ from _train_loop_workers import (
 )
 from conftest import CLI, QUIET_CPU_RUN, cli_env, data_overrides, sft_args
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
-from train_recipes.demo import DemoSplit, read_jsonl
-from train_recipes.schedule import (
+from train_recipes.data.demo import DemoSplit, read_jsonl
+from train_recipes.loop.schedule import (
     build_lr_scheduler,
     energon_train_samples,
     linear_with_floor,
@@ -134,9 +134,9 @@ def test_cosine_and_constant_match_get_scheduler_step_for_step(floor: float) -> 
 def test_retrieval_and_sft_share_the_schedule() -> None:
     """One implementation: neither recipe builds its own LambdaLR any more; both take the
     optimizer and its schedule from the shared runtime module, which calls build_lr_scheduler."""
-    import train_recipes.retrieval as retrieval
-    import train_recipes.runtime as runtime
-    import train_recipes.sft_recipe as sft_recipe
+    import train_recipes.retrieval.recipe as retrieval
+    import train_recipes.run.runtime as runtime
+    import train_recipes.sft.recipe as sft_recipe
 
     assert "build_lr_scheduler(" in Path(runtime.__file__ or "").read_text()
     for module in (retrieval, sft_recipe):
@@ -146,7 +146,7 @@ def test_retrieval_and_sft_share_the_schedule() -> None:
 
 def test_build_optimizer_takes_the_configs_adamw_values() -> None:
     from train_recipes.config import OptimConfig
-    from train_recipes.runtime import build_optimizer
+    from train_recipes.run.runtime import build_optimizer
 
     optim = OptimConfig(betas=(0.8, 0.9), eps=1e-12, weight_decay=0.1, fused=False)
     model = torch.nn.Linear(3, 2)
@@ -169,7 +169,7 @@ def test_logged_eval_loss_equals_a_float64_forward(
     float64 token-mean loss of the final model, each chat run alone (no padding) through the
     unmodified HF model."""
     from energon_sft import IGNORE_INDEX, SFTTaskEncoder, cook_chat
-    from train_recipes.demo import build_char_tokenizer
+    from train_recipes.data.demo import build_char_tokenizer
 
     overrides = _common(
         demo_data,
@@ -287,8 +287,8 @@ def hide(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def test_missing_tracker_extra_is_a_one_line_config_error(hide: Any, demo_data: DemoSplit) -> None:
-    from train_recipes.preflight import check_extras
-    from train_recipes.trackers import open_trackers
+    from train_recipes.cli.preflight import check_extras
+    from train_recipes.loop.trackers import open_trackers
 
     hide("wandb", "mlflow")
     for name in ("wandb", "mlflow"):
@@ -308,8 +308,8 @@ def test_missing_tracker_extra_is_a_one_line_config_error(hide: Any, demo_data: 
 def test_missing_matplotlib_and_tensorboard_give_notices(
     hide: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from train_recipes.loop import LoopPlan, RunStart
-    from train_recipes.metrics import RunLogger, loss_plot_or_notice, plot_loss
+    from train_recipes.loop.drive import LoopPlan, RunStart
+    from train_recipes.loop.metrics import RunLogger, loss_plot_or_notice, plot_loss
 
     hide("matplotlib", "tensorboard", "torch.utils.tensorboard")
     plan = LoopPlan(total_steps=2, log_every=1)
@@ -331,13 +331,13 @@ class _TimedStages:
     """Loop stages that take known times: evaluation before training 1 s, each step 0.1 s."""
 
     def train_step(self, step: int) -> Any:
-        from train_recipes.loop import StepRecord
+        from train_recipes.loop.drive import StepRecord
 
         time.sleep(0.1)
         return StepRecord(step=step, metrics={"loss": 1.0, "loss_avg_window": 1.0, "lr": 1e-3})
 
     def evaluate(self, step: int) -> Any:
-        from train_recipes.loop import StepRecord
+        from train_recipes.loop.drive import StepRecord
 
         time.sleep(1.0 if step == 0 else 0.0)
         return StepRecord(step=step)
@@ -346,7 +346,7 @@ class _TimedStages:
         pass
 
     def finish(self) -> Any:
-        from train_recipes.loop import RunEnd, StepRecord
+        from train_recipes.loop.drive import RunEnd, StepRecord
 
         return RunEnd(record=StepRecord(step=0), summary={})
 
@@ -357,7 +357,7 @@ def test_progress_bar_rate_counts_from_the_first_step(
     """Every rate the bar prints, the first included, is steps over the time since the first
     step began (about 10 it/s here): not over the bar's own age (it was 323634.57it/s at the
     first update), nor counting the evaluation before training."""
-    from train_recipes import loop
+    from train_recipes.loop import drive as loop
 
     monkeypatch.setattr(loop, "loss_plot_or_notice", lambda out_dir: None)
     plan = loop.LoopPlan(total_steps=3, log_every=1)
@@ -390,8 +390,8 @@ class _Recorder:
 def test_wandb_and_mlflow_receive_the_records(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from train_recipes.loop import LoopPlan, RunStart
-    from train_recipes.metrics import RunLogger
+    from train_recipes.loop.drive import LoopPlan, RunStart
+    from train_recipes.loop.metrics import RunLogger
 
     calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
     for name in ("wandb", "mlflow"):
@@ -440,7 +440,7 @@ def test_wandb_and_mlflow_receive_the_records(
     assert by_name["mlflow.set_tracking_uri"][1][0] == f"sqlite:///{db}"
     # W&B writes <dir>/wandb (offline runs too): --overwrite clears it with the rest of the run
     # (it refused the folder as not a run's).
-    from train_recipes.run_folder import check_output_dir, clear_run
+    from train_recipes.run.folder import check_output_dir, clear_run
 
     (tmp_path / "run1" / "wandb" / "offline-run-20260101_000000-abc123").mkdir(parents=True)
     (tmp_path / "run1" / "mlflow.db").touch()
@@ -523,7 +523,7 @@ def test_a_run_that_trains_no_token_fails_and_its_skips_survive_a_resume(
 
 
 def test_skip_tracker_names_the_recipe_step_and_aborts() -> None:
-    from train_recipes.health import SkipTracker, TrainingAborted
+    from train_recipes.loop.health import SkipTracker, TrainingAborted
 
     class Result:  # a StepResult: the Engine counts the skips in a row
         def __init__(self, skipped: bool, consecutive_skipped_steps: int) -> None:
@@ -550,7 +550,7 @@ def test_skip_tracker_names_the_recipe_step_and_aborts() -> None:
 def test_skip_tracker_continues_from_a_checkpoints_state() -> None:
     """The skipped steps and the run of skips survive a resume (issue 43 item 6): the Engine's
     count restarts at 0 after a load, the tracker adds the run the checkpoint ended with."""
-    from train_recipes.health import SkipTracker, TrainingAborted
+    from train_recipes.loop.health import SkipTracker, TrainingAborted
 
     class Result:
         def __init__(self, skipped: bool, in_a_row: int, empty: bool = False) -> None:
@@ -622,7 +622,7 @@ def test_consecutive_skips_abort_with_one_line_after_clean_startup_output(
 
 
 def test_summary_names_device_attention_startup_and_skips(tmp_path: Path) -> None:
-    from train_recipes.summary import summary_table
+    from train_recipes.sft.summary import summary_table
 
     summary = {
         "accuracy_before": None,

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from _scale_workers import tiny_hf_model
-from train_recipes.fused_loss import token_sum_loss_of
-from train_recipes.trained_rows import TrainedRows
+from train_recipes.data.trained_rows import TrainedRows
+from train_recipes.loss.fused_loss import token_sum_loss_of
 from vocab_parallel import _fused_linear
 
 _B, _S, _V = 3, 10, 101
@@ -159,9 +159,9 @@ def test_trained_only_switch_is_a_documented_key_a_resume_applies() -> None:
     """``model.fused_loss_trained_only``: on by default, set from the command line, listed by
     ``sft --help`` with its description, and applied on resume (a speed knob: same results)."""
     from train_recipes.config import SFTConfig, load_config
-    from train_recipes.config_help import config_keys
-    from train_recipes.config_loader import to_dict
-    from train_recipes.resume_changes import config_changes
+    from train_recipes.config.key_help import config_keys
+    from train_recipes.config.loader import to_dict
+    from train_recipes.run.resume_changes import config_changes
 
     default = load_config(SFTConfig, None, [])
     assert default.model.fused_loss_trained_only is True

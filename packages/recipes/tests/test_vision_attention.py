@@ -10,8 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from train_recipes import vision_attention
-from train_recipes.vision_attention import VISION_VARLEN_ATTENTION, use_varlen_vision_attention
+from train_recipes.model import vision_attention
+from train_recipes.model.vision_attention import (
+    VISION_VARLEN_ATTENTION,
+    use_varlen_vision_attention,
+)
 from train_testing.tiny_hf import tiny_model
 
 # Two blocks: block 0 attends per window (56 px = 2x2 merged units = 4x4 patches), block 1 per
@@ -160,7 +163,7 @@ def _loss_and_grads(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[f
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_compiled_vlm_blocks_give_the_eager_loss_and_gradients() -> None:
-    from train_recipes.modeling import compile_decoder_layers
+    from train_recipes.model.build import compile_decoder_layers
 
     tokens = {"image_token_id": 98, "vision_start_token_id": 99, "vision_end_token_id": 100}
     models = [

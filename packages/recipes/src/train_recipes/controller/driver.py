@@ -2,14 +2,14 @@
 
 It places one actor per rank, runs the training loop and reports a failed or dead rank in one
 line, within seconds, without hanging. SIGTERM or SIGINT to the driver stops the actors at the
-next step boundary with a checkpoint of that step (:mod:`train_recipes.preemption`).
+next step boundary with a checkpoint of that step (:mod:`train_recipes.run.preemption`).
 
 The driver holds no model. It hosts the job's rendezvous store, as torchrun's agent does, so
 the store outlives every rank: a rank's hang watchdog leaves its verdict there before it ends
 its own (healthy) actor, and the driver's last line names the rank the verdict names, not the
 first actor that exited. Each actor joins the job's process group (gloo on CPU, NCCL on GPU)
 and holds its rank's ``SFTRecipe``; the driver runs the recipes' one loop
-(``train_recipes.loop.drive``: step accounting, when to evaluate and checkpoint, metrics.jsonl,
+(``train_recipes.loop.drive.drive``: step accounting, when to evaluate and checkpoint, metrics.jsonl,
 TensorBoard, the progress bar, the summary) and calls each stage on every actor. The records
 of a stage are agreed over the ranks inside it, so rank 0's is logged. Every step's sample ids
 come back from every rank into the driver's data plane, which checks that the cp/tp peers of
@@ -26,7 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from train_recipes.config_sft import SFTConfig
+from train_recipes.config.sft import SFTConfig
 from train_recipes.controller.ray_cluster import (
     ActorFailure,
     RankGroup,
@@ -35,11 +35,11 @@ from train_recipes.controller.ray_cluster import (
     plan_placement,
     start_or_join,
 )
-from train_recipes.data_plane import DataPlane, PlaneMismatchError
-from train_recipes.health import hang_report
-from train_recipes.loop import RunEnd, RunStart, StepRecord, drive
-from train_recipes.preemption import RunStopped, SignalTrap, stopped_error
-from train_recipes.summary import sft_summary_text
+from train_recipes.data.plane import DataPlane, PlaneMismatchError
+from train_recipes.loop.drive import RunEnd, RunStart, StepRecord, drive
+from train_recipes.loop.health import hang_report
+from train_recipes.run.preemption import RunStopped, SignalTrap, stopped_error
+from train_recipes.sft.summary import sft_summary_text
 
 # How long the actors may take to come up and answer their first call (imports of torch and
 # transformers on a loaded node take tens of seconds).
@@ -179,7 +179,7 @@ def failure_line(failure: ActorFailure, verdict: str | None) -> str:
 
     A rank whose hang watchdog fires is the healthy one, waiting for a peer that stopped: it
     ends its own actor, which is then often the first the driver sees exit. So the watchdog's
-    verdict (:func:`train_recipes.health.hang_report`), naming the ranks that stopped or fell
+    verdict (:func:`train_recipes.loop.health.hang_report`), naming the ranks that stopped or fell
     behind, is the line; the first failed actor only when no watchdog fired.
 
     Args:

@@ -22,8 +22,8 @@ import os
 import time
 from typing import Any
 
-from train_recipes.config_sft import SFTConfig
-from train_recipes.loop import RunEnd, StepRecord
+from train_recipes.config.sft import SFTConfig
+from train_recipes.loop.drive import RunEnd, StepRecord
 
 __all__ = ["RankActor"]
 
@@ -71,7 +71,7 @@ class RankActor:
         # one (which would end with rank 0, and the hang watchdog's verdict in it).
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         os.environ.setdefault("TORCHELASTIC_RESTART_COUNT", "0")  # older torch reads it then
-        from train_recipes.sft_recipe import SFTRecipe
+        from train_recipes.sft.recipe import SFTRecipe
 
         self.recipe = SFTRecipe(config, resume=resume).__enter__()
         start = self.recipe.setup()

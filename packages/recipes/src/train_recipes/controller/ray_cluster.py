@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from train_recipes.extras import install_hint
+from train_recipes.config.extras import install_hint
 
 __all__ = [
     "RAY_EXTRA",

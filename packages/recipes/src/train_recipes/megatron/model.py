@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from train_recipes.extras import install_hint
+from train_recipes.config.extras import install_hint
 
 __all__ = [
     "MEGATRON_EXTRA",

@@ -62,7 +62,7 @@ def build_megatron_model(config: Any, tokenizer: Any, ctx: Any) -> nn.Module:
     from train_recipes.megatron.convert import load_hf_weights
     from train_recipes.megatron.model import build_gpt_model, init_megatron_parallel
     from train_recipes.megatron.training import wrap_data_parallel
-    from train_recipes.modeling import build_model
+    from train_recipes.model.build import build_model
 
     init_megatron_parallel(ctx.tp_size, seed=config.train.seed)
     hf = build_model(config, tokenizer)  # the HF backend's model and weights

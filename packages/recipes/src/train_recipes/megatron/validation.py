@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from train_recipes.config_loader import ConfigError
-from train_recipes.extras import install_hint
+from train_recipes.config.extras import install_hint
+from train_recipes.config.loader import ConfigError
 
 __all__ = ["check_megatron_config"]
 

@@ -1,0 +1,5 @@
+"""The training loop of every recipe (``drive``) and what it reports.
+
+Metrics, trackers, run health, the length and learning-rate schedule, and throughput (FLOPs,
+MFU).
+"""

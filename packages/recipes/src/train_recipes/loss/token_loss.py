@@ -1,0 +1,115 @@
+"""The SFT model path of one batch: the forward (sharded when needed) and its token-sum loss.
+
+# B batch, S sequence, S_l local (cp-sharded) sequence, V vocabulary
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import Tensor
+
+from train_recipes.loss.fused_loss import token_sum_loss_of
+
+if TYPE_CHECKING:
+    from cp_sharder import ContextParallelSharder
+    from train_recipes.data.energon_api import ModelBatch
+
+__all__ = ["CausalLM", "token_sum_loss"]
+
+
+class _LogitsOutput(Protocol):
+    logits: Tensor  # [B, S, V], a DTensor sharded over V under tensor parallelism
+
+
+class CausalLM(Protocol):
+    """What the loss calls: a transformers causal LM, its DDP/FSDP2 wrapper or the Engine."""
+
+    def __call__(self, **inputs: Tensor | str | bool) -> _LogitsOutput:
+        """The forward, with the batch's tensors (and ``qkv_format``) as keywords."""
+        ...
+
+
+def token_sum_loss(
+    model: CausalLM,
+    batch: ModelBatch,
+    *,
+    sharder: ContextParallelSharder | None = None,
+    vlm: bool = False,
+    chunk_tokens: int | None = None,
+    trained_only: bool = True,
+) -> Tensor:
+    """The sum over this rank's trained tokens of -log p(label): the loss of contract (b).
+
+    Unpacked text rows pass ``position_ids`` and no attention mask: right padding never reaches
+    a real token under causal attention (energon-sft's padding positions continue the row, so
+    they never read as a new document). Packed rows (``qkv_format == "thd"``) go through the
+    ``sharder``, at cp=1 too: cp-sharder's variable-length attention keeps every document to
+    itself, from ``seq_lens``, and no ``[S, S]`` mask is built. VLM batches pass [4, B, S]
+    position ids (the 1-D ids, then the loader's M-RoPE ids, per packed document) and the
+    images; the model's own M-RoPE builder would treat a packed row as one sequence. With a
+    ``sharder`` the batch is sharded (cp > 1: over the cp ranks) and the forward runs in its
+    context. A megatron-core model (``model.backend: megatron``) takes the same batch through
+    ``train_recipes.megatron.training.megatron_token_sum_loss`` (no sharder: its attention
+    reads the packed layout from ``PackedSeqParams``).
+
+    Args:
+        model: the (wrapped) model or the Engine.
+        batch: ``input_ids`` [B, S], ``labels`` [B, S] (already shifted, -100 untrained),
+            ``position_ids`` [B, S]; packed: ``qkv_format`` and ``seq_lens`` [B, N]; VLM:
+            ``mrope_position_ids`` [3, B, S] and, when the batch has images, ``pixel_values``
+            [P, D] and ``image_grid_thw`` [N, 3] (see ``_integrations.batch_tensors``).
+        sharder: cp-sharder's ``ContextParallelSharder``; required for packed batches.
+        vlm: the batch is an image-text batch (it must carry M-RoPE ids).
+        chunk_tokens: tokens per chunk of the fused linear loss (the recipe's
+            ``model.fused_loss_chunk_tokens``); None: vocab-parallel's default.
+        trained_only: the fused loss sees only this rank's trained positions (the local
+            labels != -100, counted on the device before the forward without a host sync;
+            ``model.fused_loss_trained_only``); False: all positions.
+
+    Returns:
+        0-dim float32 tensor.
+    """
+    from train_recipes.megatron.recipe import is_megatron_model
+
+    if is_megatron_model(model):
+        from train_recipes.megatron.training import megatron_token_sum_loss
+
+        return megatron_token_sum_loss(model, batch)
+    inputs: dict[str, Any] = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    if vlm:
+        if "mrope_position_ids" not in batch:
+            raise ValueError(
+                "a VLM batch needs mrope_position_ids [3, B, S] (energon-sft builds them for "
+                "M-RoPE families); build the batch with _integrations.batch_tensors(batch, vlm=True)"
+            )
+        inputs["position_ids"] = torch.cat(
+            [batch["position_ids"].unsqueeze(0), batch["mrope_position_ids"]]
+        )
+        for name in ("pixel_values", "image_grid_thw"):  # absent for a text-only batch
+            if name in batch:
+                inputs[name] = batch[name]
+    elif "position_ids" in batch:
+        inputs["position_ids"] = batch["position_ids"]
+    if batch.get("qkv_format") == "thd":
+        if sharder is None:
+            raise ValueError(
+                "a packed batch (qkv_format='thd') needs cp-sharder's sharder (its "
+                "variable-length attention keeps documents apart); pass sharder=..."
+            )
+        inputs["qkv_format"] = "thd"
+        inputs["seq_lens"] = batch["seq_lens"]
+    # No KV cache: training never reuses one.
+    # fused_loss: the hidden states and the head's weight make the loss, without the logits.
+    if sharder is None:
+        labels = inputs.pop("labels")
+        return token_sum_loss_of(
+            model, inputs, labels, chunk_tokens=chunk_tokens, trained_only=trained_only
+        )
+    train_ctx, local = sharder.shard(inputs)
+    labels = local.pop("labels")  # the local labels: the trained rows are this rank's
+    with train_ctx():
+        return token_sum_loss_of(
+            model, local, labels, chunk_tokens=chunk_tokens, trained_only=trained_only
+        )

@@ -1,0 +1,1 @@
+"""The retrieval recipe: bi-encoder InfoNCE fine-tuning under DDP."""

@@ -1,0 +1,437 @@
+"""Checkpoints of the SFT recipe and how a run resumes from them.
+
+What a save holds besides the Engine's state, which checkpoint a resume takes, and which config
+changes a resume applies or refuses.
+
+A save's per-rank extra state holds the loader position, the step, the loss window, the first
+and last logged losses, the held-out accuracy before training and losses, the skipped steps
+and the run of skips, the learning-rate re-base and the config that trained up to it. A resume
+takes the newest complete checkpoint (train-engine's marker-checked list) and falls back to the
+previous one when a file fails its checksum; the ones that did not load are moved to
+``checkpoints/damaged/``, never deleted. When none loads it refuses, changing nothing; it
+starts clean, saying so, only when no checkpoint is complete. Which config changes a resume
+applies is :mod:`train_recipes.run.resume_changes`; a changed schedule keeps the learning rate
+continuous (:class:`train_recipes.loop.schedule.Rebase`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from train_recipes.config.loader import to_dict
+from train_recipes.config.sft import SFTConfig
+from train_recipes.loop.health import TrainingAborted
+from train_recipes.loop.schedule import Rebase
+from train_recipes.run.checkpoint_folder import (
+    DAMAGED_DIR,
+    checkpoint_dir,
+    complete_checkpoints,
+    prune,
+    set_aside_newer,
+)
+from train_recipes.run.folder import CHECKPOINT_DIR
+from train_recipes.run.resume_changes import (
+    SCHEDULE_KEYS,
+    config_changes,
+    continue_schedule,
+    schedule_line,
+)
+from train_recipes.run.save_failure import save_or_abort
+
+if TYPE_CHECKING:
+    from energon_sft import SFTLoader
+    from train_engine import Engine, LossWindow
+    from train_recipes.data.colocated import ColocatedLoader
+
+__all__ = [
+    "DAMAGED_DIR",
+    "Restored",
+    "ResumeRefused",
+    "SavedRun",
+    "checkpoint_dir",
+    "complete_checkpoints",
+    "load_newest",
+    "plan_resume",
+    "read_saved_run",
+]
+
+logger = logging.getLogger(__name__)
+
+# Changing these measures the held-out accuracy on another set or budget.
+_EVAL_KEYS = frozenset({"train.eval_samples", "train.eval_max_new_tokens", "data.eval_path"})
+
+
+class ResumeRefused(TrainingAborted):
+    """``--resume`` found complete checkpoints but none loads; nothing was changed."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SavedRun:
+    """What a checkpoint says about the run that wrote it (read from rank 0's extra state).
+
+    Attributes:
+        path: the checkpoint directory read.
+        step: optimizer steps done.
+        config: the config that trained up to ``step`` (None for checkpoints of older versions).
+        logical_shards: the loader's logical shard count (None when unknown).
+    """
+
+    path: Path
+    step: int
+    config: dict[str, Any] | None
+    logical_shards: int | None
+
+
+@dataclass(kw_only=True, slots=True)
+class Restored:
+    """What a resume restored besides the Engine (identical on every rank).
+
+    Attributes:
+        path: the checkpoint loaded.
+        step: its step.
+        accuracy_before: held-out accuracy before training (None when not comparable).
+        first_loss: the run's first logged loss.
+        last_loss: the loss of the checkpoint's step (None when not logged or not saved).
+        eval_losses: the held-out losses measured so far.
+        skips: the skip record (:meth:`train_recipes.loop.health.SkipTracker.state_dict`), None
+            for checkpoints of older versions.
+        rebase: the learning-rate correction in force (None: the config's schedule as is).
+        changes: the config changes applied, ``key -> (old, new)``.
+    """
+
+    path: Path
+    step: int
+    accuracy_before: float | None
+    first_loss: float | None
+    last_loss: float | None = None
+    eval_losses: list[float] = field(default_factory=list)
+    skips: dict[str, Any] | None = None
+    rebase: Rebase | None = None
+    changes: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+
+
+def _load_first_good(
+    engine: Engine, candidates: list[Path], *, say: Callable[[str], None]
+) -> tuple[tuple[Path, Any] | None, dict[Path, str]]:
+    """The first of ``candidates`` that loads, and the first problem of each that did not."""
+    from train_engine import CheckpointCorruptError
+
+    failed: dict[Path, str] = {}
+    for ckpt in candidates:
+        try:
+            return (ckpt, engine.load_checkpoint(ckpt)), failed
+        except CheckpointCorruptError as err:  # raised on every rank, nothing loaded yet
+            failed[ckpt] = err.problems[0] if err.problems else str(err)
+        except FileNotFoundError as err:  # the marker vanished (agreed over the ranks too)
+            failed[ckpt] = str(err)
+        if ckpt != candidates[-1]:
+            say(f"checkpoint {ckpt} did not load: {failed[ckpt]}; falling back to the previous one")
+    return None, failed
+
+
+def load_newest(
+    engine: Engine, candidates: list[Path], *, say: Callable[[str], None]
+) -> tuple[Path, Any] | None:
+    """Load the first of ``candidates`` whose files pass their checksums (collective).
+
+    A corrupt checkpoint (train-engine's CheckpointCorruptError, raised on every rank before
+    any state changed) is reported, naming its bad file, and the previous one is tried.
+
+    Returns:
+        (the checkpoint loaded, this rank's extra state), or None when none loads.
+    """
+    return _load_first_good(engine, candidates, say=say)[0]
+
+
+def _on_disk(checkpoint: Path) -> Path:
+    # The engine returns <dir> for a <dir>.old left by a crash between its two renames.
+    return checkpoint if checkpoint.is_dir() else checkpoint.with_name(checkpoint.name + ".old")
+
+
+def _rank_file(checkpoint: Path, rank: int) -> Path:
+    # train-engine's documented layout: <dir>/rank_NNNNN.pt = {"rng": ..., "extra": ...}.
+    return _on_disk(checkpoint) / f"rank_{rank:05d}.pt"
+
+
+def _all_extras(checkpoint: Path) -> list[Any]:
+    files = sorted(_on_disk(checkpoint).glob("rank_*.pt"))
+    return [torch.load(f, weights_only=False)["extra"] for f in files]
+
+
+def read_saved_run(checkpoint: str | Path) -> SavedRun:
+    """Read rank 0's extra state of a checkpoint (cheap: no model or optimizer tensors).
+
+    Raises:
+        OSError, RuntimeError, KeyError: unreadable or not a checkpoint of this recipe.
+    """
+    path = Path(checkpoint)
+    extra = torch.load(_rank_file(path, 0), weights_only=False)["extra"]
+    config = extra.get("config")
+    shards = extra.get("logical_shards")
+    return SavedRun(
+        path=path,
+        step=int(extra["step"]),
+        config=config,
+        logical_shards=None if shards is None else int(shards),
+    )
+
+
+def plan_resume(config: SFTConfig, *, world_size: int) -> SavedRun | None:
+    """Pre-launch check of ``--resume``: the newest readable complete checkpoint, if any.
+
+    Raises:
+        ConfigError: a config change the resume would refuse (before any rank starts).
+    """
+    for candidate in complete_checkpoints(config.train.output_dir):
+        try:
+            saved = read_saved_run(candidate)
+        except Exception:  # the ranks report it and fall back; the parent only pre-checks
+            continue
+        if saved.config is not None:
+            dp = world_size // (config.parallel.cp * config.parallel.tp)
+            config_changes(
+                saved.config,
+                config,
+                saved_shards=saved.logical_shards,
+                new_shards=config.data.num_logical_shards or dp,
+            )
+        return saved
+    return None
+
+
+def _optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _apply_optimizer_settings(
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    settings: list[dict[str, Any]],
+    rebase: Rebase | None,
+) -> None:
+    """Put the config's hyperparameters back after a load (torch's load takes the saved ones).
+
+    The scheduler's base rates become the config's ``initial_lr``, its factors take the
+    resume's ``rebase`` and each group's rate is recomputed at the saved step, exactly as
+    LambdaLR computes it, so an unchanged config gives the saved rates bit for bit and a new
+    ``optim.lr`` applies from the next step.
+    """
+    for group, wanted in zip(optimizer.param_groups, settings, strict=True):
+        group.update(wanted)
+    if rebase is not None:
+        scheduler.lr_lambdas = [rebase.apply(fn) for fn in scheduler.lr_lambdas]
+    scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
+    rates = [
+        base * fn(scheduler.last_epoch)
+        for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)
+    ]
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    scheduler._last_lr = rates
+
+
+def _mean_window(states: list[dict[str, Any]]) -> dict[str, Any]:
+    # Each rank's window holds its share of the global loss; the mean over the old ranks is the
+    # global loss itself, which every new rank holds after a change of the world size.
+    values = torch.tensor([s["values"] for s in states], dtype=torch.float64).mean(0)
+    return {**states[0], "values": values.tolist()}
+
+
+def save(
+    engine: Engine,
+    output_dir: Path,
+    *,
+    step: int,
+    loader: SFTLoader | ColocatedLoader,
+    window: LossWindow,
+    config: SFTConfig,
+    dp_size: int,
+    accuracy_before: float | None,
+    first_loss: float | None,
+    is_main: bool,
+    data_plane: Any = None,
+    last_loss: float | None = None,
+    eval_losses: list[float] | None = None,
+    skips: dict[str, Any] | None = None,
+    rebase: Rebase | None = None,
+) -> Path:
+    """Save a checkpoint of ``step`` and prune older ones of this run (collective).
+
+    A save that fails stops the run with one line and prunes nothing; at the last step the
+    weights alone are tried then (:func:`train_recipes.run.save_failure.save_or_abort`).
+
+    ``data_plane`` (a ``DataPlane``: the samples each step trained on) is saved with this
+    rank's extra state, inside the checkpoint's atomic swap, as are the records a resume
+    continues (``last_loss``, ``eval_losses``, ``skips``: the SkipTracker's state) and the
+    learning-rate correction in force (``rebase``).
+    """
+    import torch.distributed as dist
+
+    target = checkpoint_dir(output_dir, step)
+    # A failed save stops the run here, on every rank, before anything is pruned.
+    save_or_abort(
+        engine,
+        target,
+        optimizer_state=config.train.checkpoint_optimizer,
+        final=step == config.train.steps,
+        extra_state={
+            "loader": loader.state_dict(),
+            "step": step,
+            "accuracy_before": accuracy_before,
+            "first_loss": first_loss,
+            "loss_window": window.state_dict(),
+            "config": to_dict(config),
+            "logical_shards": config.data.num_logical_shards or dp_size,
+            "dp_size": dp_size,
+            "data_plane": None if data_plane is None else data_plane.state_dict(),
+            "last_loss": last_loss,
+            "eval_losses": list(eval_losses or []),
+            "skips": skips,
+            "lr_rebase": None if rebase is None else dataclasses.asdict(rebase),
+        },
+    )
+    if is_main:
+        prune(output_dir, keep=config.train.keep_checkpoints, upto=step)
+    dist.barrier()
+    return target
+
+
+def _refusal(root: Path, failed: dict[Path, str]) -> ResumeRefused:
+    problems = "; ".join(f"{path.name}: {problem}" for path, problem in failed.items())
+    return ResumeRefused(
+        f"no checkpoint in {root} loads ({problems}); nothing was changed. Restore the files "
+        "and resume again, or start a new run (--overwrite, or another --output-dir)"
+    )
+
+
+def _layout_note(saved_dp: int, saved_accum: int, dp_size: int, config: SFTConfig) -> str:
+    accum = config.train.gradient_accumulation_steps
+    note = f"resume on dp={dp_size} x accumulation {accum} (saved by dp={saved_dp} x {saved_accum})"
+    if dp_size * accum == saved_dp * saved_accum:
+        return note + ": the same global batch"
+    same = saved_dp * saved_accum / dp_size
+    fix = f"; train.gradient_accumulation_steps={int(same)} keeps it" if same == int(same) else ""
+    return note + f": the global batch changes{fix}"
+
+
+def restore(
+    engine: Engine,
+    loader: SFTLoader | ColocatedLoader,
+    window: LossWindow,
+    config: SFTConfig,
+    *,
+    dp_size: int,
+    is_main: bool,
+    say: Callable[[str], None],
+    data_plane: Any = None,
+) -> Restored | None:
+    """Load the newest complete checkpoint of ``config.train.output_dir`` (collective).
+
+    Args:
+        engine: the Engine (model, optimizer, scheduler).
+        loader: the fresh energon-sft loader (before its first batch).
+        window: the LossWindow.
+        config: the resuming job's config.
+        data_plane: the job's ``DataPlane``, given the saved records (all old ranks' after a
+            change of the world size); None leaves them.
+        dp_size: the resuming job's data-parallel size.
+        is_main: rank 0 (sets aside the checkpoints that did not load).
+        say: prints one line on rank 0.
+
+    Returns:
+        What was restored, or None when no checkpoint is complete (a clean start).
+
+    Raises:
+        ConfigError: a refused config change.
+        ResumeRefused: complete checkpoints exist but none loads (on every rank; nothing
+            changed, no file moved).
+    """
+    import torch.distributed as dist
+
+    out_dir = Path(config.train.output_dir)
+    candidates = complete_checkpoints(out_dir)
+    if not candidates:
+        say(f"no complete checkpoint in {out_dir / CHECKPOINT_DIR}: starting clean from step 0")
+        return None
+    wanted = _optimizer_settings(engine.optimizer)  # the config's, before a load replaces them
+    loaded, failed = _load_first_good(engine, candidates, say=say)
+    if loaded is None:  # on every rank: the load's outcome is agreed
+        raise _refusal(out_dir / CHECKPOINT_DIR, failed)
+    ckpt, extra = loaded
+    # Another world size: the engine restores no per-rank state; the loader continues from the
+    # envelopes of all old ranks (any dp dividing the logical shards). Read after the load,
+    # whose checksums covered these files.
+    extras = [extra] if extra is not None else _all_extras(ckpt)
+    engine_accum_before = engine.gradient_accumulation_steps  # the checkpoint's window
+    step = int(extras[0]["step"])
+    changes: dict[str, tuple[Any, Any]] = {}
+    if extras[0].get("config") is not None:
+        shards = extras[0].get("logical_shards")
+        changes = config_changes(
+            extras[0]["config"],
+            config,
+            saved_shards=None if shards is None else int(shards),
+            new_shards=config.data.num_logical_shards or dp_size,
+        )
+    engine.set_gradient_accumulation_steps(config.train.gradient_accumulation_steps)
+    scheduler = engine.lr_scheduler
+    rebase = continue_schedule(extras[0], config, at=scheduler.last_epoch, changes=changes)
+    _apply_optimizer_settings(engine.optimizer, scheduler, wanted, rebase)
+    if extra is not None:
+        loader.load_state_dict(extra["loader"])
+        if "loss_window" in extra:
+            window.load_state_dict(extra["loss_window"])
+        if data_plane is not None and extra.get("data_plane") is not None:
+            data_plane.load_state_dict(extra["data_plane"])
+    else:
+        loader.load_state_dict([e["loader"] for e in extras])
+        if all("loss_window" in e for e in extras):
+            window.load_state_dict(_mean_window([e["loss_window"] for e in extras]))
+        planes = [e["data_plane"] for e in extras if e.get("data_plane") is not None]
+        if data_plane is not None and planes:
+            data_plane.load_state_dict(planes)
+        extra = extras[0]
+    if is_main:
+        moved = set_aside_newer(out_dir, step)
+        if moved:
+            say(
+                f"moved the checkpoints newer than step {step}, which did not load, to "
+                f"{out_dir / CHECKPOINT_DIR / DAMAGED_DIR}: {', '.join(moved)}"
+            )
+    dist.barrier()
+    accuracy = extra.get("accuracy_before")
+    if accuracy is not None and _EVAL_KEYS & set(changes):
+        say("held-out settings changed: the accuracy before training is not comparable, dropped")
+        accuracy = None
+    for key, (before, after) in changes.items():
+        say(f"resume applies {key}: {before!r} -> {after!r}")
+    if rebase is not None and rebase.at == scheduler.last_epoch and rebase.offset:
+        keys = [k for k in SCHEDULE_KEYS if k in changes]
+        if keys:
+            say(schedule_line(scheduler, config, rebase, step=step, keys=keys))
+    if not extra.get("optimizer_state", True):
+        say(
+            f"{ckpt.name} holds the weights without optimizer state (train.checkpoint_optimizer"
+            "=false, or kept when a full save failed): AdamW restarts from zero moments"
+        )
+    saved_dp = extra.get("dp_size")
+    if saved_dp is not None and saved_dp != dp_size:
+        say(_layout_note(saved_dp, engine_accum_before, dp_size, config))
+    return Restored(
+        path=ckpt,
+        step=step,
+        accuracy_before=accuracy,
+        first_loss=extra.get("first_loss"),
+        last_loss=extra.get("last_loss"),
+        eval_losses=list(extra.get("eval_losses") or []),
+        skips=extra.get("skips"),
+        rebase=rebase,
+        changes=changes,
+    )
