@@ -18,11 +18,13 @@ import yaml
 
 from _recipes_workers import metric_rows
 from conftest import CLI, QUIET_CPU_RUN, cli_env
+from train_recipes.cli import launch
 from train_recipes.cli import main as cli
 from train_recipes.cli.preflight import run_preflight
 from train_recipes.config import ConfigError, SFTConfig, load_config
-from train_recipes.data.direct_inputs import RESOLVED_ENV, resolve_inputs, resolve_model_path
+from train_recipes.data.direct_inputs import resolve_inputs, resolve_model_path
 from train_recipes.data.input_cache import CACHE_ENV
+from train_recipes.run.launch_env import RESOLVED_INPUTS
 
 DATA = Path(__file__).parent / "data"
 
@@ -31,7 +33,7 @@ DATA = Path(__file__).parent / "data"
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The conversion cache in this test's folder; no resolution inherited from another test."""
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.delenv(RESOLVED_ENV, raising=False)
+    monkeypatch.delenv(RESOLVED_INPUTS, raising=False)
     return tmp_path / "cache"
 
 
@@ -69,7 +71,7 @@ def _resolve(*overrides: str) -> SFTConfig:
 
 def _again(monkeypatch: pytest.MonkeyPatch, *overrides: str) -> SFTConfig:
     """The same, as the next launch would (without the previous launch's resolution)."""
-    monkeypatch.delenv(RESOLVED_ENV, raising=False)
+    monkeypatch.delenv(RESOLVED_INPUTS, raising=False)
     return _resolve(*overrides)
 
 
@@ -154,7 +156,7 @@ def test_eval_split_holds_rows_out_of_training(
         ([f"data.path={path}", "data.eval_split=3", f"data.eval_path={path}"], "remove one"),
         ([f"data.path={prepared}", "data.eval_split=3"], "is a prepared Energon dataset"),
     ]:
-        monkeypatch.delenv(RESOLVED_ENV, raising=False)
+        monkeypatch.delenv(RESOLVED_INPUTS, raising=False)
         with pytest.raises(ConfigError) as info:
             _resolve(*overrides)
         assert info.value.key == "data.eval_split"
@@ -169,7 +171,7 @@ def test_ranks_take_the_launchers_resolution_without_converting_again(
 
     chats = _jsonl(tmp_path / "c.jsonl", [_chat(1, 2)])
     config = load_config(SFTConfig, None, [f"data.path={chats}"])
-    launcher = resolve_inputs(config)  # exports RESOLVED_ENV, which the ranks it starts inherit
+    launcher = resolve_inputs(config)  # exports RESOLVED_INPUTS, which the ranks it starts inherit
 
     def resolve_again(*args: Any) -> None:
         raise AssertionError("a rank resolved the inputs again")
@@ -220,7 +222,7 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> int:
         raise AssertionError(f"ranks were launched: {args}")
 
-    monkeypatch.setattr(cli, "_relaunch", refuse)
+    monkeypatch.setattr(launch, "relaunch", refuse)
 
 
 def _hub_cache(root: Path, repo: str, files: dict[str, bytes]) -> Path:
@@ -294,8 +296,8 @@ def test_model_and_data_options_are_shorthands_for_the_keys(
     args = parser.parse_args(
         ["sft", "--model", "org/name", "--data", "my data.jsonl", "--set", "a.b=1"]
     )
-    assert cli._overrides(args) == ["a.b=1", 'model.path="org/name"', 'data.path="my data.jsonl"']
-    config = load_config(SFTConfig, None, cli._overrides(args)[1:])
+    assert launch.overrides(args) == ["a.b=1", 'model.path="org/name"', 'data.path="my data.jsonl"']
+    config = load_config(SFTConfig, None, launch.overrides(args)[1:])
     assert (config.model.path, config.data.path) == ("org/name", "my data.jsonl")
     assert cli.main(["sft", "--data", "x.jsonl", "--set", "data.path=y.jsonl"]) == 2
     err = capsys.readouterr().err

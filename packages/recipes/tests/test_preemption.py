@@ -159,7 +159,7 @@ def test_ctrl_c_outside_the_training_loop_is_one_line(
     def interrupted(*_: object) -> int:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_train", interrupted)
+    monkeypatch.setattr(cli, "train", interrupted)
     assert cli.main(["sft"]) == 130
     assert capsys.readouterr().err.strip() == (
         "train-recipes sft: stopped by SIGINT outside the training loop; continue with --resume"

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from train_recipes.cli import launch
 from train_recipes.cli import main as cli
 from train_recipes.cli.preflight import needed_extras, run_preflight
 from train_recipes.config import ConfigError, RetrievalConfig, SFTConfig, load_config
@@ -44,7 +45,7 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(nproc: int, argv: Sequence[str]) -> int:
         raise AssertionError(f"ranks were launched: {nproc} {argv}")
 
-    monkeypatch.setattr(cli, "_relaunch", refuse)
+    monkeypatch.setattr(launch, "relaunch", refuse)
 
 
 def _hide(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
@@ -202,7 +203,7 @@ def test_plot_without_matplotlib_names_the_extra(
 
 def test_strip_nproc_removes_both_spellings() -> None:
     argv = ["sft", "--nproc_per_node", "2", "--set", "a=1", "--nproc-per-node=4", "--resume"]
-    assert cli._strip_nproc(argv) == ["sft", "--set", "a=1", "--resume"]
+    assert launch.strip_nproc(argv) == ["sft", "--set", "a=1", "--resume"]
 
 
 def test_long_warmup_is_a_warning_not_an_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,7 +16,7 @@
   ``hf download org/name``.
 
 :func:`resolve_inputs` runs in the launching process before any rank exists; the resolved paths
-reach the ranks it starts through :data:`RESOLVED_ENV`, so they neither hash nor convert.
+reach the ranks it starts through :data:`~train_recipes.run.launch_env.RESOLVED_INPUTS`, so they neither hash nor convert.
 """
 
 from __future__ import annotations
@@ -36,16 +36,14 @@ from train_recipes.config.loader import ConfigError
 from train_recipes.config.retrieval import RetrievalConfig
 from train_recipes.config.sft import SFTConfig
 from train_recipes.data.input_cache import cache_root, content_digest, entry_key, publish_entry
+from train_recipes.run.launch_env import RESOLVED_INPUTS
 
 if TYPE_CHECKING:
     from energon_sft.sources import RowSource
 
-__all__ = ["RESOLVED_ENV", "held_out_count", "resolve_inputs", "resolve_model_path"]
+__all__ = ["held_out_count", "resolve_inputs", "resolve_model_path"]
 
 C = TypeVar("C", bound=SFTConfig | RetrievalConfig)
-
-#: The launching process's resolution, for the ranks it starts: {"given": ..., "resolved": ...}.
-RESOLVED_ENV = "TRAIN_RECIPES_RESOLVED_INPUTS"
 
 # Bumped when a conversion's output changes for the same input and settings.
 CACHE_FORMAT = 1
@@ -325,19 +323,19 @@ def resolve_inputs(config: C, *, echo: Echo = _stderr) -> C:
     """``config`` with its direct inputs resolved (see the module docstring).
 
     The launching process converts what is not cached yet and exports the resolution in
-    :data:`RESOLVED_ENV`; a process that inherits it (a rank) applies it when the config gives
+    :data:`~train_recipes.run.launch_env.RESOLVED_INPUTS`; a process that inherits it (a rank) applies it when the config gives
     the same values, without hashing or converting.
 
     Raises:
         ConfigError: one line naming the key and the fix.
     """
     given = _given(config)
-    pinned = json.loads(os.environ.get(RESOLVED_ENV) or "{}")
+    pinned = json.loads(os.environ.get(RESOLVED_INPUTS) or "{}")
     if pinned.get("given") == given:
         resolved = pinned["resolved"]
     else:
         resolved = _resolve(config, echo)
-        os.environ[RESOLVED_ENV] = json.dumps({"given": given, "resolved": resolved})
+        os.environ[RESOLVED_INPUTS] = json.dumps({"given": given, "resolved": resolved})
     out: SFTConfig | RetrievalConfig
     if isinstance(config, SFTConfig):
         data = replace(

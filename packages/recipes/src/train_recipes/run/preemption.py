@@ -36,11 +36,12 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from train_recipes.run.launch_env import LAUNCHER_OWNS_SIGNALS
+
 if TYPE_CHECKING:
     from train_recipes.loop.drive import LoopStop
 
 __all__ = [
-    "LAUNCHER_OWNS_SIGNALS",
     "STOP_SIGNALS",
     "LauncherSignals",
     "RunStopped",
@@ -55,7 +56,6 @@ __all__ = [
 #: The signals that stop a run (SIGHUP and SIGQUIT keep their usual meaning).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: Set by the launcher for its ranks: it forwards the signals and owns the grace period.
-LAUNCHER_OWNS_SIGNALS = "TRAIN_RECIPES_LAUNCHER_OWNS_SIGNALS"
 # The launcher waits this much past the grace period before it SIGKILLs the ranks itself.
 _LAUNCHER_MARGIN_S = 5.0
 
