@@ -8,9 +8,12 @@ from pathlib import Path
 import pytest
 
 from train_testing.readme_examples import (
+    api_names,
     example_script,
     python_blocks,
     run_readme_examples,
+    unimportable_api_names,
+    unlisted_exports,
     unmarked_blocks,
 )
 
@@ -96,3 +99,52 @@ def test_ranks_get_torchruns_environment_and_a_failed_rank_ends_the_others(tmp_p
     with pytest.raises(AssertionError, match=r"failed \(exit 3\) \(rank 1 of 2\)"):
         run_readme_examples(readme, tmp_path, timeout_s=300)
     assert time.monotonic() - started < 60
+
+
+API_README = """# json-like
+
+## API
+
+| Name | What |
+|---|---|
+| `JSONDecoder(*, strict=True)` | a class; its methods follow it |
+| `.decode(s) -> object` | a method of the row above |
+| `.no_such_method()` | missing |
+| `dumps(obj) -> str`, `no_such_function` | two names in one cell |
+| `json.decoder`: `JSONDecodeError`, `scanstring`; `json.scanner.{make_scanner,py_make_scanner}` | a module for the rest of the cell; a brace group |
+| `json-tool --help` | not a Python name: nothing to check |
+
+```
+| `inside_a_fence` | not a table |
+```
+
+## Examples
+
+| `not_api` | a table under another heading |
+"""
+
+
+def test_api_names_follow_the_convention(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(API_README)
+    assert [(n.line, n.text, n.path) for n in api_names(readme, "json")] == [
+        (7, "JSONDecoder", "json.JSONDecoder"),
+        (8, ".decode", "json.JSONDecoder.decode"),
+        (9, ".no_such_method", "json.JSONDecoder.no_such_method"),
+        (10, "dumps", "json.dumps"),
+        (10, "no_such_function", "json.no_such_function"),
+        (11, "json.decoder", "json.decoder"),
+        (11, "JSONDecodeError", "json.decoder.JSONDecodeError"),
+        (11, "scanstring", "json.decoder.scanstring"),
+        (11, "json.scanner.make_scanner", "json.scanner.make_scanner"),
+        (11, "json.scanner.py_make_scanner", "json.scanner.py_make_scanner"),
+    ]
+    assert unimportable_api_names(readme, "json") == [
+        "README.md:9 `.no_such_method`: json.JSONDecoder has no attribute 'no_such_method'",
+        "README.md:10 `no_such_function`: json has no attribute 'no_such_function'",
+    ]
+    assert "JSONEncoder" in unlisted_exports(readme, "json")
+    assert "dumps" not in unlisted_exports(readme, "json")
+    readme.write_text("# pkg\n\n## Usage\n\n| `name` | what |\n|---|---|\n| `x` | y |\n")
+    with pytest.raises(ValueError, match="no API table"):
+        api_names(readme, "json")

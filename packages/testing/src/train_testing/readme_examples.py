@@ -12,11 +12,29 @@ Every ```` ```python ```` block of a README says in its fence's info string what
 An unmarked block is an error (:func:`unmarked_blocks`): a new example is run or says why not.
 The script keeps each block at its README line (blank lines between), so a traceback's line
 numbers are the README's.
+
+A README's API table says what the package exports; :func:`api_names` reads it and
+:func:`unimportable_api_names` checks it against the code. The convention:
+
+- An API table is a Markdown table (outside code fences) under a heading with the word ``API``
+  (``## API``), before the next heading. Only the first column of its body rows names things.
+- A name is a backticked span that starts with a dotted Python name: ```Engine(model, ...)```,
+  ```step() -> StepResult```, ```cp_sharder.layouts```. The name ends at ``(``, ``[`` or a
+  space; a span that is something else (```energon-sft convert```, a CLI command) names
+  nothing. ```mod.{a,b}``` stands for ```mod.a``` and ```mod.b```.
+- A name is looked up in the package (```Engine``` is ``train_engine.Engine``), or, when it
+  starts with the package's own module name, from there (```cp_sharder.attention.varlen```).
+- ```.name``` is an attribute (a method, a property) of the last row above it in the same table
+  whose first name does not start with a dot: methods follow their class.
+- ```module`:`` (a span followed by a colon) makes the cell's later names that module's:
+  ```energon_sft.convert`: `convert_files`, `held_out_row```.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,7 +44,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CodeBlock", "example_script", "python_blocks", "run_readme_examples", "unmarked_blocks"]
+__all__ = [
+    "ApiName",
+    "CodeBlock",
+    "api_names",
+    "example_script",
+    "python_blocks",
+    "run_readme_examples",
+    "unimportable_api_names",
+    "unlisted_exports",
+    "unmarked_blocks",
+]
 
 _FENCE = "```"
 
@@ -153,6 +181,144 @@ def run_readme_examples(readme: Path, workdir: Path, *, timeout_s: float = 600.0
             f"README's:\n{logs[rank].read_text()[-6000:]}"
         )
     return "".join(log.read_text() for log in logs)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ApiName:
+    """One name an API table lists.
+
+    Attributes:
+        line: its README line (1-based).
+        text: the name as the README writes it (``.shard``, ``energon_sft.convert``).
+        path: the dotted path it resolves to: a module, then attributes
+            (``cp_sharder.ContextParallelSharder.shard``).
+    """
+
+    line: int
+    text: str
+    path: str
+
+
+# A dotted name, optionally ending in a {a,b} group; then the end of the span, "(", "[" or " ".
+_NAME = re.compile(r"^(\.?[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?:\.\{[\w, ]+\})?)(?:$|[(\[ ])")
+_SPAN = re.compile(r"`([^`]+)`(:?)")
+_HEADING = re.compile(r"^#{1,6}\s")
+
+
+def api_names(readme: Path, package: str) -> list[ApiName]:
+    """The names in the README's API tables (the convention is in the module docstring).
+
+    Args:
+        readme: the README.
+        package: the package's top module (``train_engine``): bare names are its attributes.
+
+    Raises:
+        ValueError: the README has no API table with a name in it (a README that lists its
+            API must list it where this check reads it).
+    """
+    names: list[ApiName] = []
+    in_api = in_fence = False
+    in_table = False
+    parent = package  # what a ".name" is an attribute of
+    lines = readme.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, start=1):
+        stripped = line.strip()
+        if stripped.startswith(_FENCE):
+            in_fence = not in_fence
+            continue
+        if in_fence:
+            continue
+        if _HEADING.match(stripped):
+            in_api = re.search(r"\bAPI\b", stripped) is not None
+            continue
+        if not (in_api and stripped.startswith("|")):
+            in_table = False
+            continue
+        if re.fullmatch(r"\|?(\s*:?-+:?\s*\|)+\s*:?-*:?\s*", stripped):
+            in_table, parent = True, package  # the header row is above; body rows follow
+            continue
+        if not in_table:
+            continue
+        first_cell = re.split(r"(?<!\\)\|", stripped)[1]
+        module = package
+        for span, colon in _SPAN.findall(first_cell):
+            match = _NAME.match(span.strip())
+            if match is None:
+                continue
+            for text in _expand(match.group(1)):
+                if text.startswith("."):
+                    path = parent + text
+                elif text == package or text.startswith(package + "."):
+                    path = text
+                else:
+                    path = f"{module}.{text}"
+                names.append(ApiName(line=number, text=text, path=path))
+                if colon:
+                    module = path
+                elif not text.startswith("."):
+                    parent = path
+    if not names:
+        raise ValueError(
+            f"{readme} has no API table with a name in it: list the public names in the first "
+            "column of a table under an '## API' heading, in backticks"
+        )
+    return names
+
+
+def unimportable_api_names(readme: Path, package: str) -> list[str]:
+    """``README.md:LINE `name`: why`` for each API-table name the code does not have.
+
+    A name resolves when its path imports as a module or as attributes of the longest prefix
+    that imports (``cp_sharder.ContextParallelSharder.shard``). Importing runs the package's
+    modules, so optional dependencies a module imports at its top must be installed.
+    """
+    missing = []
+    for name in api_names(readme, package):
+        why = _unresolved(name.path)
+        if why is not None:
+            missing.append(f"{readme.name}:{name.line} `{name.text}`: {why}")
+    return missing
+
+
+def unlisted_exports(readme: Path, package: str) -> list[str]:
+    """The names of the package's ``__all__`` that its README's API tables do not list.
+
+    A name counts as listed when an API-table name is it or an attribute of it
+    (``ContextParallelSharder`` is listed by ```.shard``` as well); ``__version__`` need not be.
+    """
+    module = importlib.import_module(package)
+    listed = {name.path.split(".")[1] for name in api_names(readme, package) if "." in name.path}
+    exported: list[str] = list(getattr(module, "__all__", ()))
+    return sorted(name for name in exported if name not in listed and name != "__version__")
+
+
+def _expand(text: str) -> list[str]:
+    """``mod.{a,b}`` -> ``mod.a``, ``mod.b``; anything else as is."""
+    head, brace, group = text.partition("{")
+    if not brace:
+        return [text]
+    return [head + part.strip() for part in group.rstrip("}").split(",")]
+
+
+def _unresolved(path: str) -> str | None:
+    """Why ``path`` does not resolve (a module, then attributes), or None when it does."""
+    parts = path.split(".")
+    for end in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:end])
+        try:
+            obj: object = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name == module_name or module_name.startswith(f"{error.name}."):
+                continue  # not a module: try the shorter prefix with attributes
+            return f"importing {module_name} failed: {error}"
+        except ImportError as error:
+            return f"importing {module_name} failed: {error}"
+        for depth, attribute in enumerate(parts[end:], start=end):
+            if not hasattr(obj, attribute):
+                return f"{'.'.join(parts[:depth])} has no attribute {attribute!r}"
+            obj = getattr(obj, attribute)
+        return None
+    return f"no module {parts[0]}"
 
 
 def _free_port() -> int:
