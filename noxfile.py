@@ -12,7 +12,9 @@ Whole workspace:
   lint            ruff check + ruff format --check
   typecheck       mypy on every member's sources (library packages, recipes, test helper)
   release-check   build every wheel, compare recipes' pins with the members' versions, install all
-                  the wheels together in a fresh environment.
+                  the wheels together in a fresh environment, and compare each installed package's
+                  public API with the record of its version (packages/<pkg>/api/<version>.json)
+                  and its CHANGELOG (train_testing.api_surface).
 Extra arguments after `--` go to pytest, e.g. `uvx nox -s tests-engine -- -k clip -x`.
 """
 
@@ -223,6 +225,9 @@ def release_check(session: nox.Session) -> None:
     published = [str(w) for dist, w in sorted(wheels.items()) if dist != TESTING_DIST]
     session.install(*published, env=_uv_env(session))
     session.run("train-recipes", "versions")
+    # On the installed wheels, as users import them: a public name added, removed or changed
+    # since the version's record needs a version bump, a CHANGELOG entry and a new record.
+    session.run("python", "-m", "train_testing.api_surface", "check", "--root", str(ROOT))
 
 
 if __name__ == "__main__":
