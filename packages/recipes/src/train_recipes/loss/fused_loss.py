@@ -163,6 +163,14 @@ def fused_token_sum_loss(
     )
 
 
+def logits_token_sum_loss(model: Any, inputs: dict[str, Any], labels: Tensor) -> Tensor:
+    """The token-sum loss read from the materialised [B, S, V] logits (vocab-parallel)."""
+    from vocab_parallel import token_log_probs
+
+    logits = model(**inputs, use_cache=False).logits  # [B, S, V]
+    return -token_log_probs(logits, labels).sum()
+
+
 def token_sum_loss_of(
     model: Any,
     inputs: dict[str, Any],
@@ -173,16 +181,14 @@ def token_sum_loss_of(
 ) -> Tensor:
     """The recipe's token-sum loss: fused where :func:`fused_head` allows, else on the logits.
 
-    ``chunk_tokens``: tokens per chunk of the fused loss (None: vocab-parallel's default);
-    ``trained_only``: the fused loss sees only the trained positions (see
-    :func:`fused_token_sum_loss`).
+    Resolves the head on every call; a run resolves it once
+    (:class:`train_recipes.loss.token_loss.TokenSumLoss`). ``chunk_tokens``: tokens per chunk
+    of the fused loss (None: vocab-parallel's default); ``trained_only``: the fused loss sees
+    only the trained positions (see :func:`fused_token_sum_loss`).
     """
     head = fused_head(model)
     if head is not None and torch.is_grad_enabled():
         return fused_token_sum_loss(
             model, head, inputs, labels, chunk_tokens=chunk_tokens, trained_only=trained_only
         )
-    from vocab_parallel import token_log_probs
-
-    logits = model(**inputs, use_cache=False).logits  # [B, S, V]
-    return -token_log_probs(logits, labels).sum()
+    return logits_token_sum_loss(model, inputs, labels)

@@ -16,8 +16,8 @@ from train_recipes.loop.drive import drive
 from train_recipes.loss.token_loss import token_sum_loss
 from train_recipes.run.folder import CHECKPOINT_DIR, EXPORT_DIR
 from train_recipes.run.preemption import SignalTrap, stop_vote, stopped_error
-from train_recipes.sft.recipe import SFTRecipe, SFTResult
-from train_recipes.sft.summary import sft_summary_text
+from train_recipes.sft.recipe import SFTRecipe
+from train_recipes.sft.summary import SFTResult, sft_summary_text
 
 __all__ = ["CHECKPOINT_DIR", "EXPORT_DIR", "SFTRecipe", "SFTResult", "run_sft", "token_sum_loss"]
 

@@ -1,18 +1,23 @@
-"""The SFT run's summary table (printed by rank 0 at the end, also written as summary.json)."""
+"""The SFT run's summary: the table rank 0 prints (also summary.json) and the result it returns."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from train_recipes.config.sft import SFTConfig
+from train_recipes.data.plane import DataPlane
 
 if TYPE_CHECKING:
     from train_recipes.loop.drive import RunEnd
     from train_recipes.run.process_group import RankContext
 
 __all__ = [
+    "SFTResult",
     "attention_line",
     "format_value",
     "header_line",
@@ -104,3 +109,33 @@ def summary_table(
 def sft_summary_text(end: RunEnd, output_dir: Path, png: Path | None) -> str:
     """The SFT summary table of a finished run (``format_summary`` of :func:`drive`)."""
     return summary_table(end.summary, output_dir, png, end.export_dir)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SFTResult:
+    """What a finished run reports (identical on every rank).
+
+    Attributes:
+        output_dir: the run directory.
+        steps: optimizer steps done in total.
+        first_loss: the loss of the first logged step of the run (also across resumes).
+        last_loss: the loss of the last step.
+        accuracy_before: held-out exact match before training (None when not measured).
+        accuracy_after: held-out exact match after training.
+        export_dir: the Hugging Face export, when written.
+        model: the trained model (unwrapped from DDP; FSDP2 models stay sharded).
+        data_plane: the samples each step trained on (this rank's replica; with ``--resume``,
+            the earlier steps' too).
+        loaders_built: energon-sft loaders this rank built (1 on a replica's first rank, else 0).
+    """
+
+    output_dir: Path
+    steps: int
+    first_loss: float | None
+    last_loss: float | None
+    accuracy_before: float | None
+    accuracy_after: float | None
+    export_dir: Path | None
+    model: torch.nn.Module
+    data_plane: DataPlane | None = None
+    loaders_built: int = 0
