@@ -15,7 +15,6 @@ import dataclasses
 import json
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
 
 from train_recipes.config.loader import ConfigError
 from train_recipes.config.sft import SFTConfig
@@ -35,7 +34,7 @@ MAX_LENGTH_CAP = 2048
 #: The defaults of a run on your own model (``model.path`` set); ``data.max_length`` is derived
 #: from the model (:data:`MAX_LENGTH_CAP`) and ``optim.lr`` is :data:`LORA_LR` with LoRA.
 #: Close to TRL's SFTTrainer: lr 2e-5 for full fine-tuning, 3 epochs, no warm-up.
-OWN_MODEL: dict[str, Any] = {
+OWN_MODEL: dict[str, int | float] = {
     "data.micro_batch_size": 4,
     "optim.lr": 2e-5,
     "optim.warmup_steps": 0,
@@ -64,7 +63,7 @@ def max_position_embeddings(model_dir: str | Path) -> int | None:
     return None
 
 
-def _with(config: SFTConfig, key: str, value: Any) -> SFTConfig:
+def _with(config: SFTConfig, key: str, value: object) -> SFTConfig:
     section, name = key.split(".")
     part = dataclasses.replace(getattr(config, section), **{name: value})
     return dataclasses.replace(config, **{section: part})

@@ -11,7 +11,7 @@ import textwrap
 import types
 import typing
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 
@@ -20,11 +20,11 @@ from train_recipes.config.retrieval import RetrievalTrainConfig
 from train_recipes.config.sft import TrainConfig
 
 
-def _is_yaml_type(tp: Any) -> bool:
+def _is_yaml_type(tp: object) -> bool:
     return typing.get_origin(tp) in (Literal, tuple) or dataclasses.is_dataclass(tp)
 
 
-def _type_name(tp: Any) -> str:
+def _type_name(tp: object) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Union or origin is types.UnionType:
         # Python-only alternatives (a torch.dtype besides its name) cannot be written in YAML.
@@ -39,7 +39,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _yaml_value(value: Any, limit: int = 48) -> str:
+def _yaml_value(value: object, limit: int = 48) -> str:
     text = yaml.safe_dump(to_dict_value(value), default_flow_style=True, width=10_000).strip()
     text = text.removesuffix("\n...").strip()  # a scalar document ends with "..."
     if len(text) > limit:
@@ -48,7 +48,7 @@ def _yaml_value(value: Any, limit: int = 48) -> str:
     return text
 
 
-def to_dict_value(value: Any) -> Any:
+def to_dict_value(value: object) -> object:
     """A field value as plain YAML data (tuples become lists)."""
     return [to_dict_value(v) for v in value] if isinstance(value, tuple) else value
 
@@ -92,7 +92,7 @@ class KeyDoc:
     description: str
 
 
-def config_keys(cls: type, prefix: str = "", defaults: Any = None) -> Iterator[KeyDoc]:
+def config_keys(cls: type, prefix: str = "", defaults: object = None) -> Iterator[KeyDoc]:
     """Every leaf key of a config class, depth first, in field order.
 
     Args:

@@ -15,12 +15,13 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeAlias, TypeGuard, TypeVar, cast
 
 import yaml
 
 __all__ = [
     "ConfigError",
+    "JSONValue",
     "config_from_dict",
     "field_types",
     "leaf_keys",
@@ -31,6 +32,9 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+#: Plain data as YAML and JSON hold it: a config tree, an override's value, a saved record.
+JSONValue: TypeAlias = "str | int | float | bool | list[JSONValue] | dict[str, JSONValue] | None"
 
 
 class ConfigError(ValueError):
@@ -59,7 +63,7 @@ class _TorchDtype:
 _TORCH_ANNOTATIONS = types.SimpleNamespace(dtype=_TorchDtype)
 
 
-def field_types(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, object]:
     """``typing.get_type_hints(cls)`` without importing torch.
 
     train-engine's FSDP2Config annotates ``torch.dtype`` without importing torch; the name
@@ -70,11 +74,11 @@ def field_types(cls: type) -> dict[str, Any]:
     )
 
 
-def _is_config(tp: Any) -> bool:
+def _is_config(tp: object) -> TypeGuard[type]:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-def _convert(value: Any, tp: Any, key: str) -> Any:
+def _convert(value: object, tp: object, key: str) -> object:
     """Check and convert one YAML value to the annotated type (strict: no silent casts)."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -137,7 +141,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(key, f"unsupported config type {tp}")  # pragma: no cover - schema bug
 
 
-def _build(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
+def _build(cls: type[T], data: Mapping[str, object], prefix: str = "") -> T:
     hints = field_types(cls)
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     for key in data:
@@ -152,7 +156,7 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     return cls(**kwargs)
 
 
-def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+def _set_dotted(tree: dict[str, JSONValue], key: str, value: JSONValue) -> None:
     parts = key.split(".")
     node = tree
     for i, part in enumerate(parts[:-1]):
@@ -163,7 +167,7 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def parse_override(text: str) -> tuple[str, Any]:
+def parse_override(text: str) -> tuple[str, JSONValue]:
     """Split ``a.b=value``; the value is read as YAML (``2e-5``, ``true``, ``[1, 2]``, ``null``)."""
     key, sep, raw = text.partition("=")
     key = key.strip()
@@ -206,13 +210,13 @@ def load_config(
 
 def read_tree(
     path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()
-) -> dict[str, Any]:
+) -> dict[str, JSONValue]:
     """The plain data a config is built from: the YAML file, then the dotted overrides.
 
     Raises:
         ConfigError: a missing or unreadable YAML file (key ``"--config"``), a bad override.
     """
-    tree: dict[str, Any] = {}
+    tree: dict[str, JSONValue] = {}
     if path is not None:
         if not Path(path).is_file():
             raise ConfigError(
@@ -234,7 +238,7 @@ def read_tree(
     return tree
 
 
-def leaf_keys(tree: Any, prefix: str = "") -> set[str]:
+def leaf_keys(tree: object, prefix: str = "") -> set[str]:
     """The dotted keys of a config tree's values (``{"data": {"path": x}}`` -> ``data.path``)."""
     if not isinstance(tree, dict):
         return {prefix.rstrip(".")} if prefix else set()
@@ -244,7 +248,7 @@ def leaf_keys(tree: Any, prefix: str = "") -> set[str]:
     return out
 
 
-def config_from_dict(cls: type[T], tree: Mapping[str, Any]) -> T:
+def config_from_dict(cls: type[T], tree: Mapping[str, object]) -> T:
     """Build a config from nested plain data (e.g. a saved ``config.yaml``), strictly.
 
     Raises:
@@ -253,15 +257,15 @@ def config_from_dict(cls: type[T], tree: Mapping[str, Any]) -> T:
     return _build(cls, tree)
 
 
-def to_dict(config: Any) -> dict[str, Any]:
+def to_dict(config: object) -> dict[str, JSONValue]:
     """The config as plain YAML-serialisable data (tuples become lists)."""
 
-    def plain(value: Any) -> Any:
+    def plain(value: object) -> JSONValue:
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
         if isinstance(value, tuple):
             return [plain(v) for v in value]
-        return value
+        return cast(JSONValue, value)  # a leaf field: str, int, float, bool or None
 
     result = plain(config)
     assert isinstance(result, dict)

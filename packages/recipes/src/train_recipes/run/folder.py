@@ -19,9 +19,8 @@ import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
-from train_recipes.config.loader import ConfigError
+from train_recipes.config.loader import ConfigError, JSONValue
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -294,7 +293,10 @@ def publish_dir(tmp: str | os.PathLike[str], target: str | os.PathLike[str]) -> 
 
 
 def record_config_changes(
-    output_dir: str | os.PathLike[str], *, step: int, changes: dict[str, tuple[Any, Any]]
+    output_dir: str | os.PathLike[str],
+    *,
+    step: int,
+    changes: dict[str, tuple[JSONValue, JSONValue]],
 ) -> None:
     """Keep ``config_history.jsonl`` in step with what trained (rank 0).
 

@@ -9,13 +9,35 @@ learning-rate schedule (:data:`SCHEDULE_KEYS`) keeps the rate continuous at the 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias, TypedDict, cast
 
-from train_recipes.config.loader import ConfigError, config_from_dict, to_dict
+from train_recipes.config.loader import ConfigError, JSONValue, config_from_dict, to_dict
 from train_recipes.config.sft import SFTConfig
 from train_recipes.loop.schedule import Rebase, schedule_factor
 
-__all__ = ["CHANGEABLE", "SCHEDULE_KEYS", "config_changes", "continue_schedule", "schedule_line"]
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
+__all__ = [
+    "CHANGEABLE",
+    "SCHEDULE_KEYS",
+    "ConfigChanges",
+    "config_changes",
+    "continue_schedule",
+    "schedule_line",
+]
+
+#: ``key -> (old, new)`` of the config fields a resume changes (plain data, as in config.yaml).
+ConfigChanges: TypeAlias = dict[str, tuple[JSONValue, JSONValue]]
+
+
+class _SavedRebase(TypedDict):
+    """A checkpoint's ``lr_rebase``: :class:`Rebase` as ``dataclasses.asdict`` wrote it."""
+
+    at: int
+    offset: float
+    total: int
+
 
 # Config keys a resume applies. Everything else must equal the checkpoint's config.
 CHANGEABLE = frozenset(
@@ -82,8 +104,8 @@ _APPLIED_CHANGES = frozenset({("optim.master_weights", None, False)})
 _SHARDS_KEY = "data.num_logical_shards"
 
 
-def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _flat(tree: Mapping[str, JSONValue], prefix: str = "") -> dict[str, JSONValue]:
+    out: dict[str, JSONValue] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping):
@@ -94,12 +116,12 @@ def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def config_changes(
-    saved: Mapping[str, Any],
+    saved: Mapping[str, object],
     config: SFTConfig,
     *,
     saved_shards: int | None,
     new_shards: int,
-) -> dict[str, tuple[Any, Any]]:
+) -> ConfigChanges:
     """The config changes a resume applies; refuses the others.
 
     Args:
@@ -116,7 +138,7 @@ def config_changes(
     """
     old = _flat(to_dict(config_from_dict(SFTConfig, saved)))
     new = _flat(to_dict(config))
-    applied: dict[str, tuple[Any, Any]] = {}
+    applied: ConfigChanges = {}
     refused: list[str] = []
     for key in sorted(set(old) | set(new)):
         if key == _SHARDS_KEY:
@@ -154,7 +176,7 @@ def config_changes(
 
 
 def continue_schedule(
-    saved: dict[str, Any], config: SFTConfig, *, at: int, changes: dict[str, tuple[Any, Any]]
+    saved: Mapping[str, object], config: SFTConfig, *, at: int, changes: ConfigChanges
 ) -> Rebase | None:
     """The correction that keeps the learning-rate factor continuous at update index ``at``.
 
@@ -168,11 +190,11 @@ def continue_schedule(
         The saved correction when the schedule is unchanged (the same curve, bit for bit), a
         new one when the old curve and the new schedule part at ``at``, else None.
     """
-    old_rebase = saved.get("lr_rebase")
+    old_rebase = cast("_SavedRebase | None", saved.get("lr_rebase"))
     rebase = None if old_rebase is None else Rebase(**old_rebase)
     if saved.get("config") is None or not set(SCHEDULE_KEYS) & set(changes):
         return rebase
-    old = config_from_dict(SFTConfig, saved["config"])
+    old = config_from_dict(SFTConfig, cast("Mapping[str, object]", saved["config"]))
     before = schedule_factor(old.optim, total_steps=old.train.steps, rebase=rebase)(at)
     after = schedule_factor(config.optim, total_steps=config.train.steps)(at)
     if before == after:
@@ -181,7 +203,7 @@ def continue_schedule(
 
 
 def schedule_line(
-    scheduler: Any, config: SFTConfig, rebase: Rebase, *, step: int, keys: list[str]
+    scheduler: LRScheduler, config: SFTConfig, rebase: Rebase, *, step: int, keys: list[str]
 ) -> str:
     """The line saying what a resume does to the learning-rate curve after ``keys`` changed."""
     peak = float(scheduler.base_lrs[0])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
@@ -28,6 +28,8 @@ from train_recipes.run.folder import CONFIG_FILE, write_atomic
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
+    from train_recipes.config.retrieval import RetrievalConfig
+    from train_recipes.config.sft import SFTConfig
     from train_recipes.config.shared import OptimConfig
 
 __all__ = [
@@ -51,7 +53,7 @@ def open_run_folder(output_dir: str | Path, *, is_main: bool) -> Path:
     return out_dir
 
 
-def write_run_config(out_dir: Path, config: Any, *, is_main: bool) -> None:
+def write_run_config(out_dir: Path, config: SFTConfig | RetrievalConfig, *, is_main: bool) -> None:
     """``config.yaml``: the config that trains from here on (written whole, main rank)."""
     if is_main:
         write_atomic(out_dir / CONFIG_FILE, yaml.safe_dump(to_dict(config), sort_keys=False))

@@ -13,8 +13,9 @@ weights), so the trained model is not lost when that fits; the line says what wa
 from __future__ import annotations
 
 import errno
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from train_recipes.loop.health import TrainingAborted
 from train_recipes.run.storage import size_text
@@ -52,7 +53,7 @@ def save_or_abort(
     engine: Engine,
     target: Path,
     *,
-    extra_state: dict[str, Any],
+    extra_state: Mapping[str, object],
     optimizer_state: bool,
     final: bool,
 ) -> None:
