@@ -28,15 +28,15 @@ import torch
 from torch import Tensor
 
 from cp_sharder import layouts
-from cp_sharder.layouts import LayoutKind
-from cp_sharder.planning import (
+from cp_sharder._plan_common import (
     BatchPlan,
     PlanOptions,
     SequencePlan,
-    _continue_positions,
-    _fill,
+    continue_positions,
+    fill_value,
     pad_tensor,
 )
+from cp_sharder.layouts import LayoutKind
 
 __all__ = ["plan_thd"]
 
@@ -142,7 +142,7 @@ def plan_thd(
         t = batch[name]
         if name == "position_ids" and t.dim() == 3:
             flat = t.reshape(t.shape[0], 1, total)
-            tensors[name] = _continue_positions(flat, extra)
+            tensors[name] = continue_positions(flat, extra)
             continue
         if dim != 1:
             raise ValueError(
@@ -150,9 +150,9 @@ def plan_thd(
             )
         flat = t.reshape(1, total, *t.shape[2:])
         if name == "position_ids":
-            tensors[name] = _continue_positions(flat, extra)
+            tensors[name] = continue_positions(flat, extra)
         else:
-            tensors[name] = pad_tensor(flat, 1, extra, _fill(name, t, options))
+            tensors[name] = pad_tensor(flat, 1, extra, fill_value(name, t, options))
         seq_dims[name] = 1
     if "position_ids" in tensors and tensors["position_ids"].dim() == 3:
         seq_dims["position_ids"] = 2
