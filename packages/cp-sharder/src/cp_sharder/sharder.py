@@ -3,7 +3,9 @@
 The work is split by job: :mod:`cp_sharder.planning` (and :mod:`cp_sharder.planning_thd`)
 validates and pads a batch without any collective, :mod:`cp_sharder.backends` picks the
 attention backend and builds ``train_ctx``, :mod:`cp_sharder.assembly` chooses the model's
-inputs. This module agrees the plan across ranks, lays the tokens out and owns the token verbs.
+inputs, :mod:`cp_sharder.shard_layout` holds the layout and moves tokens into and out of it.
+This module agrees the plan across ranks, shards the batch and keeps the last layout for the
+token verbs.
 
 Dimension letters: B batch, S sequence (input), P padded sequence, W cp size, T packed tokens
 (B*S), H hidden.
@@ -13,16 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cp_sharder import layouts
-from cp_sharder._dist import CPGroup, agree, all_gather_seq, resolve_cp_group
+from cp_sharder._dist import CPGroup, agree, resolve_cp_group
 from cp_sharder.assembly import ForwardSignature, assemble, embed_multimodal, has_media
 from cp_sharder.attention import (
     Backend,
@@ -33,75 +33,18 @@ from cp_sharder.attention import (
 )
 from cp_sharder.backends import build_context, pick_backend
 from cp_sharder.layouts import LayoutKind
-from cp_sharder.planning import (
-    BatchPlan,
-    PlanOptions,
-    SequencePlan,
-    TrainContext,
-    pad_tensor,
-    plan_batch,
+from cp_sharder.planning import BatchPlan, PlanOptions, TrainContext, plan_batch
+from cp_sharder.shard_layout import (
+    ShardLayout,
+    ShardResult,
+    build_layout,
+    gather_tokens,
+    shard_tokens,
 )
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ContextParallelSharder", "ShardLayout", "ShardResult"]
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class ShardLayout:
-    """Where this rank's tokens sit in the padded global sequence, captured by ``shard()``.
-
-    Attributes:
-        sequence: the batch's layout kind, lengths, packed boundaries and label count, as
-            planned (a :class:`~cp_sharder.planning.SequencePlan`): ``kind``,
-            ``original_seq_len`` (S, or T = B*S for a packed batch), ``padded_seq_len`` (P),
-            ``input_row_shape`` ((B, S) of a packed batch, else None), ``cu_seqlens_padded``
-            ([N+1] int64 padded packed boundaries, else None) and ``num_label_tokens`` (label
-            tokens of the pre-shard batch, this data-parallel rank only).
-        cp_size: W.
-        cp_rank: this rank.
-        local_token_global_indices: [P/W] int64 global position of each local token, in local
-            order.
-        all_rank_indices: [W, P/W] int64, row r = rank r's global positions (computed locally).
-        inverse_indices: [P] int64 inverse of ``all_rank_indices.flatten()``: gathered tokens in
-            rank order, indexed by it, are in global order.
-        backend: the attention backend the step's train_ctx enters.
-    """
-
-    sequence: SequencePlan
-    cp_size: int
-    cp_rank: int
-    local_token_global_indices: Tensor
-    all_rank_indices: Tensor
-    inverse_indices: Tensor
-    backend: Backend = Backend.NONE
-
-    @property
-    def local_seq_len(self) -> int:
-        """P/W, the number of tokens each rank holds."""
-        return self.sequence.padded_seq_len // self.cp_size
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class ShardResult:
-    """What one ``shard()`` produced; unpacks as ``train_ctx, batch = sharder.shard(batch)``.
-
-    Attributes:
-        train_ctx: enter ``train_ctx()`` around the model call.
-        batch: the keys the model's forward accepts, plus ``labels``; local token tensors are
-            [B, P/W, ...] ([1, T_pad/W, ...] for packed batches).
-        layout: where this rank's tokens sit; pass it to the token verbs.
-        local_buffers: sharded token-aligned buffers the forward does not take (e.g. loss_mask).
-    """
-
-    train_ctx: TrainContext
-    batch: dict[str, Any]
-    layout: ShardLayout
-    local_buffers: dict[str, Tensor] = field(default_factory=dict)
-
-    def __iter__(self) -> Iterator[Any]:
-        yield self.train_ctx
-        yield self.batch
 
 
 class ContextParallelSharder:
@@ -242,23 +185,8 @@ class ContextParallelSharder:
             hf=self._hf,
             sliding_window=has_sliding_window(self._model),
         )
-        all_idx = layouts.all_rank_indices(
-            sequence.kind,
-            padded_len=sequence.padded_seq_len,
-            cp=cp.size,
-            cu_seqlens_padded=sequence.cu_seqlens_padded,
-        )
-        local_idx = all_idx[cp.rank]
-        inverse = layouts.inverse_permutation(all_idx.reshape(-1))
-        layout = ShardLayout(
-            sequence=sequence,
-            cp_size=cp.size,
-            cp_rank=cp.rank,
-            local_token_global_indices=local_idx,
-            all_rank_indices=all_idx,
-            inverse_indices=inverse,
-            backend=backend,
-        )
+        layout = build_layout(sequence, cp_size=cp.size, cp_rank=cp.rank, backend=backend)
+        local_idx = layout.local_token_global_indices
         local: dict[str, Tensor] = {}
         for name, t in plan.tensors.items():
             if sequence.kind is LayoutKind.IDENTITY:
@@ -273,8 +201,8 @@ class ContextParallelSharder:
             cp=cp,
             hf=self._hf,
             local_index=local_idx,
-            all_index=all_idx,
-            inverse_index=inverse,
+            all_index=layout.all_rank_indices,
+            inverse_index=layout.inverse_indices,
             attach_te=self._attach_te,
         )
         logger.debug(
@@ -353,24 +281,7 @@ class ContextParallelSharder:
             [..., P/W, ...] ([1, P/W, ...] for a packed batch); differentiable.
         """
         layout = self._resolve(layout, "shard_token_tensor")
-        sequence = layout.sequence
-        if sequence.input_row_shape is not None and tuple(t.shape[:2]) == sequence.input_row_shape:
-            t = t.reshape(1, sequence.original_seq_len, *t.shape[2:])
-            seq_dim = 1
-        length = t.shape[seq_dim]
-        if length == sequence.original_seq_len and length != sequence.padded_seq_len:
-            if fill is None:
-                raise ValueError(
-                    f"tensor has the original length {length}; padding it to "
-                    f"{sequence.padded_seq_len} needs an explicit fill= value"
-                )
-            t = pad_tensor(t, seq_dim, sequence.padded_seq_len - length, fill)
-        elif length != sequence.padded_seq_len:
-            raise ValueError(
-                f"tensor has length {length} on dim {seq_dim}; expected the original length "
-                f"{sequence.original_seq_len} or the padded length {sequence.padded_seq_len}"
-            )
-        return t.index_select(seq_dim, layout.local_token_global_indices.to(t.device))
+        return shard_tokens(t, layout, seq_dim=seq_dim, fill=fill)
 
     def gather_token_tensor(
         self,
@@ -398,26 +309,7 @@ class ContextParallelSharder:
             [..., P, ...] (or trimmed as above).
         """
         layout = self._resolve(layout, "gather_token_tensor")
-        sequence = layout.sequence
-        seq_dim = seq_dim % t.dim()
-        if t.shape[seq_dim] != layout.local_seq_len:
-            raise ValueError(
-                f"tensor has length {t.shape[seq_dim]} on dim {seq_dim}; expected the local "
-                f"length {layout.local_seq_len} (= padded {sequence.padded_seq_len} / cp {layout.cp_size})"
-            )
-        full = all_gather_seq(t, dim=seq_dim, cp=self._cp)
-        full = full.index_select(seq_dim, layout.inverse_indices.to(t.device))
-        if not trim:
-            return full
-        full = full.narrow(seq_dim, 0, sequence.original_seq_len)
-        if sequence.input_row_shape is not None:
-            if seq_dim != 1 or full.shape[0] != 1:
-                raise ValueError(
-                    "trimming a packed tensor back to rows needs it as [1, T, ...] with seq_dim=1, "
-                    f"got shape {tuple(full.shape)} and seq_dim={seq_dim}"
-                )
-            full = full.reshape(*sequence.input_row_shape, *full.shape[2:])
-        return full
+        return gather_tokens(t, layout, self._cp, seq_dim=seq_dim, trim=trim)
 
     def num_label_tokens(
         self,
