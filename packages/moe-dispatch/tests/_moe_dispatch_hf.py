@@ -61,11 +61,9 @@ def tiny_causal_lm(kind: str, *, seed: int) -> nn.Module:
     redrawn from N(0, 0.2) (DeepSeek's score-correction bias from N(0, 0.1)) so that routing
     differences show in the logits.
     """
-    model = tiny_model(kind, seed=seed, attn_implementation="eager", vocab_size=64)
+    model = tiny_model(kind, seed=seed, attn_implementation="eager", vocab_size=64, init_std=0.2)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
