@@ -10,15 +10,15 @@ is agreed before anyone acts (energon-sft's ``broadcast_next``), so no peer is l
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from train_recipes.data import energon_api as data_api
 from train_recipes.run.process_group import RankContext
 
 if TYPE_CHECKING:
-    from energon_sft import SFTBatch, SFTLoader
+    from energon_sft import SFTBatch, SFTLoader, SFTTaskEncoder
     from train_recipes.config.sft import SFTConfig
 
 __all__ = ["ColocatedLoader", "replica_loader"]
@@ -90,11 +90,13 @@ class ColocatedLoader:
         if self.loader is not None:
             self.loader.close()
 
-    def state_dict(self) -> dict[str, Any] | None:
+    def state_dict(self) -> dict[str, object] | None:
         """The owner's loader state; None on a peer."""
         return None if self.loader is None else self.loader.state_dict()
 
-    def load_state_dict(self, state: Any) -> None:
+    def load_state_dict(
+        self, state: Mapping[str, object] | Sequence[Mapping[str, object] | None] | None
+    ) -> None:
         """Restore the owner's loader from its saved state, or from the states of all old ranks.
 
         A list may hold the None states of the old job's peers; they are left out. A peer
@@ -103,7 +105,8 @@ class ColocatedLoader:
         if self.loader is None:
             return
         if isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
-            state = [s for s in state if s is not None]
+            kept: list[Mapping[str, object]] = [s for s in state if s is not None]
+            state = kept
         if state is None:
             raise ValueError(
                 "the checkpoint holds no loader state for this replica's loader rank; it was "
@@ -113,7 +116,7 @@ class ColocatedLoader:
 
 
 def replica_loader(
-    config: SFTConfig, ctx: RankContext, dataset_path: str | Path, *, encoder: Any
+    config: SFTConfig, ctx: RankContext, dataset_path: str | Path, *, encoder: SFTTaskEncoder
 ) -> ColocatedLoader:
     """The SFT recipe's loader: energon-sft's, for this rank's replica, on its first rank."""
     data = config.data

@@ -12,10 +12,14 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from PIL import Image
+    from transformers import PreTrainedTokenizerFast
+
     from train_recipes.config.sft import SFTConfig
+    from train_recipes.data.energon_api import ChatRow
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +60,7 @@ class DemoSplit:
     energon_dir: Path
 
 
-def build_char_tokenizer() -> Any:
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level fast tokenizer with the demo chat template, built locally.
 
     Every printable ASCII character is one token; the role markers are special tokens.
@@ -99,7 +103,7 @@ def _question(task: str, rng: random.Random) -> tuple[str, str]:
 
 def demo_chats(
     task: str, *, train_size: int, eval_size: int, seed: int
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+) -> tuple[list[ChatRow], list[ChatRow]]:
     """Generate train and held-out chats; no held-out question occurs in the train split.
 
     Returns:
@@ -110,7 +114,7 @@ def demo_chats(
     while len(held) < eval_size:
         q, a = _question(task, rng)
         held[q] = a
-    train: list[dict[str, Any]] = []
+    train: list[ChatRow] = []
     while len(train) < train_size:
         q, a = _question(task, rng)
         if q not in held:
@@ -128,7 +132,7 @@ SHAPES = ("circle", "square", "triangle")
 IMAGE_SIZE = 56  # 2x2 merged 14-pixel patches per side: 4 image tokens per picture
 
 
-def draw_shape(shape: str, colour: str, rng: random.Random) -> Any:
+def draw_shape(shape: str, colour: str, rng: random.Random) -> Image.Image:
     """A white IMAGE_SIZE^2 RGB picture with one filled shape at a random place and size."""
     from PIL import Image, ImageDraw
 
@@ -148,7 +152,7 @@ def draw_shape(shape: str, colour: str, rng: random.Random) -> Any:
 
 def shape_chats(
     out_dir: Path, *, train_size: int, eval_size: int, seed: int
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+) -> tuple[list[ChatRow], list[ChatRow]]:
     """CLEVR-like picture questions (colour or shape of the one object), images as PNG files.
 
     Returns:
@@ -156,7 +160,7 @@ def shape_chats(
     """
     rng = random.Random(seed)
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows: list[ChatRow] = []
     for i in range(train_size + eval_size):
         shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
         name = f"images/{i:06d}.png"
@@ -183,7 +187,7 @@ def shape_chats(
     return rows[eval_size:], rows[:eval_size]
 
 
-def _chat(question: str, answer: str) -> dict[str, Any]:
+def _chat(question: str, answer: str) -> ChatRow:
     return {
         "messages": [
             {"role": "user", "content": question},
@@ -192,7 +196,7 @@ def _chat(question: str, answer: str) -> dict[str, Any]:
     }
 
 
-def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+def _write_jsonl(path: Path, rows: list[ChatRow]) -> None:
     tmp = path.with_suffix(".tmp")
     with tmp.open("w") as f:
         for row in rows:
@@ -200,7 +204,7 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     tmp.replace(path)
 
 
-def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
+def read_jsonl(path: str | Path) -> Iterator[ChatRow]:
     """Rows of a JSONL file."""
     with Path(path).open() as f:
         for line in f:

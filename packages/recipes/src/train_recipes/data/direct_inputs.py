@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from importlib.metadata import version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from train_recipes.config.loader import ConfigError
 from train_recipes.config.retrieval import RetrievalConfig
@@ -291,9 +291,9 @@ def _check_eval_split(config: SFTConfig, direct: bool) -> None:
 # ---------------------------------------------------------------------------- the config
 
 
-def _given(config: SFTConfig | RetrievalConfig) -> dict[str, Any]:
+def _given(config: SFTConfig | RetrievalConfig) -> dict[str, str | float | None]:
     """The values resolution reads."""
-    given: dict[str, Any] = {"model.path": config.model.path}
+    given: dict[str, str | float | None] = {"model.path": config.model.path}
     if isinstance(config, SFTConfig):
         data = config.data
         given |= {

@@ -9,10 +9,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Required, TypedDict, cast
+from typing import TYPE_CHECKING, Any, Literal, Required, TypeAlias, TypedDict, cast
 
 import torch
 from torch import Tensor
+
+from train_recipes.config.loader import JSONValue
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -33,6 +35,13 @@ _IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 HOST_KEYS = frozenset(
     {"qkv_format", "seq_lens", "cu_seqlens", "max_seqlen", "num_trainable_tokens"}
 )
+
+
+#: One chat row as a chat JSONL holds it: ``{"messages": [message, ...], "media": [paths]}``
+#: (``media`` only with images).
+ChatRow: TypeAlias = dict[str, JSONValue]
+#: One message of a chat row: ``{"role": ..., "content": text or a list of parts}``.
+ChatMessage: TypeAlias = dict[str, JSONValue]
 
 
 class ModelBatch(TypedDict, total=False):
@@ -168,7 +177,7 @@ def broadcast_next(
 
 def collate_chat_rows(
     encoder: SFTTaskEncoder,
-    rows: Sequence[dict[str, Any]],
+    rows: Sequence[ChatRow],
     *,
     media_root: str | Path | None = None,
 ) -> SFTBatch:
@@ -188,7 +197,7 @@ def collate_chat_rows(
     for i, row in enumerate(rows):
         media = [
             {"name": str(m), "b64": base64.b64encode((root / m).read_bytes()).decode()}
-            for m in row.get("media", [])
+            for m in cast("list[str]", row.get("media", []))
         ]
         crude = {
             "json": {**row, "media": media},
@@ -201,7 +210,7 @@ def collate_chat_rows(
 
 
 def batch_tensors(
-    batch: SFTBatch | dict[str, Any], *, vlm: bool = False, cp: int = 1
+    batch: SFTBatch | dict[str, object], *, vlm: bool = False, cp: int = 1
 ) -> ModelBatch:
     """The keys of an energon-sft batch that the recipe's model path takes (host tensors).
 
@@ -219,11 +228,11 @@ def batch_tensors(
             whose padded length does not split into the 2*cp chunks of context parallelism.
     """
 
-    def get(name: str) -> Any:
+    def get(name: str) -> object:
         return batch.get(name) if isinstance(batch, dict) else getattr(batch, name, None)
 
     out: dict[str, Any] = {name: get(name) for name in _TOKEN_KEYS}
-    out["num_trainable_tokens"] = int(get("num_trainable_tokens"))
+    out["num_trainable_tokens"] = int(cast("int | Tensor", get("num_trainable_tokens")))
     seq = int(out["input_ids"].shape[-1])
     if cp > 1 and seq % (2 * cp):
         # The recipe's loader pads for its own cp; a loader built (or resumed) for another

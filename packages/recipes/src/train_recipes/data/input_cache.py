@@ -31,9 +31,8 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 __all__ = [
     "CACHE_ENV",
@@ -97,7 +96,7 @@ def content_digest(path: Path, root: Path) -> str:
     return value
 
 
-def entry_key(digest: str, settings: dict[str, Any]) -> str:
+def entry_key(digest: str, settings: Mapping[str, object]) -> str:
     """The cache key of one conversion: the inputs' digest and the settings that shape it."""
     text = json.dumps({"inputs": digest, **settings}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]

@@ -14,7 +14,9 @@ bookkeeping, no process group.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
+
+from train_recipes.config.loader import JSONValue
 
 if TYPE_CHECKING:
     from energon_sft import SFTBatch
@@ -28,16 +30,17 @@ class PlaneMismatchError(ValueError):
     """Two reports of one (step, replica) disagree, or a state is not a data plane's."""
 
 
-def sample_ids_of(batch: SFTBatch | Mapping[str, Any]) -> list[str]:
+def sample_ids_of(batch: SFTBatch | Mapping[str, object]) -> list[str]:
     """The sample ids of an energon-sft batch (``source_ids``), in the batch's sample order.
 
     Raises:
         ValueError: the batch carries no ``source_ids`` (not an energon-sft batch).
     """
-    ids = (
+    ids = cast(
+        "Sequence[object] | None",
         batch.get("source_ids")
         if isinstance(batch, Mapping)
-        else getattr(batch, "source_ids", None)
+        else getattr(batch, "source_ids", None),
     )
     if ids is None:
         raise ValueError(
@@ -121,7 +124,7 @@ class DataPlane:
             for replica, ids in by_replica.items():
                 self.record(step, replica, ids)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, JSONValue]:
         """Plain data (ints, strings, lists): what a checkpoint stores."""
         return {
             "format": _FORMAT,
@@ -132,7 +135,7 @@ class DataPlane:
             ],
         }
 
-    def load_state_dict(self, state: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> None:
+    def load_state_dict(self, state: Mapping[str, object] | Iterable[Mapping[str, object]]) -> None:
         """Replace the records by a saved state, or by the union of several (all old ranks').
 
         A job resumed on another dp size keeps the old records as they were (their replica
@@ -148,8 +151,9 @@ class DataPlane:
                 raise PlaneMismatchError(
                     f"not a data plane state (format {_FORMAT} expected): {str(one)[:80]}"
                 )
-            saved_dp = int(one["dp_size"])
-            for step, rows in one["steps"]:
+            saved_dp = int(cast(int, one["dp_size"]))
+            # [[step, [[replica, [sample id, ...]], ...]], ...] as state_dict writes it (lists)
+            for step, rows in cast("list[tuple[int, list[tuple[int, list[str]]]]]", one["steps"]):
                 for replica, ids in rows:
                     known = self._steps.setdefault(int(step), {}).get(int(replica))
                     if known is not None and known != list(ids):

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 from train_recipes.config.sft import SFTConfig
 from train_recipes.model.build import is_vlm
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, ProcessorMixin
+    from transformers.image_processing_utils import BaseImageProcessor
+
 __all__ = [
     "LocalProcessor",
+    "Processor",
     "demo_image_processor",
     "load_processor",
     "load_tokenizer",
@@ -25,7 +30,9 @@ class LocalProcessor:
     Qwen2.5-VL adapter reads ``.tokenizer`` and ``.image_processor``.
     """
 
-    def __init__(self, tokenizer: Any, image_processor: Any) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, image_processor: BaseImageProcessor
+    ) -> None:
         self.tokenizer = tokenizer
         self.image_processor = image_processor
 
@@ -35,7 +42,12 @@ class LocalProcessor:
         self.image_processor.save_pretrained(directory)
 
 
-def demo_image_processor() -> Any:
+#: What energon-sft's encoder takes: the tokenizer (text), a transformers processor (VLM), or
+#: the demo VLM's :class:`LocalProcessor`.
+Processor: TypeAlias = "PreTrainedTokenizerBase | ProcessorMixin | LocalProcessor"
+
+
+def demo_image_processor() -> BaseImageProcessor:
     """Qwen2-VL image processing (PIL backend: no torchvision) at the demo's image size."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -49,7 +61,9 @@ def demo_image_processor() -> Any:
     )
 
 
-def load_processor(config: SFTConfig, *, tokenizer: Any = None) -> Any:
+def load_processor(
+    config: SFTConfig, *, tokenizer: PreTrainedTokenizerBase | None = None
+) -> Processor:
     """What energon-sft's encoder takes: the tokenizer (text) or a processor (VLM).
 
     Args:
@@ -65,19 +79,20 @@ def load_processor(config: SFTConfig, *, tokenizer: Any = None) -> Any:
         )
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(config.model.path)
+    processor: ProcessorMixin = AutoProcessor.from_pretrained(config.model.path)
     tokenizer = with_chat_template(tokenizer_of(processor), config)
     if config.data.chat_template is not None and hasattr(processor, "chat_template"):
         processor.chat_template = tokenizer.chat_template  # what save_pretrained writes
     return processor
 
 
-def tokenizer_of(processor_or_tokenizer: Any) -> Any:
+def tokenizer_of(processor_or_tokenizer: Processor) -> PreTrainedTokenizerBase:
     """The tokenizer inside a processor (or the tokenizer itself)."""
-    return getattr(processor_or_tokenizer, "tokenizer", processor_or_tokenizer)
+    found = getattr(processor_or_tokenizer, "tokenizer", processor_or_tokenizer)
+    return cast("PreTrainedTokenizerBase", found)
 
 
-def load_tokenizer(config: SFTConfig) -> Any:
+def load_tokenizer(config: SFTConfig) -> PreTrainedTokenizerBase:
     """The model's own tokenizer (``model.path``) or the demo character tokenizer."""
     if config.model.path is None:
         from train_recipes.data.demo import build_char_tokenizer
@@ -91,7 +106,9 @@ def load_tokenizer(config: SFTConfig) -> Any:
     return with_chat_template(tokenizer, config)
 
 
-def with_chat_template(tokenizer: Any, config: SFTConfig) -> Any:
+def with_chat_template(
+    tokenizer: PreTrainedTokenizerBase, config: SFTConfig
+) -> PreTrainedTokenizerBase:
     """``tokenizer`` with ``data.chat_template`` (a name or a Jinja file) when it is set.
 
     The key, set, replaces the tokenizer's own template; it is saved with the tokenizer into

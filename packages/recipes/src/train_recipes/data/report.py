@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from train_recipes.config.loader import ConfigError
 from train_recipes.config.sft import SFTConfig
+
+if TYPE_CHECKING:
+    from energon_sft import ChatSample
+    from train_recipes.data.processors import Processor
 
 __all__ = ["SAMPLE_ROWS", "DataReport", "data_report", "measure_rows"]
 
@@ -63,7 +67,12 @@ def _percentile(values: list[int], q: float) -> int:
 
 
 def measure_rows(
-    processor: Any, samples: list[Any], config: SFTConfig, *, source: str, rejected: int = 0
+    processor: Processor,
+    samples: list[ChatSample],
+    config: SFTConfig,
+    *,
+    source: str,
+    rejected: int = 0,
 ) -> DataReport:
     """Encode cooked ``samples`` as the run's loader would, without cutting any.
 
@@ -104,7 +113,7 @@ def measure_rows(
     )
 
 
-def _sample(config: SFTConfig) -> tuple[list[Any], int, str] | None:
+def _sample(config: SFTConfig) -> tuple[list[ChatSample], int, str] | None:
     """The cooked rows at the start of the training data, the rows rejected, and the source."""
     from energon_sft import cook_chat, first_samples
 

@@ -2,20 +2,39 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from train_recipes.data.energon_api import ChatMessage, ChatRow
 from train_recipes.data.processors import tokenizer_of
+
+if TYPE_CHECKING:
+    from PIL import Image
+    from transformers import PreTrainedTokenizerBase
+
+    from train_recipes.data.processors import Processor
 
 __all__ = ["exact_match_accuracy", "greedy_answers"]
 
 
-def _full(logits: Any) -> torch.Tensor:
+class ImageProcessor(Protocol):
+    """A Qwen2-VL image processor: images -> ``pixel_values`` and ``image_grid_thw``."""
+
+    merge_size: int  # patches merged per side into one image token
+
+    def __call__(
+        self, *, images: list[Image.Image], return_tensors: str
+    ) -> Mapping[str, torch.Tensor]:
+        """``pixel_values`` [P, D] and ``image_grid_thw`` [N, 3] of ``images``."""
+        ...
+
+
+def _full(logits: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return logits.full_tensor() if isinstance(logits, DTensor) else logits
@@ -24,15 +43,15 @@ def _full(logits: Any) -> torch.Tensor:
 @torch.no_grad()
 def greedy_answers(
     model: nn.Module,
-    tokenizer: Any,
-    prompts: Sequence[list[dict[str, Any]]],
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[list[ChatMessage]],
     *,
     max_new_tokens: int,
     device: torch.device,
     batch_size: int = 64,
     num_batches: int | None = None,
-    images: Sequence[list[Any]] | None = None,
-    image_processor: Any = None,
+    images: Sequence[list[Image.Image]] | None = None,
+    image_processor: ImageProcessor | None = None,
     length_multiple: int = 1,
 ) -> list[str]:
     """Greedy-decode an answer for each chat prompt (messages without the final answer).
@@ -60,15 +79,23 @@ def greedy_answers(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_id
     encoded = [
         list(
-            tokenizer.apply_chat_template(
-                p, add_generation_prompt=True, tokenize=True, return_dict=False
+            cast(
+                "list[int]",  # tokenize=True, return_dict=False: the token ids
+                tokenizer.apply_chat_template(
+                    # transformers annotates text contents only; a list of parts renders too
+                    cast("list[dict[str, str]]", p),
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                ),
             )
         )
         for p in prompts
     ]
     pixels: list[dict[str, torch.Tensor] | None] = [None] * len(encoded)
     if images is not None:
-        image_pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        assert image_processor is not None  # images come with their processor
+        image_pad = cast(int, tokenizer.convert_tokens_to_ids("<|image_pad|>"))  # one token
         merge = int(image_processor.merge_size) ** 2
         for i, imgs in enumerate(images):
             if not imgs:
@@ -101,6 +128,7 @@ def greedy_answers(
         if images is not None:
             from train_recipes.data import energon_api as data_api
 
+            assert image_processor is not None
             positions = data_api.mrope_positions_for_prompts(
                 ids,
                 ids == image_pad,
@@ -126,15 +154,15 @@ def greedy_answers(
                 gen = ids[i, int(lengths[i]) :].tolist()
                 if end_id in gen:
                     gen = gen[: gen.index(end_id)]
-                answers.append(tokenizer.decode(gen, skip_special_tokens=True))
+                answers.append(cast(str, tokenizer.decode(gen, skip_special_tokens=True)))
     model.train(was_training)
     return answers
 
 
 def exact_match_accuracy(
     model: nn.Module,
-    processor: Any,
-    rows: Sequence[dict[str, Any]],
+    processor: Processor,
+    rows: Sequence[ChatRow],
     *,
     max_new_tokens: int,
     device: torch.device,
@@ -172,11 +200,14 @@ def exact_match_accuracy(
         from PIL import Image
 
         root = Path(media_root) if media_root is not None else Path(".")
-        images = [[Image.open(root / m).convert("RGB") for m in r.get("media", [])] for r in mine]
+        images = [
+            [Image.open(root / m).convert("RGB") for m in cast("list[str]", r.get("media", []))]
+            for r in mine
+        ]
     answers = greedy_answers(
         model,
         tokenizer_of(processor),
-        [r["messages"][:-1] for r in mine],
+        [cast("list[ChatMessage]", r["messages"])[:-1] for r in mine],
         max_new_tokens=max_new_tokens,
         device=device,
         batch_size=batch_size,
@@ -186,7 +217,7 @@ def exact_match_accuracy(
         length_multiple=tp,  # sequence-parallel norms split each forward's rows into tp parts
     )
     correct = sum(
-        a.strip() == r["messages"][-1]["content"].strip()
+        a.strip() == cast(str, cast("list[ChatMessage]", r["messages"])[-1]["content"]).strip()
         for a, r in zip(answers, mine, strict=False)
     )
     counts = torch.tensor([correct, len(mine)], dtype=torch.float64, device=device)

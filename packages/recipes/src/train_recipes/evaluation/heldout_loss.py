@@ -19,14 +19,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from train_recipes.data import energon_api as data_api
-from train_recipes.data.energon_api import ModelBatch
+from train_recipes.data.energon_api import ChatRow, ModelBatch
 
 if TYPE_CHECKING:
     from energon_sft import SFTTaskEncoder
@@ -41,7 +41,7 @@ LossSum = Callable[[ModelBatch, ModelBatch], Tensor]
 
 def held_out_batches(
     encoder: SFTTaskEncoder,
-    rows: Sequence[dict[str, Any]],
+    rows: Sequence[ChatRow],
     *,
     batch_size: int,
     replica: int,

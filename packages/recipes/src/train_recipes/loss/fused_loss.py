@@ -18,19 +18,35 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Protocol, TypeAlias
 
 import torch
 from torch import Tensor, nn
 
 from train_recipes.data.trained_rows import TrainedRows
 
+#: The model's keyword inputs: token tensors, and ``qkv_format`` ("thd") for packed rows.
+ModelInputs: TypeAlias = dict[str, Tensor | str]
+
+
+class _LogitsOutput(Protocol):
+    logits: Tensor  # [B, S, V], a DTensor sharded over V under tensor parallelism
+
+
+class CausalLM(Protocol):
+    """What the loss calls: a transformers causal LM, its DDP/FSDP2 wrapper or the Engine."""
+
+    def __call__(self, **inputs: Tensor | str | bool) -> _LogitsOutput:
+        """The forward, with the batch's tensors (and ``qkv_format``) as keywords."""
+        ...
+
+
 # Config attributes of transformers models that transform the logits after the head (the fused
 # loss would skip them, so such models keep the logits path).
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
 
 
-def fused_head(model: Any) -> nn.Linear | None:
+def fused_head(model: CausalLM) -> nn.Linear | None:
     """The output projection the fused loss can replace, or None where it would change the loss.
 
     Args:
@@ -73,7 +89,7 @@ def _identity(x: Tensor) -> Tensor:
     return x
 
 
-def _keep_root_unsharded_after_forward(model: Any) -> None:
+def _keep_root_unsharded_after_forward(model: CausalLM) -> None:
     """Keep the root FSDP2 unit, which holds the head, unsharded after forward.
 
     The loss reads the head's weight after the model's forward. The root's parameters are the
@@ -88,9 +104,9 @@ def _keep_root_unsharded_after_forward(model: Any) -> None:
 
 
 def fused_token_sum_loss(
-    model: Any,
+    model: CausalLM,
     head: nn.Linear,
-    inputs: dict[str, Any],
+    inputs: ModelInputs,
     labels: Tensor,
     *,
     chunk_tokens: int | None = None,
@@ -163,7 +179,7 @@ def fused_token_sum_loss(
     )
 
 
-def logits_token_sum_loss(model: Any, inputs: dict[str, Any], labels: Tensor) -> Tensor:
+def logits_token_sum_loss(model: CausalLM, inputs: ModelInputs, labels: Tensor) -> Tensor:
     """The token-sum loss read from the materialised [B, S, V] logits (vocab-parallel)."""
     from vocab_parallel import token_log_probs
 
@@ -172,8 +188,8 @@ def logits_token_sum_loss(model: Any, inputs: dict[str, Any], labels: Tensor) ->
 
 
 def token_sum_loss_of(
-    model: Any,
-    inputs: dict[str, Any],
+    model: CausalLM,
+    inputs: ModelInputs,
     labels: Tensor,
     *,
     chunk_tokens: int | None = None,

@@ -6,12 +6,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
 
 from train_recipes.loss.fused_loss import (
+    CausalLM,
+    ModelInputs,
     fused_head,
     fused_token_sum_loss,
     logits_token_sum_loss,
@@ -22,18 +24,6 @@ if TYPE_CHECKING:
     from train_recipes.data.energon_api import ModelBatch
 
 __all__ = ["CausalLM", "TokenSumLoss", "token_sum_loss"]
-
-
-class _LogitsOutput(Protocol):
-    logits: Tensor  # [B, S, V], a DTensor sharded over V under tensor parallelism
-
-
-class CausalLM(Protocol):
-    """What the loss calls: a transformers causal LM, its DDP/FSDP2 wrapper or the Engine."""
-
-    def __call__(self, **inputs: Tensor | str | bool) -> _LogitsOutput:
-        """The forward, with the batch's tensors (and ``qkv_format``) as keywords."""
-        ...
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -117,15 +107,15 @@ class TokenSumLoss:
             return megatron_token_sum_loss(model, batch)
         inputs = self._model_inputs(batch)
         if self.sharder is None:
-            labels = inputs.pop("labels")
+            labels = cast(Tensor, inputs.pop("labels"))
             return self._loss(model, inputs, labels)
         train_ctx, local = self.sharder.shard(inputs)
         labels = local.pop("labels")  # the local labels: the trained rows are this rank's
         with train_ctx():
             return self._loss(model, local, labels)
 
-    def _model_inputs(self, batch: ModelBatch) -> dict[str, Any]:
-        inputs: dict[str, Any] = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    def _model_inputs(self, batch: ModelBatch) -> ModelInputs:
+        inputs: ModelInputs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
         if self.vlm:
             if "mrope_position_ids" not in batch:
                 raise ValueError(
@@ -151,7 +141,7 @@ class TokenSumLoss:
             inputs["seq_lens"] = batch["seq_lens"]
         return inputs
 
-    def _loss(self, model: CausalLM, inputs: dict[str, Any], labels: Tensor) -> Tensor:
+    def _loss(self, model: CausalLM, inputs: ModelInputs, labels: Tensor) -> Tensor:
         # No KV cache: training never reuses one. The fused loss makes the loss from the hidden
         # states and the head's weight, without the logits.
         if self.head is not None and torch.is_grad_enabled():
