@@ -18,8 +18,9 @@ from conftest import data_overrides
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
 from train_recipes.data import energon_api as data_api
 from train_recipes.data.demo import DemoSplit, build_char_tokenizer
+from train_recipes.data.energon_api import is_vlm
 from train_recipes.data.processors import load_processor, tokenizer_of
-from train_recipes.model.build import build_model, is_vlm
+from train_recipes.model.build import build_model
 
 
 def _first_batch(

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from energon_sft import SFTBatch, SFTLoader, SFTTaskEncoder, TopologyMapper
+    from train_recipes.config.sft import SFTConfig
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,11 @@ def family_takes_images(model_family: str) -> bool:
     from energon_sft import get_model_family
 
     return bool(get_model_family(model_family).supports_images)
+
+
+def is_vlm(config: SFTConfig) -> bool:
+    """The image-text path: energon-sft's adapter for ``data.model_family`` takes images."""
+    return family_takes_images(config.data.model_family)
 
 
 def convert_chat_jsonl(jsonl: str | Path, out_dir: str | Path) -> Path:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias, cast
 
 from train_recipes.config.sft import SFTConfig
-from train_recipes.model.build import is_vlm
+from train_recipes.data.energon_api import is_vlm
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, ProcessorMixin

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from train_recipes.config.sft import SFTConfig
+from train_recipes.data.energon_api import is_vlm
 from train_recipes.model.quiet_loading import from_pretrained_quietly
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -18,21 +23,13 @@ __all__ = [
     "build_model",
     "compile_decoder_layers",
     "decoder_layers",
-    "is_vlm",
     "unwrap",
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def is_vlm(config: SFTConfig) -> bool:
-    """The image-text path: energon-sft's adapter for ``data.model_family`` takes images."""
-    from train_recipes.data import energon_api as data_api
-
-    return data_api.family_takes_images(config.data.model_family)
-
-
-def build_model(config: SFTConfig, tokenizer: Any) -> nn.Module:
+def build_model(config: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> nn.Module:
     """Load ``model.path`` or build the random-init tiny Llama from ``model.tiny``.
 
     Call after seeding: the tiny model's weights come from the global RNG.
@@ -105,7 +102,9 @@ def compile_decoder_layers(
         The number of layers compiled.
     """
     layers = decoder_layers(model)
-    compiler: Any = backend if memory_budget is None else _BudgetedBackend(backend, memory_budget)
+    compiler: str | _BudgetedBackend = (
+        backend if memory_budget is None else _BudgetedBackend(backend, memory_budget)
+    )
     for layer in layers:
         # One backend object for all layers: dynamo reuses a graph only for the backend that
         # compiled it.
@@ -128,14 +127,18 @@ class _BudgetedBackend:
         self._compile = lookup_backend(backend)
         self.memory_budget = memory_budget
 
-    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    def __call__(
+        self, graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]
+    ) -> Callable[..., object]:
         import torch._functorch.config as functorch_config
 
         with functorch_config.patch(activation_memory_budget=self.memory_budget):
             return self._compile(graph, example_inputs)
 
 
-def _build_vlm(config: SFTConfig, tokenizer: Any, dtype: torch.dtype) -> nn.Module:
+def _build_vlm(
+    config: SFTConfig, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype
+) -> nn.Module:
     from transformers import (
         AutoModelForImageTextToText,
         Qwen2_5_VLConfig,
@@ -150,7 +153,7 @@ def _build_vlm(config: SFTConfig, tokenizer: Any, dtype: torch.dtype) -> nn.Modu
         )
         return loaded
     tiny = config.model.tiny
-    ids = {
+    ids: dict[str, Any] = {  # Qwen2_5_VLConfig's token-id keywords
         name: tokenizer.convert_tokens_to_ids(tok)
         for name, tok in (
             ("image_token_id", "<|image_pad|>"),

@@ -8,20 +8,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from train_recipes.config.sft import SFTConfig
+from train_recipes.data.energon_api import is_vlm
 from train_recipes.model import moe
 from train_recipes.model.activation_checkpointing import checkpoint_and_compile
-from train_recipes.model.build import apply_lora, build_model, is_vlm
+from train_recipes.model.build import apply_lora, build_model
 from train_recipes.model.loading import build_on_meta, load_sharded_safetensors
 from train_recipes.model.patch_embed import use_linear_patch_embed
 from train_recipes.model.tensor_parallel import apply_tensor_parallel
 from train_recipes.model.vision_attention import use_varlen_vision_attention
 from train_recipes.run.process_group import RankContext
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "build_parallel_model",
@@ -72,7 +76,7 @@ def row_length_multiple(config: SFTConfig) -> int:
 
 def build_parallel_model(
     config: SFTConfig,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     ctx: RankContext,
     *,
     on_phase: Callable[[str], None] | None = None,

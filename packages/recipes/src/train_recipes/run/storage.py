@@ -124,7 +124,7 @@ def _meta_tensors(config: SFTConfig, folder: Path) -> dict[str, int]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from train_recipes.model.build import is_vlm
+    from train_recipes.data.energon_api import is_vlm
 
     hf_config = AutoConfig.from_pretrained(folder)
     auto = AutoModelForImageTextToText if is_vlm(config) else AutoModelForCausalLM

@@ -14,9 +14,10 @@ import torch
 from train_recipes.data import energon_api as data_api
 from train_recipes.data.colocated import ColocatedLoader, replica_loader
 from train_recipes.data.demo import sft_data_paths
+from train_recipes.data.energon_api import is_vlm
 from train_recipes.data.processors import load_processor, tokenizer_of
 from train_recipes.loss.token_loss import TokenSumLoss
-from train_recipes.model.build import is_vlm, unwrap
+from train_recipes.model.build import unwrap
 from train_recipes.model.parallelize import row_length_multiple
 from train_recipes.run import runtime
 from train_recipes.run.folder import publish_dir, staging_dir

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from train_recipes.config.sft import SFTConfig
-from train_recipes.data.energon_api import ModelBatch
+from train_recipes.data.energon_api import ModelBatch, is_vlm
 from train_recipes.data.plane import DataPlane
 from train_recipes.data.processors import tokenizer_of
 from train_recipes.export.hf import export_hf
@@ -33,7 +33,7 @@ from train_recipes.model.attention import (
     attention_path,
     sdpa_backends,
 )
-from train_recipes.model.build import is_vlm, unwrap
+from train_recipes.model.build import unwrap
 from train_recipes.model.parallelize import build_parallel_model
 from train_recipes.run import checkpoints
 from train_recipes.run.folder import (
