@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from _packed_workers import packed_batch
 from cp_sharder import ContextParallelSharder
+from train_testing.reference import grads_of, token_sum_cross_entropy, worst_grad_error
 from train_testing.tiny_hf import TEXT_SIZES
 from train_testing.tiny_hf import tiny_model as tiny_model_of
 
@@ -38,24 +39,6 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
     return tiny_model_of(arch, seed=seed).eval()
 
 
-def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float()
-        if logits.dtype != torch.float64
-        else logits.reshape(-1, logits.shape[-1]),
-        labels.reshape(-1),
-        ignore_index=-100,
-        reduction="sum",
-    )
-
-
-def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-        for n, p in model.named_parameters()
-    }
-
-
 def _backward_and_sum(
     model: torch.nn.Module, loss: torch.Tensor, *, group: Any = None
 ) -> tuple[float, dict[str, torch.Tensor]]:
@@ -66,19 +49,13 @@ def _backward_and_sum(
             dist.all_reduce(p.grad, group=group)
     total = loss.detach().clone()
     dist.all_reduce(total, group=group)
-    return float(total), _grads(model)
+    return float(total), grads_of(model, missing="zeros")
 
 
 def _compare(
     loss: float, grads: dict[str, torch.Tensor], ref_loss: float, ref: dict[str, torch.Tensor]
 ) -> dict[str, float]:
-    worst = 0.0
-    worst_name = ""
-    for name, g in grads.items():
-        r = ref[name]
-        err = float((g.double() - r).abs().max()) / (float(r.abs().max()) + 1e-6)
-        if err > worst:
-            worst, worst_name = err, name
+    worst, worst_name = worst_grad_error(grads, ref, floor=1e-6)
     return {
         "loss_rel_err": abs(loss - ref_loss) / abs(ref_loss),
         "grad_rel_err": worst,
@@ -112,9 +89,9 @@ def _reference_bshd(
     else:
         inputs = {"input_ids": batch["input_ids"]}
     logits = ref(**inputs, attention_mask=batch["attention_mask"]).logits
-    loss = _token_loss_sum(logits, batch["labels"]) / count
+    loss = token_sum_cross_entropy(logits, batch["labels"]) / count
     loss.backward()
-    return float(loss.detach()), _grads(ref)
+    return float(loss.detach()), grads_of(ref, missing="zeros")
 
 
 def _cp_step(
@@ -136,7 +113,7 @@ def _cp_step(
     with train_ctx():
         logits = model(**local).logits
     count = sharder.num_label_tokens(device=device)
-    loss = _token_loss_sum(logits, labels) / count
+    loss = token_sum_cross_entropy(logits, labels) / count
     total, grads = _backward_and_sum(model, loss, group=mesh.get_group())
     return total, {n: g.cpu() for n, g in grads.items()}, sharder
 
@@ -158,10 +135,10 @@ def _reference_docs(
     total = torch.zeros((), dtype=torch.float64)
     for d in docs:
         logits = ref(input_ids=d[None]).logits[0, :-1]
-        total = total + F.cross_entropy(logits, d[1:], reduction="sum")
+        total = total + token_sum_cross_entropy(logits, d[1:])
     loss = total / count
     loss.backward()
-    return float(loss.detach()), _grads(ref)
+    return float(loss.detach()), grads_of(ref, missing="zeros")
 
 
 def hf_parity(rank: int, world_size: int, arch: str) -> dict[str, dict[str, float]]:
@@ -301,9 +278,9 @@ def plain_sdpa_parity(rank: int, world_size: int) -> dict[str, float]:
     with ctx():
         logits = model(**local)
     restored = F.scaled_dot_product_attention.__module__
-    loss = _token_loss_sum(logits, local_labels) / sharder.num_label_tokens()
+    loss = token_sum_cross_entropy(logits, local_labels) / sharder.num_label_tokens()
     total, grads = _backward_and_sum(model, loss)
-    result = _compare(total, grads, float(ref_loss.detach()), _grads(ref))
+    result = _compare(total, grads, float(ref_loss.detach()), grads_of(ref, missing="zeros"))
     result["sdpa_restored"] = float(restored == "torch._C._nn" or "portable" not in restored)
     return result
 
@@ -319,7 +296,7 @@ def no_context_control(rank: int, world_size: int) -> dict[str, Any]:
     _, local = sharder.shard(batch)
     labels = local.pop("labels")
     logits = model(**local).logits  # local attention only: tokens miss other ranks' keys
-    loss = _token_loss_sum(logits, labels) / sharder.num_label_tokens()
+    loss = token_sum_cross_entropy(logits, labels) / sharder.num_label_tokens()
     return _compare(*_backward_and_sum(model, loss), ref_loss, ref)
 
 
@@ -461,10 +438,12 @@ def cuda_parity(rank: int, world_size: int, arch: str) -> dict[str, Any]:
     plain["labels"][:, -1] = -100
     ref_model = copy.deepcopy(cpu_model).double()
     logits = ref_model(input_ids=plain["input_ids"]).logits
-    ref_l = _token_loss_sum(logits, plain["labels"]) / int((plain["labels"] != -100).sum())
+    ref_l = token_sum_cross_entropy(logits, plain["labels"]) / int((plain["labels"] != -100).sum())
     ref_l.backward()
     loss, grads, sharder = _cp_step(model, mesh, plain, device=device)
-    results["bshd_ring"] = _compare(loss, grads, float(ref_l.detach()), _grads(ref_model))
+    results["bshd_ring"] = _compare(
+        loss, grads, float(ref_l.detach()), grads_of(ref_model, missing="zeros")
+    )
     results["bshd_ring"]["backend"] = sharder.layout.backend.value
     return results
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from cp_sharder import ContextParallelSharder
+from train_testing.reference import grads_of, token_sum_cross_entropy, worst_grad_error
 from train_testing.tiny_hf import TEXT_SIZES
 from train_testing.tiny_hf import tiny_model as tiny_model_of
 
@@ -86,9 +86,9 @@ def reference(model: torch.nn.Module, docs: list[torch.Tensor]) -> tuple[float, 
     total = torch.zeros((), dtype=torch.float64)
     for d in docs:
         logits = ref(input_ids=d[None]).logits[0, :-1]
-        total = total + F.cross_entropy(logits, d[1:], reduction="sum")
+        total = total + token_sum_cross_entropy(logits, d[1:])
     total.backward()
-    grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
+    grads = grads_of(ref)
     return float(total.detach()), grads
 
 
@@ -121,12 +121,6 @@ def no_dense_masks() -> Iterator[None]:
         portable.MaskSpec.mask = saved_spec  # type: ignore[method-assign]
 
 
-def token_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum over labelled tokens of -log p(label), in float64."""
-    flat = logits.reshape(-1, logits.shape[-1]).double()
-    return F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="sum")
-
-
 def packed_step(
     model: torch.nn.Module, mesh: Any, batch: dict[str, Any]
 ) -> tuple[float, dict[str, torch.Tensor], str, str]:
@@ -138,10 +132,10 @@ def packed_step(
     labels = local.pop("labels")
     with no_dense_masks(), result.train_ctx():
         logits = model(**local).logits
-    loss = token_sum(logits, labels)
+    loss = token_sum_cross_entropy(logits, labels)
     loss.backward()
     total = loss.detach().clone()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = grads_of(model)
     if mesh is not None:
         group = mesh.get_group()
         dist.all_reduce(total, group=group)
@@ -155,17 +149,12 @@ def compare(
 ) -> dict[str, Any]:
     """Relative loss error and the worst relative gradient error over all parameters."""
     missing = sorted(set(ref) ^ set(grads))
-    worst, worst_name, worst_scale = 0.0, "", 0.0
-    for name, r in ref.items():
-        g = grads.get(name, torch.zeros_like(r))
-        err = float((g - r).abs().max()) / (float(r.abs().max()) + 1e-12)
-        if err > worst:
-            worst, worst_name, worst_scale = err, name, float(r.abs().max())
+    worst, worst_name = worst_grad_error(grads, ref)
     return {
         "loss_rel_err": abs(loss - ref_loss) / abs(ref_loss),
         "grad_rel_err": worst,
         "worst_param": worst_name,
-        "worst_param_grad_max": worst_scale,
+        "worst_param_grad_max": float(ref[worst_name].abs().max()) if worst_name else 0.0,
         "missing_grads": missing,
     }
 
@@ -278,10 +267,10 @@ def vlm_parity(rank: int, world_size: int) -> dict[str, Any]:
             positions[1:, r, start : start + n] = mrope[:, 0]
             # Reference: the document alone; the model builds its own M-RoPE ids.
             logits = ref(input_ids=d[None], **kwargs).logits[0, :-1]
-            ref_total = ref_total + F.cross_entropy(logits, d[1:], reduction="sum")
+            ref_total = ref_total + token_sum_cross_entropy(logits, d[1:])
             start += n
     ref_total.backward()
-    ref_grads = {n: p.grad.detach() for n, p in ref.named_parameters() if p.grad is not None}
+    ref_grads = grads_of(ref)
     batch = {
         "input_ids": ids,
         "labels": labels,

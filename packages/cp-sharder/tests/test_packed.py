@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import _packed_workers as workers
+from train_testing.reference import token_sum_cross_entropy
 
 TOL = 1e-9  # float64 throughout
 
@@ -123,11 +124,11 @@ def test_plain_pytorch_model_on_packed_rows_through_the_sdpa_override() -> None:
         logits = model(**local)
     assert F.scaled_dot_product_attention is original
     assert result.layout.backend.value == "varlen"
-    loss = workers.token_sum(logits, labels)
+    loss = token_sum_cross_entropy(logits, labels)
     loss.backward()
     ref = copy.deepcopy(model)
     ref.zero_grad()
-    ref_loss = sum(F.cross_entropy(ref(d[None])[0, :-1], d[1:], reduction="sum") for d in docs)
+    ref_loss = sum(token_sum_cross_entropy(ref(d[None])[0, :-1], d[1:]) for d in docs)
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
