@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
 from torch import nn
 
 from train_recipes.model.build import unwrap
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
+    from train_recipes.data.processors import Processor
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["export_hf"]
 
 
-def _is_peft(model: nn.Module) -> bool:
+def _is_peft(model: nn.Module) -> TypeGuard[PeftModel]:
     try:
         from peft import PeftModel
     except ImportError:
@@ -36,7 +42,7 @@ def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def export_hf(
     model: nn.Module,
-    tokenizer: Any,
+    tokenizer: Processor,
     out_dir: str | Path,
     *,
     is_main: bool,
@@ -67,7 +73,7 @@ def export_hf(
             return None
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        hf_model: Any = inner_model
+        hf_model = cast("PreTrainedModel", inner_model)  # a transformers MoE model, converted
         hf_model.save_pretrained(out, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(out)
         logger.info("exported the MoE model to %s", out)

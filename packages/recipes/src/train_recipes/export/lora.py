@@ -11,23 +11,30 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
-from torch import nn
+
+if TYPE_CHECKING:
+    from peft import PeftMixedModel, PeftModel
+    from torch import nn
+    from transformers import PreTrainedModel
+
+    from train_recipes.data.processors import Processor
 
 __all__ = ["export_lora"]
 
 logger = logging.getLogger(__name__)
 
 
-def _host_copy(peft_model: Any, state: dict[str, torch.Tensor]) -> Any:
+def _host_copy(peft_model: PeftModel, state: dict[str, torch.Tensor]) -> PeftModel | PeftMixedModel:
     """A CPU peft model of the same classes and configs, holding ``state``."""
     from peft import get_peft_model
 
-    base = peft_model.get_base_model()
+    base = cast("PreTrainedModel", peft_model.get_base_model())  # the transformers model
     with torch.device("cpu"):
-        fresh = type(base)(base.config)
+        # nn.Module: mypy reads PreTrainedModel.to (wrapped by transformers) as taking a model
+        fresh: nn.Module = type(base)(base.config)
     fresh = fresh.to(next(iter(state.values())).dtype) if state else fresh
     copy = get_peft_model(fresh, peft_model.peft_config["default"])
     missing, unexpected = copy.load_state_dict(state, strict=False)
@@ -46,7 +53,12 @@ def _host_copy(peft_model: Any, state: dict[str, torch.Tensor]) -> Any:
 
 
 def export_lora(
-    model: nn.Module, tokenizer: Any, out_dir: str | Path, *, is_main: bool, lora_export: str
+    model: PeftModel,
+    tokenizer: Processor,
+    out_dir: str | Path,
+    *,
+    is_main: bool,
+    lora_export: str,
 ) -> Path | None:
     """Write ``model`` (a peft model, plain or FSDP2) merged or as its adapter on rank 0.
 
@@ -74,7 +86,7 @@ def export_lora(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if lora_export == "adapter":
-        copy.save_pretrained(out, safe_serialization=True)
+        copy.save_pretrained(str(out), safe_serialization=True)  # peft's takes a str
     else:
         copy.merge_and_unload().save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -42,13 +43,17 @@ __all__ = ["apply_activation_checkpointing", "checkpoint_and_compile"]
 logger = logging.getLogger(__name__)
 
 
-def _checkpointed(forward: Any) -> Any:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _checkpointed(forward: Callable[_P, _R]) -> Callable[_P, _R]:
     from torch.utils.checkpoint import checkpoint
 
     from cp_sharder import checkpoint_context_fn
 
     @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:  # the layer's arguments, passed on as they are
         # Non-reentrant: works with keyword arguments, inputs that need no gradient and
         # torch.compile; the RNG state is replayed so dropout masks are the same.
         if torch.compiler.is_compiling():

@@ -60,8 +60,13 @@ CAUSAL_ATTENTION = "train_recipes_causal_sdpa"
 
 
 def _causal_sdpa(
-    module: nn.Module, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any
-) -> Any:
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,  # transformers' attention keywords (dropout, scaling, ...), passed on
+) -> tuple[torch.Tensor, None]:
     """Transformers' SDPA attention, called without a mask: plain causal attention."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

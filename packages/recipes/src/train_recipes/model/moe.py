@@ -17,14 +17,19 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from contextlib import AbstractContextManager
+
+    from moe_dispatch import Dispatcher, RouterOutput
     from train_engine import Engine, ExpertShards
+    from train_recipes.config.loader import JSONValue
     from train_recipes.config.sft import MoELossConfig, SFTConfig
     from train_recipes.run.process_group import RankContext
 
@@ -53,7 +58,7 @@ class MoEGroups:
     replica_group: dist.ProcessGroup | None
 
 
-def read_model_type(model_path: str | None) -> tuple[str | None, dict[str, Any]]:
+def read_model_type(model_path: str | None) -> tuple[str | None, dict[str, JSONValue]]:
     """The ``model_type`` and the raw config.json of a local HF model (None without a path)."""
     if model_path is None:
         return None, {}
@@ -120,7 +125,7 @@ def check_moe_config(config: SFTConfig, *, world_size: int) -> None:
                 f"ep={ep} does not divide the data-parallel size {dp} (world {world_size} / "
                 f"(cp={parallel.cp} * tp={parallel.tp})); pick ep dividing {dp}",
             )
-        experts = next((int(raw[k]) for k in _EXPERT_COUNT_KEYS if raw.get(k)), 0)
+        experts = next((int(cast(int, raw[k])) for k in _EXPERT_COUNT_KEYS if raw.get(k)), 0)
         if experts % ep:
             raise ConfigError(
                 "parallel.ep",
@@ -147,7 +152,7 @@ def build_groups(ctx: RankContext, ep: int) -> MoEGroups:
         return MoEGroups(ep=1, ep_group=None, replica_group=None)
     ranks = ctx.mesh.mesh  # [dp, cp, tp] global ranks
     dp, cp, tp = ranks.shape
-    mine_ep: Any = None
+    mine_ep: Any = None  # new_group's result: a group here (-100 only for non-members)
     mine_replica: Any = None
     # Every rank creates every group, in the same order (new_group is collective).
     for c in range(cp):
@@ -175,7 +180,7 @@ def convert_model(model: nn.Module, groups: MoEGroups) -> ExpertShards | None:
     from moe_dispatch import AllToAllDispatcher, EqualizingDispatcher, convert_hf_moe
     from train_engine import ExpertShards
 
-    def dispatcher(num_experts: int) -> Any:
+    def dispatcher(num_experts: int) -> Dispatcher:
         inner = AllToAllDispatcher(groups.ep_group, num_experts)
         return EqualizingDispatcher(inner, group=groups.ep_group, alignment=1)
 
@@ -274,7 +279,7 @@ class RouterLosses:
         self.grad_ranks = grad_ranks
         self.window = window
         self.duplicates = duplicates
-        self._routing: list[Any] = []
+        self._routing: list[RouterOutput] = []
         num_experts = self.layers[0].config.num_experts if self.layers else 0
         # [L, E] routed (token, expert) pairs and [2] (expected pairs, routed pairs) since the
         # last metrics read.
@@ -287,7 +292,7 @@ class RouterLosses:
         """Whether the model has converted MoE layers."""
         return bool(self.layers)
 
-    def collect(self) -> Any:
+    def collect(self) -> AbstractContextManager[None]:
         """Context manager around one micro-batch's forward."""
         import contextlib
 
@@ -296,7 +301,7 @@ class RouterLosses:
         from moe_dispatch import collect_routing
 
         @contextlib.contextmanager
-        def _collect() -> Any:
+        def _collect() -> Iterator[None]:
             with collect_routing(self.model) as routing:
                 yield
             self._routing = list(routing)

@@ -14,7 +14,7 @@ are unchanged; only the order of the K-term sums differs.
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Protocol
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -26,14 +26,18 @@ __all__ = ["use_linear_patch_embed"]
 _SUPPORTED = frozenset({"Qwen2_5_VisionPatchEmbed"})
 
 
-def _linear_forward(self: Any, hidden_states: Tensor) -> Tensor:
+class _PatchEmbed(Protocol):
+    proj: nn.Conv3d  # kernel == stride == the patch (see _degenerate)
+
+
+def _linear_forward(self: _PatchEmbed, hidden_states: Tensor) -> Tensor:
     """[P, K] flattened patches (channel, frame, row, column order) -> [P, E]."""
     weight = self.proj.weight  # [E, C, t, p, p]: flattened in the same order as the patches
     x = hidden_states.reshape(-1, weight[0].numel()).to(weight.dtype)
     return F.linear(x, weight.reshape(weight.shape[0], -1), self.proj.bias)
 
 
-def _degenerate(conv: Any) -> bool:
+def _degenerate(conv: object) -> bool:
     return (
         isinstance(conv, nn.Conv3d)
         and tuple(conv.kernel_size) == tuple(conv.stride)

@@ -12,14 +12,17 @@ expect, or a load that fails.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar, cast
 
 __all__ = ["from_pretrained_quietly"]
 
 # transformers' loading report is a warning of this logger, headed "<Model> LOAD REPORT".
 _REPORT_LOGGER = "transformers.modeling_utils"
 _REPORT_MARK = "LOAD REPORT"
+
+_Model = TypeVar("_Model")
 
 
 class _HeldReports(logging.Filter):
@@ -37,12 +40,12 @@ class _HeldReports(logging.Filter):
 
 
 def from_pretrained_quietly(
-    load: Callable[..., Any],
-    path: Any,
+    load: Callable[..., _Model],
+    path: str | os.PathLike[str],
     *,
     unused_ok: Callable[[str], bool] | None = None,
-    **kwargs: Any,
-) -> Any:
+    **kwargs: object,
+) -> _Model:
     """``load(path, **kwargs)`` without transformers' weights bar and its needless report.
 
     Args:
@@ -52,7 +55,7 @@ def from_pretrained_quietly(
         **kwargs: passed to ``load``.
 
     Returns:
-        The model.
+        The model (of the type ``load`` declares).
     """
     from transformers.utils import logging as hf_logging
 
@@ -63,7 +66,11 @@ def from_pretrained_quietly(
     report_logger.addFilter(held)
     failed = True
     try:
-        model, info = load(path, output_loading_info=True, **kwargs)
+        # output_loading_info=True: (model, {"missing_keys": [...], "unexpected_keys": [...], ...})
+        model, info = cast(
+            "tuple[_Model, dict[str, list[str]]]",
+            load(path, output_loading_info=True, **kwargs),
+        )
         failed = False
     finally:
         report_logger.removeFilter(held)

@@ -38,10 +38,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
-    from torch import nn
+    from collections.abc import Callable
+
+    from torch import Tensor, nn
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
@@ -161,15 +163,17 @@ def _check_no_partial_gradients(layer: nn.Module, replicated: set[str]) -> None:
         )
 
 
-def _check_sequence_divides(tp: int) -> Any:
+def _check_sequence_divides(
+    tp: int,
+) -> Callable[[nn.Module, tuple[object, ...], Mapping[str, object]], None]:
     """Build a pre-hook for the first decoder layer that refuses lengths tp does not divide.
 
     Sequence parallelism splits [B, S, H] into tp equal parts (DTensor's ``from_local`` assumes
     even shards).
     """
 
-    def check(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        hidden = args[0] if args else kwargs["hidden_states"]
+    def check(module: nn.Module, args: tuple[object, ...], kwargs: Mapping[str, object]) -> None:
+        hidden = cast(Tensor, args[0] if args else kwargs["hidden_states"])  # [B, S, H]
         if hidden.shape[1] % tp:
             raise ValueError(
                 f"sequence parallelism over tp={tp} needs the sequence length divisible by tp, "

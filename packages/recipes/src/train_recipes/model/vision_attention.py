@@ -55,7 +55,7 @@ def varlen_vision_attention(
     max_length_q: int,
     max_length_k: int,
     is_causal: bool = False,
-    **kwargs: Any,
+    **kwargs: object,
 ) -> tuple[Tensor, None]:
     """Attention of each window (or image) over itself, in one call for all of them.
 
