@@ -19,7 +19,7 @@ def run_and_describe(
 
     from _recipes_workers import logged_losses, metric_rows
     from train_recipes.config import SFTConfig, load_config, validate_sft
-    from train_recipes.run.checkpoints import complete_checkpoints
+    from train_recipes.run.checkpoint_folder import complete_checkpoints
     from train_recipes.sft.run import run_sft
 
     config = load_config(SFTConfig, None, overrides)

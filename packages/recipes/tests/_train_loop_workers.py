@@ -72,7 +72,7 @@ def _tcp_store(rank: int, world_size: int) -> Any:
 
 
 def _watchdog(rank: int, world_size: int, timeout_s: float, min_step_limit_s: float) -> Any:
-    from train_recipes.loop.health import HangWatchdog
+    from train_recipes.loop.hang_watchdog import HangWatchdog
 
     fired: list[tuple[float, str]] = []
     dog = HangWatchdog(

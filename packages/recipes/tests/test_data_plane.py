@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from train_recipes.data.plane import DataPlane, PlaneMismatchError, sample_ids_of
-from train_recipes.run.checkpoints import checkpoint_dir, complete_checkpoints, load_newest
+from train_recipes.run.checkpoint_folder import checkpoint_dir, complete_checkpoints
 from train_recipes.run.folder import publish_dir
+from train_recipes.run.resume import load_newest
 
 
 def _plane(steps: int, *, dp: int = 2, start: int = 1) -> DataPlane:

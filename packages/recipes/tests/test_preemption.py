@@ -243,7 +243,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(
 ) -> None:
     """SIGINT reaches rank 0 only (as when one host's processes are signalled first): the ranks
     agree at the next step boundary, save that step and raise RunStopped (exit 130) on both."""
-    from train_recipes.run.checkpoints import complete_checkpoints
+    from train_recipes.run.checkpoint_folder import complete_checkpoints
 
     out = tmp_path / "run"
     overrides = [

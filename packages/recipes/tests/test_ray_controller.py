@@ -26,7 +26,7 @@ from train_recipes.config import SFTConfig, load_config, validate_sft
 from train_recipes.controller import RayRun, import_ray, run_sft_on_ray
 from train_recipes.data.demo import DemoSplit
 from train_recipes.data.plane import DataPlane
-from train_recipes.run.checkpoints import checkpoint_dir, complete_checkpoints
+from train_recipes.run.checkpoint_folder import checkpoint_dir, complete_checkpoints
 
 STEPS = 20
 
@@ -258,7 +258,7 @@ class _FrozenPeerGroup:
             return [0] * len(ranks or (0, 1))
 
         from train_recipes.controller.ray_cluster import ActorFailure
-        from train_recipes.loop.health import HangWatchdog
+        from train_recipes.loop.hang_watchdog import HangWatchdog
 
         host, port = args[2]
         stores = [
@@ -292,13 +292,13 @@ class _FrozenPeerGroup:
 
 
 def _root(store: Any) -> Any:
-    """What ``health.default_store()`` gives a rank whose group store is ``store``."""
-    from train_recipes.loop import health
+    """What ``hang_watchdog.default_store()`` gives a rank whose group store is ``store``."""
+    from train_recipes.loop import hang_watchdog
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(health.dist, "is_initialized", lambda: True)
-        mp.setattr(health.dist.distributed_c10d, "_get_default_store", lambda: store)
-        return health.default_store()
+        mp.setattr(hang_watchdog.dist, "is_initialized", lambda: True)
+        mp.setattr(hang_watchdog.dist.distributed_c10d, "_get_default_store", lambda: store)
+        return hang_watchdog.default_store()
 
 
 def test_the_driver_blames_the_rank_the_watchdog_named_not_the_first_actor_that_exited(

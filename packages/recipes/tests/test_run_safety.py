@@ -533,7 +533,7 @@ def _kill_when(
 
 
 def _assert_nothing_half_written(run: Path) -> None:
-    from train_recipes.run.checkpoints import complete_checkpoints
+    from train_recipes.run.checkpoint_folder import complete_checkpoints
 
     root = run / "checkpoints"
     plain = [p for p in root.iterdir() if "." not in p.name] if root.is_dir() else []

@@ -217,9 +217,9 @@ def guard_run_folder(args: argparse.Namespace, config: object) -> tuple[RunLock 
     so that all ranks agree on a finished run.
     """
     from train_recipes.config.sft import SFTConfig
-    from train_recipes.run.checkpoints import plan_resume
     from train_recipes.run.end_state import run_finished
     from train_recipes.run.folder import RunLock, check_output_dir, clear_run
+    from train_recipes.run.resume import plan_resume
 
     out = Path(config.train.output_dir)  # type: ignore[attr-defined]
     resume = bool(getattr(args, "resume", False))

@@ -209,7 +209,7 @@ class TrainConfig:
             never aborts.
         collective_timeout_s: a rank waiting this long for the others fails the run, naming
             the ranks that did not arrive; after the first steps the limit tightens to what
-            the measured step time allows (see ``train_recipes.loop.health``).
+            the measured step time allows (see ``train_recipes.loop.hang_watchdog``).
         checkpoint_on_signal: on SIGTERM or SIGINT (to the launcher or the ranks) the ranks
             stop at the next step boundary, save a checkpoint of that step and exit with 143
             or 130; false: stop at once (see ``train_recipes.run.preemption``).

@@ -37,7 +37,7 @@ from train_recipes.controller.ray_cluster import (
 )
 from train_recipes.data.plane import DataPlane, PlaneMismatchError
 from train_recipes.loop.drive import RunEnd, RunStart, StepRecord, drive
-from train_recipes.loop.health import hang_report
+from train_recipes.loop.hang_watchdog import hang_report
 from train_recipes.run.preemption import RunStopped, SignalTrap, stopped_error
 from train_recipes.sft.summary import sft_summary_text
 
@@ -179,8 +179,8 @@ def failure_line(failure: ActorFailure, verdict: str | None) -> str:
 
     A rank whose hang watchdog fires is the healthy one, waiting for a peer that stopped: it
     ends its own actor, which is then often the first the driver sees exit. So the watchdog's
-    verdict (:func:`train_recipes.loop.health.hang_report`), naming the ranks that stopped or fell
-    behind, is the line; the first failed actor only when no watchdog fired.
+    verdict (:func:`train_recipes.loop.hang_watchdog.hang_report`), naming the ranks that
+    stopped or fell behind, is the line; the first failed actor only when no watchdog fired.
 
     Args:
         failure: the first rank that died or raised, as the driver saw it.

@@ -66,7 +66,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None)
         raise FileNotFoundError(f"checkpoint {given} does not exist")
     run_dir = run_dir_of(given)
     if (given / CONFIG_FILE).is_file():  # a run folder: its complete checkpoints, newest first
-        from train_recipes.run.checkpoints import complete_checkpoints
+        from train_recipes.run.checkpoint_folder import complete_checkpoints
 
         candidates = complete_checkpoints(given)
         if not candidates:
@@ -101,7 +101,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path | None = None)
 
 def _load_newest(engine: Engine, candidates: list[Path]) -> Path:
     """Load the newest of ``candidates`` whose files pass their checksums; returns it."""
-    from train_recipes.run.checkpoints import load_newest
+    from train_recipes.run.resume import load_newest
 
     loaded = load_newest(engine, candidates, say=logger.warning)
     if loaded is None:

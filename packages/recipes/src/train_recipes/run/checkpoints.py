@@ -1,17 +1,14 @@
-"""Checkpoints of the SFT recipe and how a run resumes from them.
-
-What a save holds besides the Engine's state, which checkpoint a resume takes, and which config
-changes a resume applies or refuses.
+"""What a checkpoint of the SFT recipe holds besides the Engine's state: saving and restoring it.
 
 A save's per-rank extra state holds the loader position, the step, the loss window, the first
 and last logged losses, the held-out accuracy before training and losses, the skipped steps
-and the run of skips, the learning-rate re-base and the config that trained up to it. A resume
-takes the newest complete checkpoint (train-engine's marker-checked list) and falls back to the
-previous one when a file fails its checksum; the ones that did not load are moved to
-``checkpoints/damaged/``, never deleted. When none loads it refuses, changing nothing; it
-starts clean, saying so, only when no checkpoint is complete. Which config changes a resume
-applies is :mod:`train_recipes.run.resume_changes`; a changed schedule keeps the learning rate
-continuous (:class:`train_recipes.loop.schedule.Rebase`).
+and the run of skips, the learning-rate re-base and the config that trained up to it. A
+restore loads the checkpoint a resume takes (:mod:`train_recipes.run.resume`), puts the
+config's optimizer settings back, continues the loader, the loss window and the records, and
+moves the newer checkpoints that did not load to ``checkpoints/damaged/``, never deleting
+them; it starts clean, saying so, only when no checkpoint is complete. Which config changes a
+resume applies is :mod:`train_recipes.run.resume_changes`; a changed schedule keeps the
+learning rate continuous (:class:`train_recipes.loop.schedule.Rebase`).
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ import torch
 
 from train_recipes.config.loader import to_dict
 from train_recipes.config.sft import SFTConfig
-from train_recipes.loop.health import TrainingAborted
 from train_recipes.loop.schedule import Rebase
 from train_recipes.run.checkpoint_folder import (
     DAMAGED_DIR,
@@ -37,6 +33,7 @@ from train_recipes.run.checkpoint_folder import (
     set_aside_newer,
 )
 from train_recipes.run.folder import CHECKPOINT_DIR
+from train_recipes.run.resume import load_or_refuse, saved_extras
 from train_recipes.run.resume_changes import (
     SCHEDULE_KEYS,
     config_changes,
@@ -50,43 +47,12 @@ if TYPE_CHECKING:
     from train_engine import Engine, LossWindow
     from train_recipes.data.colocated import ColocatedLoader
 
-__all__ = [
-    "DAMAGED_DIR",
-    "Restored",
-    "ResumeRefused",
-    "SavedRun",
-    "checkpoint_dir",
-    "complete_checkpoints",
-    "load_newest",
-    "plan_resume",
-    "read_saved_run",
-]
+__all__ = ["Restored", "restore", "save"]
 
 logger = logging.getLogger(__name__)
 
 # Changing these measures the held-out accuracy on another set or budget.
 _EVAL_KEYS = frozenset({"train.eval_samples", "train.eval_max_new_tokens", "data.eval_path"})
-
-
-class ResumeRefused(TrainingAborted):
-    """``--resume`` found complete checkpoints but none loads; nothing was changed."""
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class SavedRun:
-    """What a checkpoint says about the run that wrote it (read from rank 0's extra state).
-
-    Attributes:
-        path: the checkpoint directory read.
-        step: optimizer steps done.
-        config: the config that trained up to ``step`` (None for checkpoints of older versions).
-        logical_shards: the loader's logical shard count (None when unknown).
-    """
-
-    path: Path
-    step: int
-    config: dict[str, Any] | None
-    logical_shards: int | None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -115,95 +81,6 @@ class Restored:
     skips: dict[str, Any] | None = None
     rebase: Rebase | None = None
     changes: dict[str, tuple[Any, Any]] = field(default_factory=dict)
-
-
-def _load_first_good(
-    engine: Engine, candidates: list[Path], *, say: Callable[[str], None]
-) -> tuple[tuple[Path, Any] | None, dict[Path, str]]:
-    """The first of ``candidates`` that loads, and the first problem of each that did not."""
-    from train_engine import CheckpointCorruptError
-
-    failed: dict[Path, str] = {}
-    for ckpt in candidates:
-        try:
-            return (ckpt, engine.load_checkpoint(ckpt)), failed
-        except CheckpointCorruptError as err:  # raised on every rank, nothing loaded yet
-            failed[ckpt] = err.problems[0] if err.problems else str(err)
-        except FileNotFoundError as err:  # the marker vanished (agreed over the ranks too)
-            failed[ckpt] = str(err)
-        if ckpt != candidates[-1]:
-            say(f"checkpoint {ckpt} did not load: {failed[ckpt]}; falling back to the previous one")
-    return None, failed
-
-
-def load_newest(
-    engine: Engine, candidates: list[Path], *, say: Callable[[str], None]
-) -> tuple[Path, Any] | None:
-    """Load the first of ``candidates`` whose files pass their checksums (collective).
-
-    A corrupt checkpoint (train-engine's CheckpointCorruptError, raised on every rank before
-    any state changed) is reported, naming its bad file, and the previous one is tried.
-
-    Returns:
-        (the checkpoint loaded, this rank's extra state), or None when none loads.
-    """
-    return _load_first_good(engine, candidates, say=say)[0]
-
-
-def _on_disk(checkpoint: Path) -> Path:
-    # The engine returns <dir> for a <dir>.old left by a crash between its two renames.
-    return checkpoint if checkpoint.is_dir() else checkpoint.with_name(checkpoint.name + ".old")
-
-
-def _rank_file(checkpoint: Path, rank: int) -> Path:
-    # train-engine's documented layout: <dir>/rank_NNNNN.pt = {"rng": ..., "extra": ...}.
-    return _on_disk(checkpoint) / f"rank_{rank:05d}.pt"
-
-
-def _all_extras(checkpoint: Path) -> list[Any]:
-    files = sorted(_on_disk(checkpoint).glob("rank_*.pt"))
-    return [torch.load(f, weights_only=False)["extra"] for f in files]
-
-
-def read_saved_run(checkpoint: str | Path) -> SavedRun:
-    """Read rank 0's extra state of a checkpoint (cheap: no model or optimizer tensors).
-
-    Raises:
-        OSError, RuntimeError, KeyError: unreadable or not a checkpoint of this recipe.
-    """
-    path = Path(checkpoint)
-    extra = torch.load(_rank_file(path, 0), weights_only=False)["extra"]
-    config = extra.get("config")
-    shards = extra.get("logical_shards")
-    return SavedRun(
-        path=path,
-        step=int(extra["step"]),
-        config=config,
-        logical_shards=None if shards is None else int(shards),
-    )
-
-
-def plan_resume(config: SFTConfig, *, world_size: int) -> SavedRun | None:
-    """Pre-launch check of ``--resume``: the newest readable complete checkpoint, if any.
-
-    Raises:
-        ConfigError: a config change the resume would refuse (before any rank starts).
-    """
-    for candidate in complete_checkpoints(config.train.output_dir):
-        try:
-            saved = read_saved_run(candidate)
-        except Exception:  # the ranks report it and fall back; the parent only pre-checks
-            continue
-        if saved.config is not None:
-            dp = world_size // (config.parallel.cp * config.parallel.tp)
-            config_changes(
-                saved.config,
-                config,
-                saved_shards=saved.logical_shards,
-                new_shards=config.data.num_logical_shards or dp,
-            )
-        return saved
-    return None
 
 
 def _optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -303,14 +180,6 @@ def save(
     return target
 
 
-def _refusal(root: Path, failed: dict[Path, str]) -> ResumeRefused:
-    problems = "; ".join(f"{path.name}: {problem}" for path, problem in failed.items())
-    return ResumeRefused(
-        f"no checkpoint in {root} loads ({problems}); nothing was changed. Restore the files "
-        "and resume again, or start a new run (--overwrite, or another --output-dir)"
-    )
-
-
 def _layout_note(saved_dp: int, saved_accum: int, dp_size: int, config: SFTConfig) -> str:
     accum = config.train.gradient_accumulation_steps
     note = f"resume on dp={dp_size} x accumulation {accum} (saved by dp={saved_dp} x {saved_accum})"
@@ -361,14 +230,11 @@ def restore(
         say(f"no complete checkpoint in {out_dir / CHECKPOINT_DIR}: starting clean from step 0")
         return None
     wanted = _optimizer_settings(engine.optimizer)  # the config's, before a load replaces them
-    loaded, failed = _load_first_good(engine, candidates, say=say)
-    if loaded is None:  # on every rank: the load's outcome is agreed
-        raise _refusal(out_dir / CHECKPOINT_DIR, failed)
-    ckpt, extra = loaded
+    ckpt, extra = load_or_refuse(engine, candidates, root=out_dir / CHECKPOINT_DIR, say=say)
     # Another world size: the engine restores no per-rank state; the loader continues from the
     # envelopes of all old ranks (any dp dividing the logical shards). Read after the load,
     # whose checksums covered these files.
-    extras = [extra] if extra is not None else _all_extras(ckpt)
+    extras = [extra] if extra is not None else saved_extras(ckpt)
     engine_accum_before = engine.gradient_accumulation_steps  # the checkpoint's window
     step = int(extras[0]["step"])
     changes: dict[str, tuple[Any, Any]] = {}

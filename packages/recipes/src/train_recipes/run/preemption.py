@@ -70,7 +70,7 @@ def _name(signum: int) -> str:
 
 
 def _last_checkpoint(output_dir: Path) -> str:
-    from train_recipes.run.checkpoints import complete_checkpoints
+    from train_recipes.run.checkpoint_folder import complete_checkpoints
 
     try:
         newest = complete_checkpoints(output_dir)
@@ -113,7 +113,7 @@ class RunStopped(Exception):
 
 def stopped_error(stop: LoopStop, output_dir: str | Path) -> RunStopped:
     """The :class:`RunStopped` of the stop :func:`train_recipes.loop.drive.drive` reported."""
-    from train_recipes.run.checkpoints import checkpoint_dir, complete_checkpoints
+    from train_recipes.run.checkpoint_folder import checkpoint_dir, complete_checkpoints
 
     if stop.saved:
         name: str | None = checkpoint_dir(output_dir, stop.step).name

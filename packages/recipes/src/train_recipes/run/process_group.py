@@ -88,9 +88,10 @@ def pick_device(preference: str, *, local_world_size: int | None = None) -> torc
 def process_group_timeout_s(collective_timeout_s: float) -> float:
     """The process group's own timeout for ``train.collective_timeout_s``: a backstop.
 
-    The recipe's hang watchdog (``train_recipes.loop.health``) enforces ``collective_timeout_s`` and
-    names the missing ranks; the group's timeout, which names none and cannot be changed once
-    the group exists, is set a little later so that the watchdog reports first.
+    The recipe's hang watchdog (``train_recipes.loop.hang_watchdog``) enforces
+    ``collective_timeout_s`` and names the missing ranks; the group's timeout, which names none
+    and cannot be changed once the group exists, is set a little later so that the watchdog
+    reports first.
     """
     return collective_timeout_s + max(5.0, 0.1 * collective_timeout_s)
 
