@@ -19,7 +19,8 @@ import pytest
 from _preemption_workers import stop_by_a_signal_to_rank0
 from conftest import QUIET_CPU_RUN, data_overrides
 from train_recipes.data.demo import DemoSplit
-from train_recipes.loop.drive import LoopPlan, RunEnd, RunStart, StepRecord, drive
+from train_recipes.loop.drive import drive
+from train_recipes.loop.records import LoopPlan, RunEnd, RunStart, StepRecord
 from train_recipes.run import preemption
 from train_recipes.run.preemption import LauncherSignals, RunStopped, SignalTrap
 

@@ -293,7 +293,7 @@ class _FullDiskEngine:
 def test_what_a_failed_save_tries_and_says(
     tmp_path: Path, final: bool, optimizer_state: bool, fails: int, saves: list[bool], said: str
 ) -> None:
-    from train_recipes.loop.health import TrainingAborted
+    from train_recipes.run.health import TrainingAborted
     from train_recipes.run.save_failure import save_or_abort
 
     engine = _FullDiskEngine(fails)

@@ -28,7 +28,7 @@ from _train_loop_workers import (
 from conftest import CLI, QUIET_CPU_RUN, cli_env, data_overrides, sft_args
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
 from train_recipes.data.demo import DemoSplit, read_jsonl
-from train_recipes.loop.schedule import (
+from train_recipes.run.schedule import (
     build_lr_scheduler,
     energon_train_samples,
     linear_with_floor,
@@ -308,8 +308,8 @@ def test_missing_tracker_extra_is_a_one_line_config_error(hide: Any, demo_data: 
 def test_missing_matplotlib_and_tensorboard_give_notices(
     hide: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from train_recipes.loop.drive import LoopPlan, RunStart
     from train_recipes.loop.metrics import RunLogger, loss_plot_or_notice, plot_loss
+    from train_recipes.loop.records import LoopPlan, RunStart
 
     hide("matplotlib", "tensorboard", "torch.utils.tensorboard")
     plan = LoopPlan(total_steps=2, log_every=1)
@@ -331,13 +331,13 @@ class _TimedStages:
     """Loop stages that take known times: evaluation before training 1 s, each step 0.1 s."""
 
     def train_step(self, step: int) -> Any:
-        from train_recipes.loop.drive import StepRecord
+        from train_recipes.loop.records import StepRecord
 
         time.sleep(0.1)
         return StepRecord(step=step, metrics={"loss": 1.0, "loss_avg_window": 1.0, "lr": 1e-3})
 
     def evaluate(self, step: int) -> Any:
-        from train_recipes.loop.drive import StepRecord
+        from train_recipes.loop.records import StepRecord
 
         time.sleep(1.0 if step == 0 else 0.0)
         return StepRecord(step=step)
@@ -346,7 +346,7 @@ class _TimedStages:
         pass
 
     def finish(self) -> Any:
-        from train_recipes.loop.drive import RunEnd, StepRecord
+        from train_recipes.loop.records import RunEnd, StepRecord
 
         return RunEnd(record=StepRecord(step=0), summary={})
 
@@ -390,8 +390,8 @@ class _Recorder:
 def test_wandb_and_mlflow_receive_the_records(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from train_recipes.loop.drive import LoopPlan, RunStart
     from train_recipes.loop.metrics import RunLogger
+    from train_recipes.loop.records import LoopPlan, RunStart
 
     calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
     for name in ("wandb", "mlflow"):
@@ -523,7 +523,7 @@ def test_a_run_that_trains_no_token_fails_and_its_skips_survive_a_resume(
 
 
 def test_skip_tracker_names_the_recipe_step_and_aborts() -> None:
-    from train_recipes.loop.health import SkipTracker, TrainingAborted
+    from train_recipes.run.health import SkipTracker, TrainingAborted
 
     class Result:  # a StepResult: the Engine counts the skips in a row
         def __init__(self, skipped: bool, consecutive_skipped_steps: int) -> None:
@@ -550,7 +550,7 @@ def test_skip_tracker_names_the_recipe_step_and_aborts() -> None:
 def test_skip_tracker_continues_from_a_checkpoints_state() -> None:
     """The skipped steps and the run of skips survive a resume (issue 43 item 6): the Engine's
     count restarts at 0 after a load, the tracker adds the run the checkpoint ended with."""
-    from train_recipes.loop.health import SkipTracker, TrainingAborted
+    from train_recipes.run.health import SkipTracker, TrainingAborted
 
     class Result:
         def __init__(self, skipped: bool, in_a_row: int, empty: bool = False) -> None:

@@ -328,7 +328,7 @@ def train(args: argparse.Namespace, argv: Sequence[str]) -> int:
             os.environ[GUARDED_OUTPUT_DIR] = str(out)
             return relaunch(args.nproc_per_node, strip_nproc(argv), _launcher_signals(config))
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-        from train_recipes.loop.health import TrainingAborted
+        from train_recipes.run.health import TrainingAborted
         from train_recipes.run.preemption import RunStopped
 
         try:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from train_recipes.config.shared import LaunchConfig, OptimConfig, ParallelConfig
-from train_recipes.retrieval.stdlib_modules import STDLIB_DOC_MODULES
+from train_recipes.config.stdlib_modules import STDLIB_DOC_MODULES
 
 __all__ = [
     "RetrievalConfig",

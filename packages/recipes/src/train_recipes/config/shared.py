@@ -31,7 +31,7 @@ class LaunchConfig:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class OptimConfig:
-    """AdamW with a warm-up and a decay schedule (see ``train_recipes.loop.schedule``).
+    """AdamW with a warm-up and a decay schedule (see ``train_recipes.run.schedule``).
 
     Attributes:
         lr: peak learning rate.

@@ -173,7 +173,7 @@ def validate_sft(config: SFTConfig, *, world_size: int) -> None:
 
 def _check_loop(config: SFTConfig, world_size: int) -> None:
     """The training-loop keys: length (steps or epochs), evaluation, skips, timeouts."""
-    from train_recipes.loop.schedule import total_steps
+    from train_recipes.run.schedule import total_steps
 
     train, data = config.train, config.data
     if train.epochs is not None:

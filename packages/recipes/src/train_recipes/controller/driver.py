@@ -36,8 +36,9 @@ from train_recipes.controller.ray_cluster import (
     start_or_join,
 )
 from train_recipes.data.plane import DataPlane, PlaneMismatchError
-from train_recipes.loop.drive import RunEnd, RunStart, StepRecord, drive
+from train_recipes.loop.drive import drive
 from train_recipes.loop.hang_watchdog import hang_report
+from train_recipes.loop.records import RunEnd, RunStart, StepRecord
 from train_recipes.run.preemption import RunStopped, SignalTrap, stopped_error
 from train_recipes.sft.summary import sft_summary_text
 

@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from train_recipes.config.sft import SFTConfig
-from train_recipes.loop.drive import RunEnd, StepRecord
+from train_recipes.loop.records import RunEnd, StepRecord
 
 __all__ = ["RankActor"]
 

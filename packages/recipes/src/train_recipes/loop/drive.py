@@ -13,15 +13,13 @@ their numbers are agreed by collectives inside the stages).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 from train_recipes.loop.metrics import RunLogger, loss_plot_or_notice
 from train_recipes.loop.records import (
     LoopOutcome,
-    LoopPlan,
-    LoopStop,
     RecipeStages,
     RunEnd,
     RunStart,
@@ -29,21 +27,12 @@ from train_recipes.loop.records import (
 )
 from train_recipes.run.end_state import EndRecorder
 from train_recipes.run.folder import write_atomic
+from train_recipes.run.preemption import LoopStop
 
-__all__ = [
-    "LoopOutcome",
-    "LoopPlan",
-    "LoopStop",
-    "RecipeStages",
-    "RunEnd",
-    "RunStart",
-    "StepRecord",
-    "drive",
-    "progress_postfix",
-]
+__all__ = ["drive", "progress_postfix"]
 
 
-def progress_postfix(metrics: dict[str, Any]) -> dict[str, str]:
+def progress_postfix(metrics: Mapping[str, object]) -> dict[str, str]:
     """The progress bar's short fields of a metric record (loss, window average, tok/s, lr).
 
     Tokens/s per GPU replaces the global tok/s where the record has it (SFT), and MFU and peak
@@ -55,7 +44,7 @@ def progress_postfix(metrics: dict[str, Any]) -> dict[str, str]:
     elif "tokens_per_s" in metrics:
         postfix["tok/s"] = f"{metrics['tokens_per_s']:.0f}"
     if "mfu" in metrics:
-        postfix["mfu"] = f"{100 * metrics['mfu']:.1f}%"
+        postfix["mfu"] = f"{100 * cast(float, metrics['mfu']):.1f}%"
     if "peak_memory_gib" in metrics:
         postfix["mem"] = f"{metrics['peak_memory_gib']:.1f}GiB"
     postfix["lr"] = f"{metrics['lr']:.2e}"

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from train_recipes.run.preemption import LoopStop
+
 __all__ = [
     "LoopOutcome",
     "LoopPlan",
-    "LoopStop",
     "RecipeStages",
     "RunEnd",
     "RunStart",
@@ -113,22 +114,6 @@ class RunEnd:
     record: StepRecord
     summary: dict[str, Any]
     export_dir: Path | None = None
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class LoopStop:
-    """A run its processes agreed to stop at a step boundary (:mod:`train_recipes.run.preemption`).
-
-    Attributes:
-        step: the last step trained.
-        signum: the signal's number.
-        saved: a checkpoint of ``step`` was written (False: stopped before this job's first
-            step, whose newest checkpoint is the one it resumed from, if any).
-    """
-
-    step: int
-    signum: int
-    saved: bool
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

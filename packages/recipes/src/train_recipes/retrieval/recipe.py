@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from train_recipes.config.retrieval import RetrievalConfig
-from train_recipes.loop.drive import LoopOutcome, LoopPlan, RunEnd, RunStart, StepRecord, drive
+from train_recipes.loop.drive import drive
+from train_recipes.loop.records import LoopOutcome, LoopPlan, RunEnd, RunStart, StepRecord
 from train_recipes.retrieval.encoder import (
     autocast_dtype,
     embed,

@@ -8,7 +8,7 @@ config's optimizer settings back, continues the loader, the loss window and the 
 moves the newer checkpoints that did not load to ``checkpoints/damaged/``, never deleting
 them; it starts clean, saying so, only when no checkpoint is complete. Which config changes a
 resume applies is :mod:`train_recipes.run.resume_changes`; a changed schedule keeps the
-learning rate continuous (:class:`train_recipes.loop.schedule.Rebase`).
+learning rate continuous (:class:`train_recipes.run.schedule.Rebase`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import torch
 
 from train_recipes.config.loader import to_dict
 from train_recipes.config.sft import SFTConfig
-from train_recipes.loop.schedule import Rebase
 from train_recipes.run.checkpoint_folder import (
     DAMAGED_DIR,
     checkpoint_dir,
@@ -41,6 +40,7 @@ from train_recipes.run.resume_changes import (
     schedule_line,
 )
 from train_recipes.run.save_failure import save_or_abort
+from train_recipes.run.schedule import Rebase
 
 if TYPE_CHECKING:
     from energon_sft import SFTLoader
@@ -66,7 +66,7 @@ class Restored:
         first_loss: the run's first logged loss.
         last_loss: the loss of the checkpoint's step (None when not logged or not saved).
         eval_losses: the held-out losses measured so far.
-        skips: the skip record (:meth:`train_recipes.loop.health.SkipTracker.state_dict`), None
+        skips: the skip record (:meth:`train_recipes.run.health.SkipTracker.state_dict`), None
             for checkpoints of older versions.
         rebase: the learning-rate correction in force (None: the config's schedule as is).
         changes: the config changes applied, ``key -> (old, new)``.

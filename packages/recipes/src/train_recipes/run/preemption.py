@@ -34,16 +34,14 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from train_recipes.run.launch_env import LAUNCHER_OWNS_SIGNALS
-
-if TYPE_CHECKING:
-    from train_recipes.loop.drive import LoopStop
 
 __all__ = [
     "STOP_SIGNALS",
     "LauncherSignals",
+    "LoopStop",
     "RunStopped",
     "SignalTrap",
     "at_once_line",
@@ -109,6 +107,22 @@ class RunStopped(Exception):
         super().__init__(
             f"stopped at step {step} by {_name(signum)}; {where}; continue with --resume"
         )
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LoopStop:
+    """A run its processes agreed to stop at a step boundary (:mod:`train_recipes.run.preemption`).
+
+    Attributes:
+        step: the last step trained.
+        signum: the signal's number.
+        saved: a checkpoint of ``step`` was written (False: stopped before this job's first
+            step, whose newest checkpoint is the one it resumed from, if any).
+    """
+
+    step: int
+    signum: int
+    saved: bool
 
 
 def stopped_error(stop: LoopStop, output_dir: str | Path) -> RunStopped:

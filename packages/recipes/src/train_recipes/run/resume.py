@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from train_recipes.config.sft import SFTConfig
-from train_recipes.loop.health import TrainingAborted
 from train_recipes.run.checkpoint_folder import complete_checkpoints
+from train_recipes.run.health import TrainingAborted
 from train_recipes.run.resume_changes import config_changes
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 Every config field is either applied on resume (:data:`CHANGEABLE`) or refused with a per-field
 diff: the others define the trained model, the data stream or the layout. A change of the
 learning-rate schedule (:data:`SCHEDULE_KEYS`) keeps the rate continuous at the resumed step
-(:func:`continue_schedule`; the curve is in :mod:`train_recipes.loop.schedule`).
+(:func:`continue_schedule`; the curve is in :mod:`train_recipes.run.schedule`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, TypeAlias, TypedDict, cast
 
 from train_recipes.config.loader import ConfigError, JSONValue, config_from_dict, to_dict
 from train_recipes.config.sft import SFTConfig
-from train_recipes.loop.schedule import Rebase, schedule_factor
+from train_recipes.run.schedule import Rebase, schedule_factor
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler

@@ -6,7 +6,7 @@ weights in the optimizer) when the model trains bf16/fp16 parameters, else ``tor
 unit in the last place (``2**-9`` of the weight): at a fine-tuning rate of 2e-5, most of them.
 
 The process group and device mesh come from :func:`train_recipes.run.process_group.init_distributed`, the
-schedule from :func:`train_recipes.loop.schedule.build_lr_scheduler` (``transformers.get_scheduler``
+schedule from :func:`train_recipes.run.schedule.build_lr_scheduler` (``transformers.get_scheduler``
 for cosine and constant), the loop from :mod:`train_recipes.loop.drive`.
 """
 
@@ -22,8 +22,8 @@ import yaml
 from torch import nn
 
 from train_recipes.config.loader import to_dict
-from train_recipes.loop.schedule import build_lr_scheduler
 from train_recipes.run.folder import CONFIG_FILE, write_atomic
+from train_recipes.run.schedule import build_lr_scheduler
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler

@@ -3,7 +3,7 @@
 train-engine reports a failed save (a full disk, any OS error, on any rank) as
 ``CheckpointWriteError`` on every rank together, after removing the partial ``step_N.tmp``;
 the checkpoints already on disk are untouched. The recipe then stops on every rank
-(:class:`~train_recipes.loop.health.TrainingAborted`: one line, exit 1, no traceback) before
+(:class:`~train_recipes.run.health.TrainingAborted`: one line, exit 1, no traceback) before
 ``keep_checkpoints`` prunes anything, so the previous complete checkpoint stays for
 ``--resume``. At the last step a full checkpoint that cannot be written is followed by the
 weights alone (no optimizer state: a seventh of the size for bf16 weights with fp32 master
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from train_recipes.loop.health import TrainingAborted
+from train_recipes.run.health import TrainingAborted
 from train_recipes.run.storage import size_text
 
 if TYPE_CHECKING:

@@ -22,11 +22,9 @@ from train_recipes.data.energon_api import ModelBatch, is_vlm
 from train_recipes.data.plane import DataPlane
 from train_recipes.data.processors import tokenizer_of
 from train_recipes.export.hf import export_hf
-from train_recipes.loop.drive import LoopOutcome, RunEnd, RunStart, StepRecord
 from train_recipes.loop.hang_watchdog import HangWatchdog
-from train_recipes.loop.health import SkipTracker, engine_skip_warnings_replaced
 from train_recipes.loop.metrics import StartupClock, TokenMeter
-from train_recipes.loop.schedule import resolve_length
+from train_recipes.loop.records import LoopOutcome, RunEnd, RunStart, StepRecord
 from train_recipes.model import moe
 from train_recipes.model.attention import (
     CausalFastPath,
@@ -42,12 +40,14 @@ from train_recipes.run.folder import (
     rank0_printer,
     staging_dir,
 )
+from train_recipes.run.health import SkipTracker, engine_skip_warnings_replaced
 from train_recipes.run.process_group import (
     describe_device,
     init_distributed,
     process_group_timeout_s,
 )
 from train_recipes.run.runtime import open_run_folder
+from train_recipes.run.schedule import resolve_length
 from train_recipes.sft.build import build_data, build_loader, build_training
 from train_recipes.sft.evaluation import SFTEvaluation
 from train_recipes.sft.rates import StepRates
@@ -57,7 +57,7 @@ from train_recipes.sft.summary import SFTResult, attention_line, header_line
 
 if TYPE_CHECKING:
     from train_engine import Engine, LossWindow
-    from train_recipes.loop.schedule import Rebase
+    from train_recipes.run.schedule import Rebase
 
 logger = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from train_recipes.data import energon_api as data_api
 from train_recipes.data.energon_api import ModelBatch
 from train_recipes.data.plane import DataPlane, sample_ids_of
 from train_recipes.loop.hang_watchdog import HangWatchdog, default_store
-from train_recipes.loop.health import SkipTracker
 from train_recipes.loop.metrics import StartupClock, TokenMeter
 from train_recipes.loop.records import LoopPlan, StepRecord
 from train_recipes.model.attention import CausalFastPath, rows_are_packed, sdpa_backends
+from train_recipes.run.health import SkipTracker
 from train_recipes.sft.rates import StepRates
 
 if TYPE_CHECKING:

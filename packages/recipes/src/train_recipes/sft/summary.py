@@ -13,7 +13,7 @@ from train_recipes.config.sft import SFTConfig
 from train_recipes.data.plane import DataPlane
 
 if TYPE_CHECKING:
-    from train_recipes.loop.drive import RunEnd
+    from train_recipes.loop.records import RunEnd
     from train_recipes.run.process_group import RankContext
 
 __all__ = [
