@@ -10,14 +10,15 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 
+from train_recipes.config.loader import JSONValue
 from train_recipes.loop.trackers import Tracker, finite_scalars, open_trackers
 
 if TYPE_CHECKING:
@@ -79,7 +80,8 @@ class RunLogger:
             kept = [
                 line
                 for line in self.path.read_text().splitlines()
-                if (row := _parse(line)) is not None and row.get("step", -1) <= start_step
+                if (row := _parse(line)) is not None
+                and cast(int, row.get("step", -1)) <= start_step
             ]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._trackers = open_trackers(
@@ -92,7 +94,7 @@ class RunLogger:
             notice=self.write,
         )
 
-    def log(self, step: int, record: dict[str, Any]) -> None:
+    def log(self, step: int, record: Mapping[str, object]) -> None:
         """Append one record (JSONL), mirror its finite numbers to the trackers."""
         if not self.enabled:
             return
@@ -111,7 +113,7 @@ class RunLogger:
         """
         self._steps_started = time.time()  # tqdm's clock
 
-    def progress(self, step: int, postfix: dict[str, Any]) -> None:
+    def progress(self, step: int, postfix: Mapping[str, str]) -> None:
         """Move the bar to ``step`` and show ``postfix`` (loss, tokens/s, lr, ...)."""
         if not self.enabled:
             return
@@ -293,7 +295,7 @@ class StartupClock:
         return ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
 
 
-def _parse(line: str) -> dict[str, Any] | None:
+def _parse(line: str) -> dict[str, JSONValue] | None:
     try:
         row = json.loads(line)
     except ValueError:
@@ -301,7 +303,7 @@ def _parse(line: str) -> dict[str, Any] | None:
     return row if isinstance(row, dict) else None
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+def read_metrics(path: str | Path) -> list[dict[str, JSONValue]]:
     """Records of a metrics JSONL file (or of ``<run dir>/metrics.jsonl``)."""
     p = Path(path)
     if p.is_dir():
@@ -337,10 +339,11 @@ def plot_loss(metrics: str | Path, out_png: str | Path | None = None) -> Path:
     run_dir = src if src.is_dir() else src.parent
     png = Path(out_png) if out_png is not None else run_dir / LOSS_PLOT
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    steps = [r["step"] for r in rows]
-    ax.plot(steps, [r["loss"] for r in rows], lw=0.8, alpha=0.5, label="loss")
+    steps = [cast(int, r["step"]) for r in rows]
+    ax.plot(steps, [cast(float, r["loss"]) for r in rows], lw=0.8, alpha=0.5, label="loss")
     if rows and "loss_avg_window" in rows[0]:
-        ax.plot(steps, [r["loss_avg_window"] for r in rows], lw=1.8, label="loss_avg_window")
+        avg = [cast(float, r["loss_avg_window"]) for r in rows]
+        ax.plot(steps, avg, lw=1.8, label="loss_avg_window")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (token mean)")
     ax.set_yscale("log")

@@ -34,11 +34,16 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from energon_sft import SFTBatch
 
 __all__ = [
     "PEAK_BF16_TFLOPS",
@@ -135,7 +140,7 @@ class FlopCounts:
     attn_dim: float
     vision: VisionCounts | None = None
 
-    def batch_flops(self, batch: Any) -> dict[str, float]:
+    def batch_flops(self, batch: SFTBatch | Mapping[str, object]) -> dict[str, float]:
         """FLOPs of one trained micro-batch by part, and their "total".
 
         The parts: "text matmul", "text attention", and for VLMs "vision matmul" and "vision
@@ -156,16 +161,18 @@ class FlopCounts:
         return parts
 
 
-def _get(batch: Any, name: str) -> Any:
-    return batch.get(name) if isinstance(batch, Mapping) else getattr(batch, name, None)
+def _get(batch: SFTBatch | Mapping[str, object], name: str) -> torch.Tensor | None:
+    found = batch.get(name) if isinstance(batch, Mapping) else getattr(batch, name, None)
+    return cast("torch.Tensor | None", found)  # the tensor keys this module reads
 
 
-def document_lengths(batch: Any) -> list[int]:
+def document_lengths(batch: SFTBatch | Mapping[str, object]) -> list[int]:
     """Each document's real tokens: ``seq_lens`` when packed, else each row's attention mask."""
     seq_lens = _get(batch, "seq_lens")
     if seq_lens is not None:
         return [int(v) for v in seq_lens.flatten().tolist() if v > 0]
-    return [int(v) for v in _get(batch, "attention_mask").sum(dim=-1).tolist() if v > 0]
+    mask = cast(torch.Tensor, _get(batch, "attention_mask"))  # every batch has one
+    return [int(v) for v in mask.sum(dim=-1).tolist() if v > 0]
 
 
 def attention_flops(lengths: Sequence[int], *, layers: int, dim: float) -> float:
@@ -192,7 +199,7 @@ def _matmul_weights(modules: Iterator[nn.Module], *, top_k: int | None) -> tuple
     return trained, frozen
 
 
-def _attention_dim(cfg: Any) -> float:
+def _attention_dim(cfg: PretrainedConfig) -> float:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     qk = getattr(cfg, "qk_head_dim", None) or head_dim
     v = getattr(cfg, "v_head_dim", None) or head_dim
@@ -208,7 +215,7 @@ def model_counts(model: nn.Module) -> FlopCounts:
     # Found by name: LoRA's wrappers put the VLM's tower deeper than ``model.model.visual``.
     visual = next((m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == "visual"), None)
     skip = set() if visual is None else {id(m) for m in visual.modules()}
-    config: Any = model.config
+    config = cast("PretrainedConfig", model.config)
     tcfg = getattr(config, "text_config", None) or config
     top_k = getattr(tcfg, "num_experts_per_tok", None)
     text = (m for m in model.modules() if id(m) not in skip)
@@ -222,7 +229,7 @@ def model_counts(model: nn.Module) -> FlopCounts:
     )
 
 
-def _vision_counts(visual: nn.Module, vcfg: Any) -> VisionCounts:
+def _vision_counts(visual: nn.Module, vcfg: PretrainedConfig) -> VisionCounts:
     merger = getattr(visual, "merger", None)
     merger_ids = set() if merger is None else {id(m) for m in merger.modules()}
     tower = _matmul_weights((m for m in visual.modules() if id(m) not in merger_ids), top_k=None)
@@ -260,7 +267,9 @@ def window_lengths(grid_thw: list[list[int]], *, merge: int, units: int) -> list
     return out
 
 
-def check_windows(grid_thw: list[list[int]], vision_config: Any, counts: FlopCounts) -> None:
+def check_windows(
+    grid_thw: list[list[int]], vision_config: PretrainedConfig, counts: FlopCounts
+) -> None:
     """Raise if :func:`window_lengths` disagrees with transformers' window index (when present)."""
     try:
         from transformers.vision_utils import get_vision_window_index

@@ -22,10 +22,10 @@ import logging
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Protocol
 
 from train_recipes.config.extras import install_hint
 
@@ -130,8 +130,8 @@ def mlflow_uri_problem(uri: str, *, out_dir: Path) -> str | None:
     return None
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _flatten(tree: Mapping[str, object], prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
     for key, value in tree.items():
         full = f"{prefix}{key}"
         if isinstance(value, Mapping):
@@ -156,7 +156,7 @@ class _TensorBoard:
 
 
 class _Wandb:
-    def __init__(self, out_dir: Path, *, run_name: str, config: Mapping[str, Any]) -> None:
+    def __init__(self, out_dir: Path, *, run_name: str, config: Mapping[str, object]) -> None:
         wandb = import_extra("wandb")
         self._run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT),
@@ -177,7 +177,7 @@ _MLFLOW_BAD = re.compile(r"[^\w\-. :/]")
 
 
 class _Mlflow:
-    def __init__(self, out_dir: Path, *, run_name: str, config: Mapping[str, Any]) -> None:
+    def __init__(self, out_dir: Path, *, run_name: str, config: Mapping[str, object]) -> None:
         self._mlflow = mlflow = import_extra("mlflow")
         # Not MLflow's default ./mlruns (a file store, refused by current mlflow) of whatever
         # folder the job was started from.
@@ -200,9 +200,9 @@ def open_trackers(
     tensorboard: bool,
     loggers: Sequence[str],
     run_name: str,
-    config: Mapping[str, Any],
+    config: Mapping[str, object],
     start_step: int = 0,
-    notice: Any = print,
+    notice: Callable[[str], object] = print,
 ) -> list[Tracker]:
     """The trackers of one run (rank 0 only).
 
@@ -239,7 +239,7 @@ def open_trackers(
     return trackers
 
 
-def finite_scalars(record: Mapping[str, Any]) -> dict[str, float]:
+def finite_scalars(record: Mapping[str, object]) -> dict[str, float]:
     """The finite int/float values of a metric record (bools and the rest left out)."""
     return {
         k: float(v)
