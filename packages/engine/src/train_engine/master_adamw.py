@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
+
+from train_engine._master_adamw_tables import Bucket, BucketKey, bucket_tables, local_tensor
 
 __all__ = ["MasterWeightAdamW"]
 
@@ -30,32 +31,6 @@ logger = logging.getLogger(__name__)
 Backend = Literal["auto", "triton", "torch"]
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _SUPPORTED = (torch.float32, *_LOW_PRECISION)
-
-
-def _local(tensor: Tensor) -> Tensor:
-    """A DTensor's local shard (what this rank updates), or the tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-@dataclass(slots=True)
-class _Bucket:
-    """One kernel launch: a group's tensors with one (parameter, gradient) dtype pair.
-
-    The device-side tables were built for ``indices`` and from the addresses in ``key``;
-    a new address (a moved tensor, a gradient allocated elsewhere) rebuilds ``addresses``,
-    another set of indices rebuilds them all.
-    """
-
-    indices: tuple[int, ...]
-    key: tuple[int, ...]
-    block_tensor: Tensor
-    block_offset: Tensor
-    numels: Tensor
-    addresses: Tensor
-    step_index: Tensor
-    aligned: bool
 
 
 class MasterWeightAdamW(torch.optim.Optimizer):
@@ -110,7 +85,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"backend={backend!r}; expected 'auto', 'triton' or 'torch'")
         self._backend: Backend = backend
-        self._buckets: dict[tuple[int, torch.dtype, torch.dtype], _Bucket] = {}
+        self._buckets: dict[BucketKey, Bucket] = {}
         self._steps: list[Tensor] = []
         # GradScaler's interface (`grad_scale`, `found_inf`) is set by the caller around step()
         # and deleted after; absent by default, as GradScaler multiplies into an existing one.
@@ -126,11 +101,11 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         _check_hyperparameters(group, len(self.param_groups) - 1)
         params: list[Tensor] = group["params"]
         first = params[0] if params else None
-        device = _local(first).device if first is not None else torch.device("cpu")
+        device = local_tensor(first).device if first is not None else torch.device("cpu")
         steps = torch.zeros(len(params), dtype=torch.float32, device=device)
         self._steps.append(steps)
         for i, param in enumerate(params):
-            local = _local(param)
+            local = local_tensor(param)
             if param.dtype not in _SUPPORTED:
                 raise ValueError(
                     f"parameter {i} of group {len(self.param_groups) - 1} is {param.dtype}; "
@@ -207,7 +182,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         for i, param in enumerate(group["params"]):
             if param.grad is None:
                 continue
-            grad = _local(param.grad)
+            grad = local_tensor(param.grad)
             if grad.dtype not in _SUPPORTED or not grad.is_contiguous():
                 raise ValueError(
                     f"the gradient of parameter {i} of group {group_index} is {grad.dtype}"
@@ -238,11 +213,11 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         for i in indices:
             param = group["params"][i]
             state = self.state[param]
-            grad = _local(param.grad).to(torch.float32)
+            grad = local_tensor(param.grad).to(torch.float32)
             if grad_scale is not None:
                 grad = grad / grad_scale.to(grad.device)
-            master = _local(state.get("master_param", param))
-            avg, sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            master = local_tensor(state.get("master_param", param))
+            avg, sq = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
             step = float(steps[i]) + 1.0
             master.mul_(1.0 - lr * weight_decay)
             avg.lerp_(grad, 1.0 - beta1)
@@ -250,7 +225,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             denom = (sq.sqrt() / (1.0 - beta2**step) ** 0.5).add_(eps)
             master.addcdiv_(avg, denom, value=-lr / (1.0 - beta1**step))
             if "master_param" in state:
-                _local(param).copy_(master)
+                local_tensor(param).copy_(master)
         steps[list(indices)] += 1.0
 
     def _step_triton(
@@ -264,7 +239,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         from train_engine._master_adamw_triton import launch_master_adamw
 
         params = [group["params"][i] for i in indices]
-        bucket = self._bucket(group_index, indices, params)
+        bucket = bucket_tables(self._buckets, self.state, group_index, indices, params)
         beta1, beta2 = group["betas"]
         steps = self._steps[group_index]
         covers_group = len(indices) == len(group["params"])
@@ -295,48 +270,6 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             steps.add_(increment)
         else:
             steps.index_add_(0, bucket.step_index, increment.expand(len(indices)))
-
-    def _bucket(self, group_index: int, indices: tuple[int, ...], params: list[Tensor]) -> _Bucket:
-        """The bucket's device tables, rebuilt when a tensor's address changed."""
-        rows: list[list[int]] = [[], [], [], [], []]
-        for param in params:
-            state = self.state[param]
-            local = _local(param)
-            rows[0].append(local.data_ptr())
-            rows[1].append(_local(param.grad).data_ptr())  # type: ignore[arg-type]
-            rows[2].append(_local(state.get("master_param", param)).data_ptr())
-            rows[3].append(_local(state["exp_avg"]).data_ptr())
-            rows[4].append(_local(state["exp_avg_sq"]).data_ptr())
-        key = tuple(address for row in rows for address in row)
-        cache_key = (group_index, params[0].dtype, params[0].grad.dtype)  # type: ignore[union-attr]
-        cached = self._buckets.get(cache_key)
-        if cached is not None and cached.indices == indices and cached.key == key:
-            return cached
-        device = _local(params[0]).device
-        if cached is not None and cached.indices == indices:
-            # Only addresses moved (a new gradient each step): the block table stands.
-            block_tensor, block_offset, numels = (
-                cached.block_tensor,
-                cached.block_offset,
-                cached.numels,
-            )
-            step_index = cached.step_index
-        else:
-            block_tensor, block_offset, numels = _block_table(params, device)
-            step_index = torch.tensor(indices, dtype=torch.int64, device=device)
-        addresses = _to_device(torch.tensor(rows, dtype=torch.int64), device)
-        bucket = _Bucket(
-            indices=indices,
-            key=key,
-            block_tensor=block_tensor,
-            block_offset=block_offset,
-            numels=numels,
-            addresses=addresses,
-            step_index=step_index,
-            aligned=all(address % 16 == 0 for address in key),
-        )
-        self._buckets[cache_key] = bucket
-        return bucket
 
     # -- state ------------------------------------------------------------------------------
 
@@ -403,26 +336,3 @@ def _check_hyperparameters(group: dict[str, Any], index: int) -> None:
             raise ValueError(
                 f"param_groups[{index}] {name}={value!r}; expected a Python float {expected}"
             )
-
-
-def _block_table(params: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """(tensor index per block, first element per block, numel per tensor) on ``device``."""
-    from train_engine._master_adamw_triton import BLOCK
-
-    numels = [_local(p).numel() for p in params]
-    counts = torch.tensor([(n + BLOCK - 1) // BLOCK for n in numels], dtype=torch.int64)
-    block_tensor = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32), counts)
-    starts = torch.cumsum(counts, 0) - counts
-    block_offset = (torch.arange(int(counts.sum())) - starts[block_tensor.long()]) * BLOCK
-    return (
-        _to_device(block_tensor, device),
-        _to_device(block_offset, device),
-        _to_device(torch.tensor(numels, dtype=torch.int64), device),
-    )
-
-
-def _to_device(tensor: Tensor, device: torch.device) -> Tensor:
-    """A host table on ``device`` without waiting for the device's queue (pinned source)."""
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
