@@ -289,20 +289,28 @@ def test_device_update_only_where_the_flag_lives_with_the_parameters(
 ) -> None:
     """Offloaded (CPU) parameters under a GPU backend take the host-read path: the fused CPU
     kernel must not read a flag still being copied from the GPU."""
-    import train_engine.engine as engine_module
+    from train_engine import _device_update
 
     engine, _ = _fused_run([(1, 1.0)], nonfinite="skip")
-    assert engine._flag_on_param_device()  # one process, CPU parameters
-    monkeypatch.setattr(engine_module.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(engine_module.dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(engine_module, "_backend_device", lambda group: torch.device("cuda", 0))
-    assert not engine._flag_on_param_device()
-    monkeypatch.setattr(engine_module, "_backend_device", lambda group: torch.device("cpu"))
-    assert engine._flag_on_param_device()
+    devices = engine._param_device_types
+    assert _device_update.flag_on_param_device(devices)  # one process, CPU parameters
+    monkeypatch.setattr(_device_update.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(_device_update.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(_device_update, "backend_device", lambda group: torch.device("cuda", 0))
+    assert not _device_update.flag_on_param_device(devices)
+    monkeypatch.setattr(_device_update, "backend_device", lambda group: torch.device("cpu"))
+    assert _device_update.flag_on_param_device(devices)
+
+
+def _host_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Engine sees the skip flag as living apart from the parameters: the host-read path."""
+    import train_engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "flag_on_param_device", lambda device_types: False)
 
 
 def test_fused_optimizer_on_the_host_path_still_skips(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(Engine, "_flag_on_param_device", lambda self: False)
+    _host_path(monkeypatch)
     clean, _ = _fused_run([(1, 1.0), (2, 1.0)], nonfinite="skip")
     engine, results = _fused_run([(1, 1.0), (9, math.inf), (2, 1.0)], nonfinite="skip")
     assert [r.skipped for r in results] == [False, True, False]
@@ -345,7 +353,7 @@ def test_step_results_carry_the_engines_run_of_skips(
     (fused AdamW), on the host (fused AdamW, flag elsewhere) or by a plain optimizer; an
     off-boundary result repeats the last window's count."""
     if path == "host":
-        monkeypatch.setattr(Engine, "_flag_on_param_device", lambda self: False)
+        _host_path(monkeypatch)
     torch.manual_seed(0)
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=path != "plain")

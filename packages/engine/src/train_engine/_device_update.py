@@ -19,8 +19,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from train_engine._tokens import backend_device
 from train_engine.grad_norm import CLIP_EPS
 
 
@@ -32,6 +34,19 @@ def supports_device_update(optimizer: torch.optim.Optimizer) -> bool:
     return getattr(optimizer, "grad_scale", None) is None and (
         getattr(optimizer, "found_inf", None) is None
     )
+
+
+def flag_on_param_device(param_device_types: frozenset[str]) -> bool:
+    """Whether the agreed non-finite flag lives where the parameters do.
+
+    Offloaded parameters (CPU) under NCCL would make the CPU kernel read a flag still in
+    flight from the GPU, so their update takes the host path.
+    """
+    if len(param_device_types) != 1:
+        return False
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return backend_device(None).type in param_device_types
+    return True
 
 
 def grad_divisor(norm: Tensor, max_norm: float) -> Tensor:

@@ -10,7 +10,27 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["check_loss", "check_optimizer_params"]
+from train_engine._update import POLICIES
+
+__all__ = ["check_engine_arguments", "check_loss", "check_optimizer_params"]
+
+
+def check_engine_arguments(
+    model: object, optimizer: object, max_grad_norm: float | None, nonfinite: str
+) -> None:
+    """Raise on an Engine argument of the wrong kind or value, naming the fix."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(
+            f"max_grad_norm must be > 0, got {max_grad_norm}; pass None to disable clipping"
+        )
+    if nonfinite not in POLICIES:
+        raise ValueError(f"nonfinite must be one of {POLICIES}, got {nonfinite!r}")
 
 
 def check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -3,7 +3,8 @@
 Backward with exact accumulation scaling, deferred gradient sync, sharding-aware clipping, a
 non-finite policy and one optimizer/scheduler update per window. The jobs live in private
 modules: the window's state machine (``_window``), the update at its boundary (``_update``),
-the counters (``_counters``); this module is the public facade that ties them together.
+the counters (``_counters``), the wrapper's gradient sync (``_grad_sync``), the save and
+restore (``_engine_state``); this module is the public facade that ties them together.
 
 The caller owns the forward's inputs and the loss; the Engine owns everything from the loss's
 backward to cleared gradients. It wraps an already-distributed model (plain module, DDP, or
@@ -13,7 +14,6 @@ FSDP2 with optional tensor-parallel DTensor parameters); see :mod:`train_engine.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -22,31 +22,29 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from train_engine._counters import UpdateCounters
-from train_engine._device_update import supports_device_update
+from train_engine._device_update import flag_on_param_device, supports_device_update
+from train_engine._engine_state import EngineState
+from train_engine._grad_sync import GradSync
 from train_engine._step_result import StepResult
-from train_engine._tokens import backend_device as _backend_device
 from train_engine._tokens import host_num_tokens, sum_over_groups
 from train_engine._topology import detect_topology
 from train_engine._update import (
-    POLICIES,
     NonFiniteGradientError,
     NonFinitePolicy,
     UpdateRule,
     empty_window,
     result_without_update,
 )
-from train_engine._validation import check_loss, check_optimizer_params
+from train_engine._validation import check_engine_arguments, check_loss, check_optimizer_params
 from train_engine._wide_grads import WideGradSums
 from train_engine._window import AccumulationWindow
-from train_engine.expert_parallel import grad_norm as expert_grad_norm
-from train_engine.grad_norm import global_grad_norm
 
 __all__ = ["Engine", "NonFiniteGradientError", "StepResult"]
 
 logger = logging.getLogger(__name__)  # skip warnings: train_engine._counters, same name
 
 
-class Engine:
+class Engine(EngineState):
     """Backward, gradient synchronisation, clipping and the update, for one accumulation window.
 
     Example::
@@ -96,18 +94,7 @@ class Engine:
         dp_group: dist.ProcessGroup | DeviceMesh | None = None,
         grad_accumulation_dtype: torch.dtype | None = torch.float32,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-            )
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(
-                f"max_grad_norm must be > 0, got {max_grad_norm}; pass None to disable clipping"
-            )
-        if nonfinite not in POLICIES:
-            raise ValueError(f"nonfinite must be one of {POLICIES}, got {nonfinite!r}")
+        check_engine_arguments(model, optimizer, max_grad_norm, nonfinite)
         self.module = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -117,12 +104,7 @@ class Engine:
         self.nonfinite: NonFinitePolicy = nonfinite
         check_optimizer_params(model, optimizer)
         self._topology = detect_topology(model)
-        if dp_group is None:
-            self._dp_groups = self._topology.dp_groups
-        elif isinstance(dp_group, DeviceMesh):
-            self._dp_groups = tuple(dp_group.get_group(d) for d in range(dp_group.ndim))
-        else:
-            self._dp_groups = (dp_group,)
+        self._sync = GradSync(model, self._topology, dp_group)
         self._params = [p for p in model.parameters() if p.requires_grad]
         local = self._topology.kind == "local"
         self._wide_grads = WideGradSums(self._params if local else (), grad_accumulation_dtype)
@@ -130,7 +112,6 @@ class Engine:
         self._window = AccumulationWindow(1)
         self.set_gradient_accumulation_steps(gradient_accumulation_steps)
         self._counters = UpdateCounters()  # saved in state_dict, but the run of skips
-        self._sync_state: bool | None = None
         self._broken: str | None = None
         self._last_norm: Tensor | None = None
 
@@ -202,18 +183,7 @@ class Engine:
         self._window.set_length(n, static_graph=bool(getattr(self.module, "static_graph", False)))
 
     def _set_grad_sync(self) -> None:
-        sync = (not self.defer_grad_sync) or self.is_gradient_accumulation_boundary()
-        if sync == self._sync_state:
-            return
-        kind = self._topology.kind
-        if kind == "ddp":
-            # DDP decides in forward whether the following backward reduces (what no_sync()
-            # toggles), so this must be set before the forward.
-            setattr(self.module, "require_backward_grad_sync", sync)  # noqa: B010
-        elif kind == "fsdp2":
-            for module in self._topology.fsdp_modules:
-                module.set_requires_gradient_sync(sync, recurse=False)  # type: ignore[operator]
-        self._sync_state = sync
+        self._sync.set((not self.defer_grad_sync) or self.is_gradient_accumulation_boundary())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward (see :meth:`forward`)."""
@@ -242,7 +212,7 @@ class Engine:
             0-dim tensor, identical on every data-parallel rank (int64 for integer counts,
             float64 otherwise), on the device of the data-parallel backend. No host sync.
         """
-        return sum_over_groups(local_count, self._dp_groups)
+        return sum_over_groups(local_count, self._sync.dp_groups)
 
     # ---------------------------------------------------------------------------- backward
 
@@ -308,18 +278,6 @@ class Engine:
 
     # -------------------------------------------------------------------------------- step
 
-    def _flag_on_param_device(self) -> bool:
-        """Whether the agreed non-finite flag lives where the parameters do.
-
-        Offloaded parameters (CPU) under NCCL would make the CPU kernel read a flag still in
-        flight from the GPU.
-        """
-        if len(self._param_device_types) != 1:
-            return False
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return _backend_device(None).type in self._param_device_types
-        return True
-
     def _end_window(self) -> None:
         self._clear_grads()
         self._window.reset()
@@ -355,15 +313,7 @@ class Engine:
                 "connected to the model (computed from another module or tensor). Compute the "
                 "loss from engine(...)'s output; the window was discarded"
             )
-        if self._topology.experts is None:
-            norm = global_grad_norm(self._params, self.norm_type)
-        else:  # expert-parallel gradients: synced here, then counted once in the norm
-            norm = expert_grad_norm(
-                self._params,
-                self._topology.experts,
-                self.norm_type,
-                self._topology.grad_average_size,
-            )
+        norm = self._sync.grad_norm(self._params, self.norm_type)
         self._last_norm = norm
         rule = UpdateRule(
             optimizer=self.optimizer,
@@ -371,7 +321,9 @@ class Engine:
             max_grad_norm=self.max_grad_norm,
             nonfinite=self.nonfinite,
         )
-        on_device = supports_device_update(self.optimizer) and self._flag_on_param_device()
+        on_device = supports_device_update(self.optimizer) and flag_on_param_device(
+            self._param_device_types
+        )
         return rule.apply(
             norm,
             self._params,
@@ -411,105 +363,3 @@ class Engine:
         self._wide_grads.clear()
         self.module.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
-
-    # ------------------------------------------------------------------------------- state
-
-    def state_dict(self) -> dict[str, int]:
-        """The Engine's own counters (not model, optimizer or scheduler)."""
-        self._counters.settle()
-        return {
-            "micro_step": self._window.micro_step,
-            **self._counters.state_dict(),
-            "gradient_accumulation_steps": self._window.length,
-        }
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore counters saved by :meth:`state_dict`; only between windows."""
-        self._window.require_between("load_state_dict")
-        # The loaded state replaces the last update's unread skip flag.
-        self._counters.drop_pending()
-        expected = set(self.state_dict())
-        if set(state) != expected:
-            raise ValueError(
-                f"Engine state keys {sorted(state)} do not match the expected {sorted(expected)}"
-            )
-        if state["micro_step"] != 0:
-            raise ValueError(
-                f"the saved Engine state is in the middle of a window (micro_step="
-                f"{state['micro_step']}); only states saved between windows can be restored"
-            )
-        self.set_gradient_accumulation_steps(int(state["gradient_accumulation_steps"]))
-        self._counters.load_state_dict(state)
-
-    def save_checkpoint(
-        self,
-        directory: str | os.PathLike[str],
-        *,
-        extra_state: Any = None,
-        optimizer_state: bool = True,
-    ) -> None:
-        """Atomically save model, optimizer, scheduler, Engine counters, RNG and caller state.
-
-        Collective: every rank calls it with the same directory (on a filesystem all ranks
-        share). See :func:`train_engine.checkpoint.save_checkpoint`.
-
-        Args:
-            directory: the checkpoint directory; an earlier checkpoint there is replaced
-                atomically. A file or a non-empty directory that is not a checkpoint is
-                refused (FileExistsError on every rank), never moved aside.
-            extra_state: any picklable per-rank object (e.g. a data loader's state), returned
-                on this rank by :meth:`load_checkpoint`.
-            optimizer_state: False saves the weights without the optimizer's state; a load
-                of it restarts the optimizer from the loaded weights.
-
-        Raises:
-            CheckpointWriteError: on every rank, when writing failed on any rank (a full
-                disk, any OS error); the partial save was removed, nothing else changed.
-        """
-        from train_engine.checkpoint import save_checkpoint
-
-        self._check_usable()
-        self._window.require_between("save_checkpoint")
-        # Settle before the scheduler's state is written (a skipped update restores it).
-        self._counters.settle()
-        save_checkpoint(
-            directory,
-            model=self.module,
-            optimizer=self.optimizer,
-            lr_scheduler=self.lr_scheduler,
-            engine_state=self.state_dict(),
-            extra_state=extra_state,
-            optimizer_state=optimizer_state,
-        )
-
-    def load_checkpoint(self, directory: str | os.PathLike[str], *, verify: bool = True) -> Any:
-        """Restore a checkpoint written by :meth:`save_checkpoint`; returns this rank's extra state.
-
-        Collective. See :func:`train_engine.checkpoint.load_checkpoint`.
-
-        Args:
-            directory: the checkpoint directory (:func:`train_engine.complete_checkpoints`).
-            verify: check the recorded file checksums before anything is loaded.
-
-        A checkpoint saved with ``optimizer_state=False`` restarts the optimizer from the
-        loaded weights (zero moments and steps).
-
-        Raises:
-            CheckpointCorruptError: on every rank, with the model, optimizer, scheduler,
-                counters and RNG unchanged: load an earlier checkpoint instead.
-            FileNotFoundError: no complete checkpoint at ``directory``.
-        """
-        from train_engine.checkpoint import load_checkpoint
-
-        self._check_usable()
-        self._window.require_between("load_checkpoint")
-        loaded = load_checkpoint(
-            directory,
-            model=self.module,
-            optimizer=self.optimizer,
-            lr_scheduler=self.lr_scheduler,
-            verify=verify,
-        )
-        self.load_state_dict(loaded.engine_state)
-        self._last_norm = None
-        return loaded.extra_state
