@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from train_testing.reference import grads_of, token_sum_cross_entropy
+
 # B sequences, S tokens per sequence, H hidden, F feed-forward, V vocabulary
 VOCAB, HIDDEN, FFN, SEQ = 11, 8, 16, 6
 IGNORE = -100
@@ -98,8 +100,8 @@ def reference_sgd_run(
         ids, labels = global_batch(data_seed + step, n_seq)
         model.zero_grad()
         n = (labels != IGNORE).sum()
-        (token_loss_sum(model(ids).double(), labels).double() / n).backward()
-        grads = {k: p.grad for k, p in model.named_parameters()}
+        (token_sum_cross_entropy(model(ids), labels, ignore_index=IGNORE) / n).backward()
+        grads = grads_of(model, missing="raise")
         norm = torch.sqrt(sum((g * g).sum() for g in grads.values()))
         coef = 1.0 if max_grad_norm is None else min(1.0, max_grad_norm / (float(norm) + 1e-6))
         with torch.no_grad():

@@ -13,6 +13,7 @@ import sys
 import torch
 
 from train_engine import MasterWeightAdamW
+from train_testing.reference import relative_error
 
 #: Odd sizes (blocks end mid-tensor), a 0-dim-like scalar, a tensor of several blocks.
 SHAPES = [(37, 29), (5,), (1,), (3, 1031), (2500,)]
@@ -105,7 +106,7 @@ def run(
     mismatch = 0.0
     for p, ref in zip(params, expected, strict=True):
         master = opt.state[p].get("master_param", p).detach().cpu().to(torch.float64)
-        rel = max(rel, float((master - ref).norm() / ref.norm()))
+        rel = max(rel, relative_error(master, ref))
         # In units of the parameter dtype's spacing at the master's magnitude.
         spacing = torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(master.abs())))
         gap = (p.detach().cpu().to(torch.float64) - master.to(dtype).to(torch.float64)).abs()
