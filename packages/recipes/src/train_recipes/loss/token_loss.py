@@ -21,6 +21,7 @@ from train_recipes.loss.fused_loss import (
 
 if TYPE_CHECKING:
     from cp_sharder import ContextParallelSharder
+    from train_engine import Engine
     from train_recipes.data.energon_api import ModelBatch
 
 __all__ = ["CausalLM", "TokenSumLoss", "token_sum_loss"]
@@ -104,7 +105,8 @@ class TokenSumLoss:
         if self.megatron:
             from train_recipes.megatron.training import megatron_token_sum_loss
 
-            return megatron_token_sum_loss(model, batch)
+            # GPTModel's forward takes its inputs by position: the DDP wrapper or the Engine
+            return megatron_token_sum_loss(cast("nn.Module | Engine", model), batch)
         inputs = self._model_inputs(batch)
         if self.sharder is None:
             labels = cast(Tensor, inputs.pop("labels"))

@@ -13,11 +13,17 @@ on CUDA) and works under tensor parallelism, where each rank holds its own heads
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
 
 
 class SegmentCausalAttention(nn.Module):
@@ -29,14 +35,14 @@ class SegmentCausalAttention(nn.Module):
 
     def __init__(
         self,
-        config: Any,
+        config: TransformerConfig,
         layer_number: int,
-        attn_mask_type: Any,
+        attn_mask_type: AttnMaskType,
         attention_type: str,
         attention_dropout: float | None = None,
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
-        pg_collection: Any = None,
+        pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
         super().__init__()
         if config.context_parallel_size != 1:
@@ -70,9 +76,9 @@ class SegmentCausalAttention(nn.Module):
         key: Tensor,
         value: Tensor,
         attention_mask: Tensor | None,
-        attn_mask_type: Any = None,
+        attn_mask_type: AttnMaskType | None = None,
         attention_bias: Tensor | None = None,
-        packed_seq_params: Any = None,
+        packed_seq_params: PackedSeqParams | None = None,
     ) -> Tensor:
         """Attention output in Megatron's layout.
 

@@ -27,23 +27,26 @@ splits each rank's local output in two halves.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 __all__ = ["hf_to_megatron", "load_hf_weights", "megatron_state_dict_full", "megatron_to_hf"]
 
 
-def _dims(hf_config: Any) -> tuple[int, int, int]:
+def _dims(hf_config: PretrainedConfig) -> tuple[int, int, int]:
     heads = hf_config.num_attention_heads
     groups = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     return heads, groups, head_dim
 
 
-def _fuse_qkv(q: Tensor, k: Tensor, v: Tensor, hf_config: Any) -> Tensor:
+def _fuse_qkv(q: Tensor, k: Tensor, v: Tensor, hf_config: PretrainedConfig) -> Tensor:
     """[Nq*D, H], [Ng*D, H], [Ng*D, H] -> Megatron's grouped [Ng * (Nq/Ng + 2) * D, H]."""
     heads, groups, head_dim = _dims(hf_config)
     per_group = heads // groups
@@ -54,7 +57,7 @@ def _fuse_qkv(q: Tensor, k: Tensor, v: Tensor, hf_config: Any) -> Tensor:
     return torch.cat([q, k, v], dim=1).reshape(-1, hidden)
 
 
-def _split_qkv(qkv: Tensor, hf_config: Any) -> tuple[Tensor, Tensor, Tensor]:
+def _split_qkv(qkv: Tensor, hf_config: PretrainedConfig) -> tuple[Tensor, Tensor, Tensor]:
     """The inverse of :func:`_fuse_qkv`."""
     heads, groups, head_dim = _dims(hf_config)
     per_group = heads // groups
@@ -69,7 +72,7 @@ def _split_qkv(qkv: Tensor, hf_config: Any) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def hf_to_megatron(
-    hf_state: dict[str, Tensor], hf_config: Any, *, tp: int, tp_rank: int
+    hf_state: dict[str, Tensor], hf_config: PretrainedConfig, *, tp: int, tp_rank: int
 ) -> dict[str, Tensor]:
     """This tp rank's megatron-core weights from a full HF Llama state dict.
 
@@ -127,7 +130,9 @@ def hf_to_megatron(
     return out
 
 
-def load_hf_weights(model: nn.Module, hf_state: dict[str, Tensor], hf_config: Any) -> None:
+def load_hf_weights(
+    model: nn.Module, hf_state: dict[str, Tensor], hf_config: PretrainedConfig
+) -> None:
     """Copy a full HF Llama state dict into this rank's ``GPTModel`` parameters.
 
     Raises:
@@ -156,7 +161,7 @@ def load_hf_weights(model: nn.Module, hf_state: dict[str, Tensor], hf_config: An
             param.copy_(tensor.to(param.dtype))
 
 
-def megatron_state_dict_full(model: nn.Module, hf_config: Any) -> dict[str, Tensor]:
+def megatron_state_dict_full(model: nn.Module, hf_config: PretrainedConfig) -> dict[str, Tensor]:
     """Every ``GPTModel`` weight as the full (tp = 1) tensor, on every tp rank.
 
     One all-gather per sharded weight over Megatron's tensor-parallel group. fc1's per-rank
@@ -182,7 +187,7 @@ def megatron_state_dict_full(model: nn.Module, hf_config: Any) -> dict[str, Tens
     return full
 
 
-def megatron_to_hf(full: dict[str, Tensor], hf_config: Any) -> dict[str, Tensor]:
+def megatron_to_hf(full: dict[str, Tensor], hf_config: PretrainedConfig) -> dict[str, Tensor]:
     """HF Llama names and tensors from full (tp = 1) ``GPTModel`` weights (the inverse map)."""
     vocab = hf_config.vocab_size  # the padding rows (tp does not divide V) are dropped
     out: dict[str, Tensor] = {

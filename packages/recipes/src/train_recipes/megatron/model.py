@@ -9,7 +9,8 @@ that installs on Python 3.11, which this project's CI uses (0.17 and later need 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from train_recipes.config.extras import install_hint
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
+    from transformers import PretrainedConfig
 
 __all__ = [
     "MEGATRON_EXTRA",
@@ -35,7 +40,7 @@ MEGATRON_EXTRA = "megatron"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
-def require_megatron() -> Any:
+def require_megatron() -> ModuleType:
     """The ``megatron.core`` module, or an ImportError naming the extra."""
     try:
         return importlib.import_module("megatron.core")
@@ -77,7 +82,7 @@ def init_megatron_parallel(tp: int, *, seed: int) -> None:
     mp_random.model_parallel_cuda_manual_seed(seed)
 
 
-def rope_base(hf_config: Any) -> float:
+def rope_base(hf_config: PretrainedConfig) -> float:
     """RoPE's base (theta) of an HF config; only unscaled ("default") RoPE is mapped.
 
     transformers 5 keeps it in ``rope_parameters`` (also read as ``rope_scaling``), 4.x in
@@ -97,7 +102,9 @@ def rope_base(hf_config: Any) -> float:
     return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
-def transformer_config(hf_config: Any, *, tp: int, dtype: torch.dtype) -> Any:
+def transformer_config(
+    hf_config: PretrainedConfig, *, tp: int, dtype: torch.dtype
+) -> TransformerConfig:
     """megatron-core's ``TransformerConfig`` equal to a Llama-style HF config.
 
     Raises:
@@ -169,7 +176,7 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
-def build_gpt_model(hf_config: Any, *, tp: int, dtype: torch.dtype) -> nn.Module:
+def build_gpt_model(hf_config: PretrainedConfig, *, tp: int, dtype: torch.dtype) -> nn.Module:
     """A megatron-core ``GPTModel`` with the architecture of ``hf_config``, on the CPU.
 
     Its output stays vocab-parallel (``parallel_output=True``: logits [B, S, V / tp] as plain

@@ -10,10 +10,16 @@ into an HF model (gathered over tp), so generation and the export are the HF bac
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+    from train_recipes.config.sft import SFTConfig
+    from train_recipes.run.process_group import RankContext
 
 __all__ = ["build_megatron_model", "hf_config", "hf_copy", "is_megatron_model"]
 
@@ -23,14 +29,14 @@ logger = logging.getLogger(__name__)
 _HF_CONFIG = "_train_recipes_hf_config"
 
 
-def _innermost(model: Any) -> Any:
+def _innermost(model: object) -> object:
     """The module under the Engine / DDP wrappers (each keeps it in ``.module``)."""
     while hasattr(model, "module") and isinstance(model.module, nn.Module):
         model = model.module
     return model
 
 
-def is_megatron_model(model: Any) -> bool:
+def is_megatron_model(model: object) -> bool:
     """Whether ``model`` is a megatron-core model (or wraps one in an Engine / DDP).
 
     Imports nothing.
@@ -38,12 +44,14 @@ def is_megatron_model(model: Any) -> bool:
     return type(_innermost(model)).__module__.startswith("megatron.core")
 
 
-def hf_config(model: Any) -> Any:
+def hf_config(model: object) -> PretrainedConfig:
     """The transformers config the GPTModel inside ``model`` was built from."""
     return getattr(_innermost(model), _HF_CONFIG)
 
 
-def build_megatron_model(config: Any, tokenizer: Any, ctx: Any) -> nn.Module:
+def build_megatron_model(
+    config: SFTConfig, tokenizer: PreTrainedTokenizerBase, ctx: RankContext
+) -> nn.Module:
     """The recipe's model as a megatron-core GPTModel on ``ctx.device``, wrapped in DDP.
 
     Call after seeding, as for the HF backend (the tiny model's weights come from the global
@@ -65,7 +73,7 @@ def build_megatron_model(config: Any, tokenizer: Any, ctx: Any) -> nn.Module:
     from train_recipes.model.build import build_model
 
     init_megatron_parallel(ctx.tp_size, seed=config.train.seed)
-    hf = build_model(config, tokenizer)  # the HF backend's model and weights
+    hf = cast("PreTrainedModel", build_model(config, tokenizer))  # the HF backend's model
     dtype = next(hf.parameters()).dtype
     gpt = build_gpt_model(hf.config, tp=ctx.tp_size, dtype=dtype)
     load_hf_weights(gpt, hf.state_dict(), hf.config)
@@ -84,7 +92,7 @@ def build_megatron_model(config: Any, tokenizer: Any, ctx: Any) -> nn.Module:
 
 
 @torch.no_grad()
-def hf_copy(model: Any, *, device: torch.device) -> nn.Module:
+def hf_copy(model: object, *, device: torch.device) -> nn.Module:
     """The GPTModel's current weights as a transformers model on ``device``, in eval mode.
 
     Collective over tp: every rank gets the full model.
@@ -93,7 +101,7 @@ def hf_copy(model: Any, *, device: torch.device) -> nn.Module:
 
     from train_recipes.megatron.convert import megatron_state_dict_full, megatron_to_hf
 
-    gpt = _innermost(model)
+    gpt = cast(nn.Module, _innermost(model))  # the GPTModel
     config = hf_config(gpt)
     state = megatron_to_hf(megatron_state_dict_full(gpt, config), config)
     dtype = next(gpt.parameters()).dtype

@@ -22,11 +22,17 @@ any model: no gradient sync until the window's last micro-batch).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from megatron.core.models.gpt import GPTModel
+
+    from train_engine import Engine, ExpertShards
+    from train_recipes.data.energon_api import ModelBatch
 
 __all__ = [
     "mask_padded_vocab",
@@ -36,7 +42,7 @@ __all__ = [
 ]
 
 
-def tensor_parallel_shards(model: nn.Module) -> Any:
+def tensor_parallel_shards(model: nn.Module) -> ExpertShards | None:
     """The tp-sharded weights of a ``GPTModel`` as ``ExpertShards``, or None when tp == 1.
 
     Call after megatron-core's process groups exist (:func:`init_megatron_parallel`).
@@ -60,7 +66,7 @@ def tensor_parallel_shards(model: nn.Module) -> Any:
     )
 
 
-def wrap_data_parallel(model: nn.Module, *, dp_group: Any) -> nn.Module:
+def wrap_data_parallel(model: nn.Module, *, dp_group: dist.ProcessGroup) -> nn.Module:
     """PyTorch DDP over ``dp_group`` for the replicated weights; tp shards left to the Engine.
 
     train_engine's ``apply_data_parallel`` refuses ``expert_shards`` with DDP (an unexplained
@@ -119,7 +125,7 @@ def mask_padded_vocab(logits: Tensor, vocab_size: int) -> Tensor:
     return logits.masked_fill(padding, float("-inf"))
 
 
-def megatron_token_sum_loss(model: Any, batch: Mapping[str, Any]) -> Tensor:
+def megatron_token_sum_loss(model: nn.Module | Engine, batch: ModelBatch) -> Tensor:
     """The sum over this rank's trained tokens of -log p(label), for a ``GPTModel``.
 
     The same loss of contract as the HF backend's ``token_sum_loss``: energon-sft's batch goes
@@ -157,8 +163,9 @@ def megatron_token_sum_loss(model: Any, batch: Mapping[str, Any]) -> Tensor:
     return -log_p.sum()
 
 
-def _vocab_size(model: Any) -> int:
+def _vocab_size(model: nn.Module | Engine) -> int:
     """The unpadded vocabulary of the GPTModel inside the Engine / DDP wrappers."""
     while hasattr(model, "module") and isinstance(model.module, nn.Module):
         model = model.module
-    return int(getattr(model, "unpadded_vocab_size", model.vocab_size))
+    gpt = cast("GPTModel", model)
+    return int(getattr(gpt, "unpadded_vocab_size", gpt.vocab_size))

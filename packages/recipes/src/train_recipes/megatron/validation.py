@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING
 
 from train_recipes.config.extras import install_hint
 from train_recipes.config.loader import ConfigError
 
+if TYPE_CHECKING:
+    from train_recipes.config.sft import SFTConfig
+
 __all__ = ["check_megatron_config"]
 
 
-def check_megatron_config(config: Any) -> None:
+def check_megatron_config(config: SFTConfig) -> None:
     """Reject what the megatron backend does not do, naming the key and the way out.
 
     Raises:
