@@ -3,6 +3,7 @@
 from importlib.metadata import version as _version
 
 from energon_sft.batch import IGNORE_INDEX, EncodedSample, SFTBatch
+from energon_sft.convert import convert_jsonl
 from energon_sft.cookers import (
     SubflavorCooker,
     check_cookers,
@@ -11,7 +12,7 @@ from energon_sft.cookers import (
     default_cookers,
     make_stateless_cooker,
 )
-from energon_sft.dataset import convert_jsonl, prepare_dataset, write_chat_shards
+from energon_sft.dataset import prepare_dataset, write_chat_shards
 from energon_sft.encoder import SFTTaskEncoder
 from energon_sft.errors import BadSampleError, OverlongSampleError, TooManyBadSamplesError
 from energon_sft.families import (

@@ -3,8 +3,8 @@
 A sample is the tar members sharing a basename: `<key>.json` holds the canonical row with each
 media entry replaced by its member name (`m<j><ext>`), and `<key>.m<j><ext>` holds the bytes.
 `write_chat_shards` copies rows as they are (not validated), so tests can plant bad rows that
-surface, counted, in the loader; `convert_jsonl` (the `energon-sft convert` path, in
-`energon_sft.convert`) validates every row first.
+surface, counted, in the loader; `energon_sft.convert` (`convert_jsonl`, the `energon-sft
+convert` path) validates every row first.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from energon_sft.errors import BadSampleError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ShardWriter", "convert_jsonl", "prepare_dataset", "resolve_media", "write_chat_shards"]
+__all__ = ["ShardWriter", "prepare_dataset", "resolve_media", "write_chat_shards"]
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -228,37 +228,3 @@ def prepare_dataset(
         ) from result.exception
     logger.info("energon prepare %s: done", path)
     return Path(path)
-
-
-def convert_jsonl(
-    jsonl: str | Path | Sequence[str | Path],
-    out_dir: str | Path,
-    *,
-    media_root: str | Path | None = None,
-    samples_per_shard: int = 1000,
-    row_format: str = "messages",
-    max_bad_fraction: float = 0.0,
-) -> Path:
-    """Chat JSONL file(s) + media files -> a prepared Energon dataset in `out_dir`.
-
-    Every row is validated first (`energon_sft.convert.convert_files`, which also returns the
-    counts); an earlier convert's output in `out_dir` is replaced. Relative media paths resolve
-    against `media_root`, else the first JSONL file's folder.
-
-    Raises:
-        energon_sft.convert.BadRowsError: no usable row, or more rejected than
-            `max_bad_fraction` of the rows.
-    """
-    from energon_sft.convert import convert_files
-
-    files = [jsonl] if isinstance(jsonl, str | Path) else list(jsonl)
-    report = convert_files(
-        files,
-        out_dir,
-        row_format=row_format,  # type: ignore[arg-type]
-        media_root=media_root,
-        samples_per_shard=samples_per_shard,
-        max_bad_fraction=max_bad_fraction,
-        overwrite=True,
-    )
-    return report.out_dir

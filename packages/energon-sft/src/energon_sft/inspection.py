@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from energon_sft.batch import IGNORE_INDEX
-from energon_sft.convert import ConvertReport, RowChecker, iter_checked_rows
+from energon_sft.convert_report import ConvertReport
 from energon_sft.errors import BadSampleError
 from energon_sft.formats import RowFormat
+from energon_sft.row_check import RowChecker, iter_checked_rows
 
 __all__ = ["render_trained", "sample_header", "show_jsonl", "show_loader"]
 
