@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -19,6 +18,7 @@ from energon_sft.shard_files import check_shard_files, diagnose_read_error
 from energon_sft.state import (
     FORMAT_VERSION,
     StateMismatchError,
+    dataset_identity,
     fingerprint,
     pack_state,
     unpack_state,
@@ -57,38 +57,6 @@ class LoaderOptions:
     watchdog_initial_timeout_seconds: float | None = None
     fail_on_timeout: bool = False
     gc_collect_every_n_steps: int = 10
-
-
-def _file_sha(path: Path) -> str | None:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
-
-
-def _dataset_identity(path: Path) -> dict[str, Any]:
-    meta = path / ".nv-meta"
-    if path.is_dir() and not meta.is_dir():
-        raise FileNotFoundError(
-            f"{path} has no .nv-meta folder; prepare it first (energon-sft convert or "
-            "`energon prepare`)"
-        )
-    if path.is_dir():
-        uuid = meta / "index.uuid"
-        return {
-            "name": path.name,
-            "index_uuid": uuid.read_text().strip() if uuid.is_file() else None,
-            "info_sha256": _file_sha(meta / ".info.json"),
-            "split_sha256": _file_sha(meta / "split.yaml"),
-            "dataset_yaml_sha256": _file_sha(meta / "dataset.yaml"),
-        }
-    if path.suffix == ".jsonl":
-        # Hashing a large JSONL at every start is slow; its size and the row-offset index
-        # (written by `energon prepare`) identify it.
-        return {
-            "name": path.name,
-            "size": path.stat().st_size,
-            "idx_sha256": _file_sha(path.with_suffix(".jsonl.idx")),
-        }
-    # A metadataset YAML: its content defines the stream.
-    return {"name": path.name, "file_sha256": _file_sha(path)}
 
 
 class SFTLoader:
@@ -347,7 +315,7 @@ def build_sft_loader(
     opts = options or LoaderOptions()
     buffer = shuffle_buffer_size if shuffle and shuffle_buffer_size > 0 else None
     stream = {
-        "dataset": _dataset_identity(path),
+        "dataset": dataset_identity(path),
         "split_part": split_part,
         "subflavors": dict(subflavors) if subflavors else None,
         "energon_version": str(energon_version),

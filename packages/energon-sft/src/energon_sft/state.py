@@ -16,11 +16,18 @@ import io
 import json
 import pickle
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["FORMAT_VERSION", "StateMismatchError", "diff_fields", "fingerprint"]
+__all__ = [
+    "FORMAT_VERSION",
+    "StateMismatchError",
+    "dataset_identity",
+    "diff_fields",
+    "fingerprint",
+]
 
 FORMAT_VERSION = 1
 
@@ -32,6 +39,46 @@ class StateMismatchError(ValueError):
 def fingerprint(stream: Mapping[str, Any]) -> str:
     """The sha256 hex digest of a stream description (JSON, keys sorted)."""
     return hashlib.sha256(json.dumps(stream, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _file_sha(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+def dataset_identity(path: Path) -> dict[str, Any]:
+    """The `stream["dataset"]` entry: what identifies a prepared dataset without reading it all.
+
+    A folder: its name and the hashes of the `.nv-meta` files `energon prepare` wrote; a JSONL:
+    its size and its row-offset index; a metadataset YAML: its content.
+
+    Raises:
+        FileNotFoundError: a folder that was never prepared.
+    """
+    meta = path / ".nv-meta"
+    if path.is_dir() and not meta.is_dir():
+        raise FileNotFoundError(
+            f"{path} has no .nv-meta folder; prepare it first (energon-sft convert or "
+            "`energon prepare`)"
+        )
+    if path.is_dir():
+        uuid = meta / "index.uuid"
+        return {
+            "name": path.name,
+            "index_uuid": uuid.read_text().strip() if uuid.is_file() else None,
+            "info_sha256": _file_sha(meta / ".info.json"),
+            "split_sha256": _file_sha(meta / "split.yaml"),
+            "dataset_yaml_sha256": _file_sha(meta / "dataset.yaml"),
+        }
+    if path.suffix == ".jsonl":
+        # Hashing a large JSONL at every start is slow; its size and the row-offset index
+        # (written by `energon prepare`) identify it.
+        return {
+            "name": path.name,
+            "size": path.stat().st_size,
+            "idx_sha256": _file_sha(path.with_suffix(".jsonl.idx")),
+        }
+    # A metadataset YAML: its content defines the stream.
+    return {"name": path.name, "file_sha256": _file_sha(path)}
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
