@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from train_recipes.run.launch_env import (
     GUARDED_OUTPUT_DIR,
@@ -29,6 +29,7 @@ from train_recipes.run.launch_env import (
 
 if TYPE_CHECKING:
     from train_recipes.cli.config_commands import Recipe
+    from train_recipes.config.retrieval import RetrievalConfig
     from train_recipes.config.sft import SFTConfig
     from train_recipes.run.folder import RunLock
     from train_recipes.run.preemption import LauncherSignals, SignalTrap
@@ -97,7 +98,9 @@ def _default_nproc(command: str, config: Path | None) -> int:
     return DEMO_RANKS if (command == "sft" and config is None) else 1
 
 
-def with_ranks(args: argparse.Namespace, recipe: str, config: Any) -> Any:
+def with_ranks(
+    args: argparse.Namespace, recipe: str, config: SFTConfig | RetrievalConfig
+) -> SFTConfig | RetrievalConfig:
     """Settle the local ranks in ``args.nproc_per_node``; the config records them.
 
     ``--nproc-per-node``, else ``launch.nproc_per_node``, else the default (the run's
@@ -112,8 +115,12 @@ def with_ranks(args: argparse.Namespace, recipe: str, config: Any) -> Any:
 
 
 def run_defaults(
-    args: argparse.Namespace, recipe: str, config: Any, *, model_dir: str | None = None
-) -> tuple[Any, tuple[str, ...]]:
+    args: argparse.Namespace,
+    recipe: str,
+    config: SFTConfig | RetrievalConfig,
+    *,
+    model_dir: str | None = None,
+) -> tuple[SFTConfig | RetrievalConfig, tuple[str, ...]]:
     """The own-model defaults of the keys the command line leaves unset, then the local ranks.
 
     Returns:
@@ -130,7 +137,7 @@ def run_defaults(
     return with_ranks(args, recipe, config), (() if note is None else (note,))
 
 
-def data_report_lines(config: Any) -> tuple[str, ...]:
+def data_report_lines(config: SFTConfig | RetrievalConfig) -> tuple[str, ...]:
     """A sample of an SFT run's own data measured (raises ConfigError when it trains nothing)."""
     from train_recipes.config.sft import SFTConfig
     from train_recipes.data.report import data_report
@@ -182,7 +189,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
     return overrides
 
 
-def load_checked(args: argparse.Namespace, kind: str) -> object:
+def load_checked(args: argparse.Namespace, kind: str) -> SFTConfig | RetrievalConfig:
     """Load the config and run the preflight (raises ConfigError); print its warnings once."""
     from train_recipes.cli.config_commands import load_recipe_config
     from train_recipes.cli.preflight import run_preflight
@@ -209,7 +216,9 @@ def load_checked(args: argparse.Namespace, kind: str) -> object:
     return config
 
 
-def guard_run_folder(args: argparse.Namespace, config: object) -> tuple[RunLock | None, int | None]:
+def guard_run_folder(
+    args: argparse.Namespace, config: SFTConfig | RetrievalConfig
+) -> tuple[RunLock | None, int | None]:
     """Lock and check the run folder before any rank exists; returns (lock, exit code or None).
 
     Done by the launching parent, or under a foreign launcher (torchrun) by rank 0 for the
@@ -221,7 +230,7 @@ def guard_run_folder(args: argparse.Namespace, config: object) -> tuple[RunLock 
     from train_recipes.run.folder import RunLock, check_output_dir, clear_run
     from train_recipes.run.resume import plan_resume
 
-    out = Path(config.train.output_dir)  # type: ignore[attr-defined]
+    out = Path(config.train.output_dir)
     resume = bool(getattr(args, "resume", False))
     if os.environ.get(GUARDED_OUTPUT_DIR) == str(out.resolve()):
         return None, None
@@ -263,7 +272,7 @@ def guard_run_folder(args: argparse.Namespace, config: object) -> tuple[RunLock 
     return lock, None
 
 
-def _launcher_signals(config: object) -> LauncherSignals | None:
+def _launcher_signals(config: SFTConfig | RetrievalConfig) -> LauncherSignals | None:
     """The launcher's handling of SIGTERM/SIGINT for an SFT run (None: torchrun's own)."""
     from train_recipes.config.sft import SFTConfig
     from train_recipes.run.preemption import LauncherSignals
@@ -324,7 +333,7 @@ def train(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 config, world_size=args.nproc_per_node, resume=args.resume, address=args.ray_address
             )
         if args.nproc_per_node > 1 and not under_launcher():
-            out = Path(config.train.output_dir).resolve()  # type: ignore[attr-defined]
+            out = Path(config.train.output_dir).resolve()
             os.environ[GUARDED_OUTPUT_DIR] = str(out)
             return relaunch(args.nproc_per_node, strip_nproc(argv), _launcher_signals(config))
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")

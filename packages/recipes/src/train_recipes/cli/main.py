@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, requires, version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from packaging.requirements import Requirement
 
@@ -27,7 +27,8 @@ from train_recipes.cli.launch import (
 from train_recipes.run.launch_env import is_rank_zero
 
 if TYPE_CHECKING:
-    pass
+    from train_recipes.config.retrieval import RetrievalConfig
+    from train_recipes.config.sft import SFTConfig
 
 # The library packages whose versions this distribution pins exactly.
 COMPONENTS = ("train-engine", "cp-sharder", "moe-dispatch", "vocab-parallel", "energon-sft")
@@ -136,7 +137,7 @@ def _launch_line(args: argparse.Namespace, recipe: str) -> str:
     )
 
 
-def _folder_state(args: argparse.Namespace, config: Any) -> str:
+def _folder_state(args: argparse.Namespace, config: SFTConfig | RetrievalConfig) -> str:
     """Whether a fresh launch may use ``train.output_dir``, as the launch will check it."""
     from train_recipes.run.folder import RunFolderError, check_output_dir
 

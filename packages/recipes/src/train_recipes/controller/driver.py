@@ -24,7 +24,8 @@ import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from train_recipes.config.sft import SFTConfig
 from train_recipes.controller.ray_cluster import (
@@ -41,6 +42,11 @@ from train_recipes.loop.hang_watchdog import hang_report
 from train_recipes.loop.records import RunEnd, RunStart, StepRecord
 from train_recipes.run.preemption import RunStopped, SignalTrap, stopped_error
 from train_recipes.sft.summary import sft_summary_text
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
+    from train_recipes.controller.rank_actor import CloseReport, SetupReport, StepReport
 
 # How long the actors may take to come up and answer their first call (imports of torch and
 # transformers on a loaded node take tens of seconds).
@@ -79,7 +85,7 @@ class RayRun:
     data_plane: DataPlane
     loaders_built: list[int]
     placed_on_gpus: bool
-    ranks: list[dict[str, Any]] = field(default_factory=list)
+    ranks: list[CloseReport] = field(default_factory=list)
 
 
 def run_sft_on_ray(
@@ -130,7 +136,7 @@ def run_sft_on_ray(
         # The first call waits for the actors to come up: bounded, so that workers that die at
         # start (before any actor exists to be reported dead) cannot hang the driver.
         group.call("pid", timeout_s=_START_TIMEOUT_S)
-        setups = group.call("setup", config, resume, master)
+        setups: list[SetupReport] = group.call("setup", config, resume, master)
         restored = DataPlane(dp_size=dp)
         restored.load_state_dict([s["plane"] for s in setups])  # the checkpoint's records
         plane.merge(restored)
@@ -142,7 +148,7 @@ def run_sft_on_ray(
             format_summary=sft_summary_text,
             stop_vote=None if signals is None else lambda _step: signals.received,
         )
-        reports = group.call("close")
+        reports: list[CloseReport] = group.call("close")
     except ActorFailure as err:
         raise ControllerError(
             failure_line(err, hang_report(store, world_size=world_size))
@@ -194,7 +200,7 @@ def failure_line(failure: ActorFailure, verdict: str | None) -> str:
     )
 
 
-def _host_store(ray: Any) -> tuple[Any, tuple[str, int]]:
+def _host_store(ray: ModuleType) -> tuple[TCPStore, tuple[str, int]]:
     """The job's rendezvous store, served by this process; and its address for the actors.
 
     The actors join it as torchrun's ranks join their agent's store (``rank_actor``), so it
@@ -222,7 +228,7 @@ class _ActorStages:
         raise RuntimeError("the driver runs setup on the actors itself (it needs the rendezvous)")
 
     def train_step(self, step: int) -> StepRecord:
-        reports = self._group.call("train_step", step)
+        reports: list[StepReport] = self._group.call("train_step", step)
         for report in reports:
             self._plane.record(step, report["replica"], report["sample_ids"])
         record: StepRecord = reports[0]["record"]

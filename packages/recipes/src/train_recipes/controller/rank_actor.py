@@ -20,12 +20,37 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any
+from typing import TypedDict
 
+from train_recipes.config.loader import JSONValue
 from train_recipes.config.sft import SFTConfig
-from train_recipes.loop.records import RunEnd, StepRecord
+from train_recipes.loop.records import RunEnd, RunStart, StepRecord
 
-__all__ = ["RankActor"]
+__all__ = ["CloseReport", "RankActor", "SetupReport", "StepReport"]
+
+
+class SetupReport(TypedDict):
+    """:meth:`RankActor.setup`'s answer: the recipe's RunStart, its data plane and replica."""
+
+    start: RunStart
+    plane: dict[str, JSONValue]
+    replica: int
+
+
+class StepReport(TypedDict):
+    """:meth:`RankActor.train_step`'s answer: the record and the samples the replica trained."""
+
+    record: StepRecord
+    replica: int
+    sample_ids: list[str]
+
+
+class CloseReport(TypedDict):
+    """:meth:`RankActor.close`'s answer: the rank's data plane and the loaders it built."""
+
+    rank: int
+    data_plane: dict[str, JSONValue]
+    loaders_built: int
 
 
 class RankActor:
@@ -59,7 +84,7 @@ class RankActor:
         """This actor's process id (the driver's first call, to know the actor is up)."""
         return os.getpid()
 
-    def setup(self, config: SFTConfig, resume: bool, master: tuple[str, int]) -> dict[str, Any]:
+    def setup(self, config: SFTConfig, resume: bool, master: tuple[str, int]) -> SetupReport:
         """Join the process group on the driver's store at ``master``; the recipe's ``setup()``.
 
         Returns:
@@ -81,7 +106,7 @@ class RankActor:
             "replica": self.recipe.ctx.dp_rank,
         }
 
-    def train_step(self, step: int) -> dict[str, Any]:
+    def train_step(self, step: int) -> StepReport:
         """One optimizer step: the recipe's record and the ids of the samples it trained on."""
         self._clock.begin()
         record = self.recipe.train_step(step)
@@ -107,7 +132,7 @@ class RankActor:
         """Final evaluation and export; the summary."""
         return self.recipe.finish()
 
-    def close(self) -> dict[str, Any]:
+    def close(self) -> CloseReport:
         """End the run on this rank (after every rank finished): its plane and loader count."""
         import torch.distributed as dist
 

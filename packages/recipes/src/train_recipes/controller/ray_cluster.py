@@ -16,9 +16,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from train_recipes.config.extras import install_hint
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
 
 __all__ = [
     "RAY_EXTRA",
@@ -39,7 +43,7 @@ _POLL_S = 0.5
 _GRACE_S = 5.0
 
 
-def import_ray() -> Any:
+def import_ray() -> ModuleType:
     """``import ray``, or an ImportError naming the extra that installs it.
 
     Ray's ``uv run`` integration is turned off first (unless the user set it): it would ship
@@ -84,7 +88,7 @@ class ActorFailure(RuntimeError):
         self.died = died
 
 
-def start_or_join(ray: Any, *, address: str | None, world_size: int) -> bool:
+def start_or_join(ray: ModuleType, *, address: str | None, world_size: int) -> bool:
     """Join the cluster at ``address``, or start a local one for this job.
 
     ``address="auto"`` is the local ``ray start`` cluster. Without an address the job always
@@ -119,7 +123,7 @@ class Placement:
     use_gpus: bool
 
 
-def plan_placement(ray: Any, *, world_size: int, device: str) -> Placement:
+def plan_placement(ray: ModuleType, *, world_size: int, device: str) -> Placement:
     """Choose the bundles: GPU for ``train.device=cuda``, CPU otherwise.
 
     ``train.device=auto`` takes GPU bundles when the cluster has a GPU per rank.
@@ -147,7 +151,12 @@ class RankGroup:
     """
 
     def __init__(
-        self, ray: Any, actor_class: type, *, placement: Placement, ready_timeout_s: float = 120.0
+        self,
+        ray: ModuleType,
+        actor_class: type,
+        *,
+        placement: Placement,
+        ready_timeout_s: float = 120.0,
     ) -> None:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -180,10 +189,10 @@ class RankGroup:
     def call(
         self,
         method: str,
-        *args: Any,
+        *args: object,
         ranks: Sequence[int] | None = None,
         timeout_s: float | None = None,
-    ) -> list[Any]:
+    ) -> list[Any]:  # the method's results: a call by name is not typed
         """``actor.method(*args)`` on every rank (or ``ranks``); the results in rank order.
 
         Raises:
@@ -194,8 +203,13 @@ class RankGroup:
         return self.wait(refs, chosen, what=method, timeout_s=timeout_s)
 
     def wait(
-        self, refs: list[Any], ranks: list[int], *, what: str, timeout_s: float | None = None
-    ) -> list[Any]:
+        self,
+        refs: list[ObjectRef[object]],
+        ranks: list[int],
+        *,
+        what: str,
+        timeout_s: float | None = None,
+    ) -> list[object]:
         """Results of ``refs`` (one per rank of ``ranks``); fails on the first bad one.
 
         When a rank dies, its peers fail soon after in a collective with it; the death is the
@@ -204,7 +218,7 @@ class RankGroup:
         """
         ray = self._ray
         rank_of = {ref: rank for ref, rank in zip(refs, ranks, strict=True)}
-        results: dict[int, Any] = {}
+        results: dict[int, object] = {}
         pending = list(refs)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while pending:
@@ -232,7 +246,7 @@ class RankGroup:
         return [results[r] for r in ranks]
 
     def _outcome(
-        self, ref: Any, rank: int, what: str, results: dict[int, Any]
+        self, ref: ObjectRef[object], rank: int, what: str, results: dict[int, object]
     ) -> ActorFailure | None:
         """Store the result of a finished call, or return its failure."""
         ray = self._ray
