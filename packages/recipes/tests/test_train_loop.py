@@ -358,10 +358,11 @@ def test_progress_bar_rate_counts_from_the_first_step(
     step began (about 10 it/s here): not over the bar's own age (it was 323634.57it/s at the
     first update), nor counting the evaluation before training."""
     from train_recipes.loop import drive as loop
+    from train_recipes.loop.records import LoopPlan, RunStart
 
     monkeypatch.setattr(loop, "loss_plot_or_notice", lambda out_dir: None)
-    plan = loop.LoopPlan(total_steps=3, log_every=1)
-    start = loop.RunStart(output_dir=tmp_path, plan=plan, tensorboard=False, desc="sft")
+    plan = LoopPlan(total_steps=3, log_every=1)
+    start = RunStart(output_dir=tmp_path, plan=plan, tensorboard=False, desc="sft")
     capsys.readouterr()
     loop.drive(_TimedStages(), start, is_main=True, format_summary=lambda *_: "")  # type: ignore[arg-type]
     err = capsys.readouterr().err

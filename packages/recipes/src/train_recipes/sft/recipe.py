@@ -69,7 +69,7 @@ class SFTRecipe(SFTTrainStep):
 
     ``setup()`` builds the process groups, data, model, Engine and loader (and restores a
     checkpoint on resume); ``train_step(step)`` runs one optimizer step and returns a
-    :class:`~train_recipes.loop.drive.StepRecord` of plain numbers (on the plan's log steps: loss,
+    :class:`~train_recipes.loop.records.StepRecord` of plain numbers (on the plan's log steps: loss,
     window average, lr, grad norm, token rate and counts, skips, MoE metrics; agreed over the
     ranks, so identical everywhere); ``evaluate(step)`` the held-out exact match (step 0) or
     held-out loss; ``checkpoint(step)`` saves; ``finish()`` measures the final exact match,
