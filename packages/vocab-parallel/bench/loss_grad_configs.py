@@ -75,14 +75,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         def two_kernels(block: int = block, warps: int = warps) -> None:
             _triton._stats_kernel[(t,)](
                 logits, 0, logits.stride(0), t, v, 1.0, stats[0], stats[1], stats[2], stats[3],
-                WANT_ENTROPY=False, WANT_SUM_Z=False, LOG_FLOOR=_triton._LOG_FLOOR,
+                WANT_ENTROPY=False, WANT_SUM_Z=False, LOG_FLOOR=_triton.LOG_FLOOR,
                 BLOCK=block, num_warps=warps,
             )  # fmt: skip
             _triton._grad_kernel[(t,)](
                 logits, 0, logits.stride(0), t, grad, 0, grad.stride(0), v, 1.0, 1.0 / v,
                 stats[1], stats[2], scale, scale, scale, labels, scale,
                 HAS_TARGET=True, HAS_ENTROPY=False, HAS_UNIFORM=False,
-                LOG_FLOOR=_triton._LOG_FLOOR, BLOCK=block, num_warps=warps,
+                LOG_FLOOR=_triton.LOG_FLOOR, BLOCK=block, num_warps=warps,
             )  # fmt: skip
 
         ms = median(two_kernels)

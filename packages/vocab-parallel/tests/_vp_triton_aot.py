@@ -11,10 +11,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from vocab_parallel import _triton as kernels
+from vocab_parallel import _triton_scale
 
 TARGET = GPUTarget("cuda", 90, 32)
 # The row kernels' shared compile-time constants (BLOCK: the largest block the library launches).
-ROW_CONSTEXPRS = {"LOG_FLOOR": kernels._LOG_FLOOR, "BLOCK": kernels._MAX_BLOCK}
+ROW_CONSTEXPRS = {"LOG_FLOOR": kernels.LOG_FLOOR, "BLOCK": kernels._MAX_BLOCK}
 
 
 def _compile(
@@ -94,7 +95,7 @@ def main() -> None:
         _compile(kernels._loss_grad_kernel, arguments, {"BLOCK": kernels._MAX_BLOCK}, num_warps=4)
         # Backward's scaling of the stored gradients by the upstream gradient.
         arguments = {"x_ptr": dtype, "scale_ptr": "*fp32", "n": "i64"}
-        _compile(kernels._scale_kernel, arguments, {"BLOCK": 4096}, num_warps=4)
+        _compile(_triton_scale._scale_kernel, arguments, {"BLOCK": 4096}, num_warps=4)
     print("ok")
 
 

@@ -188,7 +188,7 @@ def check_scale_strides(device: str) -> None:
     """The grid-stride scaling kernel: every element scaled once when programs stride over
     several blocks (to one rounding of the dtype: the interpreter may truncate), and a scale of
     1 changes nothing."""
-    from vocab_parallel import _triton
+    from vocab_parallel import _triton_scale
 
     gen = torch.Generator().manual_seed(5)
     for dtype in (torch.float32, torch.bfloat16):
@@ -196,7 +196,7 @@ def check_scale_strides(device: str) -> None:
         for value, programs in ((0.37, 2), (0.37, None), (1.0, 2)):
             got = x.clone()
             scale = torch.tensor([value], device=device, dtype=torch.float32)
-            _triton.scale_(got, scale, max_programs=programs)
+            _triton_scale.scale_(got, scale, max_programs=programs)
             if value == 1.0:
                 assert torch.equal(got, x), (dtype, programs)
                 continue

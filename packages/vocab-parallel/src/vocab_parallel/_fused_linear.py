@@ -26,15 +26,10 @@ from torch import Tensor
 
 from vocab_parallel._linear import _add_matmul_, _chunk_logits_grad, _mm_into
 from vocab_parallel._logits import Plan, locate_targets, raise_invalid, unchecked_labels
-from vocab_parallel._math import (
-    GradTerms,
-    scale_by_upstream_,
-    scaled_fp32,
-    scaled_target,
-    shard_stats,
-)
+from vocab_parallel._math import scale_by_upstream_, scaled_fp32, scaled_target, shard_stats
 from vocab_parallel._operands import trained_rows
 from vocab_parallel._reduce import reduce_stats
+from vocab_parallel._stats import GradTerms
 from vocab_parallel._token_function import TokenFunction
 
 # Default chunking: one chunk's logits hold at most 1/FUSED_CHUNKS of the full [N, Vl] logits

@@ -26,15 +26,9 @@ from vocab_parallel._logits import (
     raise_invalid,
     unchecked_labels,
 )
-from vocab_parallel._math import (
-    GradTerms,
-    ShardStats,
-    chunk_grad,
-    merge,
-    scaled_target,
-    shard_stats,
-)
+from vocab_parallel._math import chunk_grad, merge, scaled_target, shard_stats
 from vocab_parallel._reduce import reduce_stats
+from vocab_parallel._stats import GradTerms, ShardStats
 
 # 16-bit blocks (Triton backend) hold at least 1/LOW_PRECISION_BLOCKS of the local vocabulary,
 # so the block is a fixed fraction of the logits whatever N is (8 blocks: 0.125x), and at least

@@ -20,16 +20,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vocab_parallel._math import (
-    GradTerms,
-    ShardStats,
-    chunk_grad,
-    scaled_fp32,
-    scaled_target,
-    shard_stats,
-)
+from vocab_parallel._math import chunk_grad, scaled_fp32, scaled_target, shard_stats
 from vocab_parallel._reduce import reduce_stats
 from vocab_parallel._sharding import VocabLayout
+from vocab_parallel._stats import GradTerms, ShardStats
 
 # Auto chunking: fp32 elements per chunk buffer (64 MiB). Two such buffers live at once.
 CHUNK_ELEMENTS = 1 << 24

@@ -9,76 +9,10 @@ buffers of [T, V], however large the whole logits tensor is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-# Any log-probability below this already underflows exp() to exactly 0 in fp32 (exp(-104) == 0).
-# Clamping to it keeps p * log p at 0 for masked (-inf) logits instead of 0 * -inf = nan, and
-# changes no probability.
-_LOG_FLOOR = -1.0e4
-
-
-@dataclass(kw_only=True, slots=True)
-class ShardStats:
-    """Per-token partial statistics of one vocabulary shard (or block), all fp32 [T].
-
-    Attributes:
-        max: max of the scaled logits z over the shard; -inf where every entry is -inf.
-        sum_exp: sum of exp(z - shift), with shift = max (0 where max is -inf).
-        sum_exp_z: sum of exp(z - shift) * (z - shift); None when entropy is not wanted.
-        sum_z: sum of z; None when the uniform term (label smoothing) is not wanted.
-    """
-
-    max: Tensor
-    sum_exp: Tensor
-    sum_exp_z: Tensor | None
-    sum_z: Tensor | None
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class GradTerms:
-    """The per-token inputs of a logits gradient (:func:`chunk_grad`), all [T].
-
-    The upstream gradients are fp32; the callers multiply them by 1 / temperature beforehand,
-    which makes the result the gradient w.r.t. the unscaled logits.
-
-    Attributes:
-        log_normalizer: global logZ.
-        grad_all: upstream gradient of log p_y (zero at ignored positions), for the -p part
-            that every vocabulary shard gets; None when log p_y is unused.
-        entropy: global entropy H (needed with ``grad_entropy``).
-        grad_entropy: upstream gradient of H, or None.
-        grad_uniform: upstream gradient of mean_v log p_v, or None.
-        target_index: int64 local column of the target (any in-range column where
-            ``target_grad`` is 0), or None when no target lives in this shard.
-        target_grad: the onehot part: ``grad_all`` where the target is in this shard, else 0.
-    """
-
-    log_normalizer: Tensor
-    grad_all: Tensor | None = None
-    entropy: Tensor | None = None
-    grad_entropy: Tensor | None = None
-    grad_uniform: Tensor | None = None
-    target_index: Tensor | None = None
-    target_grad: Tensor | None = None
-
-    def rows(self, span: slice) -> GradTerms:
-        """The terms of the tokens in ``span``."""
-
-        def cut(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t[span]
-
-        return GradTerms(
-            log_normalizer=self.log_normalizer[span],
-            grad_all=cut(self.grad_all),
-            entropy=cut(self.entropy),
-            grad_entropy=cut(self.grad_entropy),
-            grad_uniform=cut(self.grad_uniform),
-            target_index=cut(self.target_index),
-            target_grad=cut(self.target_grad),
-        )
+from vocab_parallel._stats import LOG_FLOOR, GradTerms, ShardStats
 
 
 def scale_by_upstream_(grad: Tensor, grad_loss: Tensor, *, backend: str) -> None:
@@ -94,9 +28,9 @@ def scale_by_upstream_(grad: Tensor, grad_loss: Tensor, *, backend: str) -> None
         backend: "triton" or "torch", the backend that formed ``grad``.
     """
     if backend == "triton" and grad.is_contiguous():
-        from vocab_parallel import _triton
+        from vocab_parallel import _triton_scale
 
-        _triton.scale_(grad, grad_loss.to(torch.float32).reshape(1).contiguous())
+        _triton_scale.scale_(grad, grad_loss.to(torch.float32).reshape(1).contiguous())
     else:  # e.g. a strided slice of larger logits (logits[:, :-1])
         grad.mul_(grad_loss)
 
@@ -157,7 +91,7 @@ def shard_stats(z: Tensor, *, entropy: bool, sum_z: bool) -> ShardStats:
     sum_exp = e.sum(-1)
     sum_exp_z = None
     if entropy:
-        u.clamp_(min=_LOG_FLOOR)
+        u.clamp_(min=LOG_FLOOR)
         sum_exp_z = e.mul_(u).sum(-1)
     return ShardStats(max=max_, sum_exp=sum_exp, sum_exp_z=sum_exp_z, sum_z=total)
 
@@ -221,7 +155,7 @@ def chunk_grad(z: Tensor, terms: GradTerms, *, inv_vocab: float) -> Tensor:
     if terms.grad_entropy is not None:
         if terms.entropy is None:
             raise ValueError("chunk_grad needs the entropy to differentiate it")
-        log_p.clamp_(min=_LOG_FLOOR)
+        log_p.clamp_(min=LOG_FLOOR)
         p = torch.exp(log_p)
         w = log_p.add_(terms.entropy.unsqueeze(-1)).mul_(terms.grad_entropy.unsqueeze(-1))
         if coef is not None:

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from vocab_parallel._math import ShardStats, rescale, safe_shift
+from vocab_parallel._math import rescale, safe_shift
+from vocab_parallel._stats import ShardStats
 
 
 @dataclass(kw_only=True, slots=True)

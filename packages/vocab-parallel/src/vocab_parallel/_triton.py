@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from vocab_parallel._math import _LOG_FLOOR, GradTerms, ShardStats
+from vocab_parallel._stats import LOG_FLOOR, GradTerms, ShardStats
 
 _MAX_BLOCK = 4096
 
@@ -233,7 +233,7 @@ def loss_grad_(
         return log_p
     coef = coefficients.reshape(-1)
     block, warps = _launch_config(v)
-    with _on_device(logits):
+    with on_device(logits):
         _loss_grad_kernel[(slabs * rows,)](
             x,
             x.stride(0),
@@ -250,51 +250,6 @@ def loss_grad_(
             num_warps=warps,
         )
     return log_p
-
-
-@triton.jit
-def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
-    # x *= scale for a contiguous 16- or 32-bit tensor and an fp32 scalar held on the device,
-    # in fp32 then rounded (as mul_ computes it, which for a bf16 tensor times an fp32 0-dim
-    # tensor runs PyTorch's unvectorized mixed-dtype kernel). A fixed grid strides over the
-    # tensor, so a scale of exactly 1 (nothing to do) ends every program at once: the pass
-    # then costs a launch, not a read and a write, and the host never reads the scale.
-    scale = tl.load(scale_ptr)
-    stop = tl.where(scale != 1.0, n, 0)
-    step = tl.num_programs(0).to(tl.int64) * BLOCK
-    for start in range(tl.program_id(0).to(tl.int64) * BLOCK, stop, step):
-        offsets = start + tl.arange(0, BLOCK)
-        mask = offsets < n
-        x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
-        tl.store(x_ptr + offsets, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)
-
-
-# Programs of the grid-stride scaling kernel per SM: enough loads in flight to run at memory
-# bandwidth, few enough that an early exit is free.
-_SCALE_PROGRAMS_PER_SM = 8
-
-
-def scale_(x: Tensor, scale: Tensor, *, max_programs: int | None = None) -> None:
-    """Multiply x by scale in place, without a host sync (nothing is touched when it is 1).
-
-    Args:
-        x: contiguous float tensor of any shape (modified).
-        scale: one-element fp32 tensor on x's device.
-        max_programs: cap on the grid (default: a few per SM on CUDA); tests set a small one
-            so that each program strides over several blocks.
-    """
-    n = x.numel()
-    if n == 0:
-        return
-    block = 4096
-    programs = triton.cdiv(n, block)
-    if max_programs is None and x.is_cuda:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        max_programs = _SCALE_PROGRAMS_PER_SM * sms
-    if max_programs is not None:
-        programs = max(1, min(programs, max_programs))
-    with _on_device(x):
-        _scale_kernel[(programs,)](x, scale, n, BLOCK=block, num_warps=4)
 
 
 def _launch_config(n_cols: int) -> tuple[int, int]:
@@ -314,7 +269,7 @@ def _slabs(logits: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _on_device(t: Tensor) -> contextlib.AbstractContextManager[None]:
+def on_device(t: Tensor) -> contextlib.AbstractContextManager[None]:
     """Launch on the tensor's GPU, whatever the current device is."""
     if t.is_cuda:
         return torch.cuda.device(t.device)
@@ -341,7 +296,7 @@ def shard_stats(
     out = torch.empty((4, n), device=x.device, dtype=torch.float32)
     if n and v:
         block, warps = _launch_config(v)
-        with _on_device(x):
+        with on_device(x):
             _stats_kernel[(n,)](
                 x,
                 x.stride(0),
@@ -355,7 +310,7 @@ def shard_stats(
                 out[3],
                 WANT_ENTROPY=entropy,
                 WANT_SUM_Z=sum_z,
-                LOG_FLOOR=_LOG_FLOOR,
+                LOG_FLOOR=LOG_FLOOR,
                 BLOCK=block,
                 num_warps=warps,
             )
@@ -406,7 +361,7 @@ def logits_grad(
         and terms.target_index is not None
         and terms.target_grad is not None
     )
-    with _on_device(x):
+    with on_device(x):
         _grad_kernel[(n,)](
             x,
             x.stride(0),
@@ -428,7 +383,7 @@ def logits_grad(
             HAS_TARGET=has_target,
             HAS_ENTROPY=terms.grad_entropy is not None,
             HAS_UNIFORM=terms.grad_uniform is not None,
-            LOG_FLOOR=_LOG_FLOOR,
+            LOG_FLOOR=LOG_FLOOR,
             BLOCK=block,
             num_warps=warps,
         )
