@@ -26,7 +26,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch.distributed as dist
 
@@ -63,7 +62,7 @@ def _abort_process(message: str) -> None:
     os._exit(HANG_EXIT_CODE)
 
 
-def default_store() -> Any:
+def default_store() -> dist.Store | None:
     """The store the default process group rendezvoused on, or None when it cannot be reached.
 
     The root store, not the group's prefixed view of it: the process that hosts it (torchrun's
@@ -79,7 +78,7 @@ def default_store() -> Any:
     return store
 
 
-def hang_report(store: Any, *, world_size: int) -> str | None:
+def hang_report(store: dist.Store, *, world_size: int) -> str | None:
     """The watchdog's verdict in the newest run of ``store``: the first firing rank's message.
 
     Args:
@@ -119,7 +118,7 @@ class HangWatchdog:
 
     def __init__(
         self,
-        store: Any,
+        store: dist.Store,
         *,
         rank: int,
         world_size: int,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,9 @@ from torch import Tensor, nn
 from train_recipes.config.retrieval import RetrievalModelConfig
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from train_engine import Engine
 
 __all__ = ["autocast_dtype", "embed", "load_encoder", "recall_at_k", "resolve_model_path"]
 
@@ -79,7 +81,7 @@ def autocast_dtype(name: str | None) -> torch.dtype | None:
 
 
 def embed(
-    model: Any,
+    model: nn.Module | Engine,
     batch: dict[str, Tensor],
     pooling: str,
     *,
@@ -111,7 +113,7 @@ def embed(
 @torch.no_grad()
 def recall_at_k(
     model: nn.Module,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     pairs: Sequence[tuple[str, str]],
     *,
     ks: Sequence[int] = (1, 10),

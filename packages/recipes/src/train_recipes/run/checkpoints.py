@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from energon_sft import SFTLoader
     from train_engine import Engine, LossWindow
     from train_recipes.data.colocated import ColocatedLoader
+    from train_recipes.data.plane import DataPlane
 
 __all__ = ["Restored", "restore", "save"]
 
@@ -133,7 +134,7 @@ def save(
     accuracy_before: float | None,
     first_loss: float | None,
     is_main: bool,
-    data_plane: Any = None,
+    data_plane: DataPlane | None = None,
     last_loss: float | None = None,
     eval_losses: list[float] | None = None,
     skips: dict[str, Any] | None = None,
@@ -199,7 +200,7 @@ def restore(
     dp_size: int,
     is_main: bool,
     say: Callable[[str], None],
-    data_plane: Any = None,
+    data_plane: DataPlane | None = None,
 ) -> Restored | None:
     """Load the newest complete checkpoint of ``config.train.output_dir`` (collective).
 

@@ -13,6 +13,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from energon_sft import SFTTaskEncoder
+    from train_recipes.data.processors import Processor
 
 from train_recipes.config.sft import SFTConfig
 from train_recipes.data.energon_api import ModelBatch
@@ -44,7 +45,7 @@ class SFTEvaluation:
         *,
         eval_path: Path | None,
         encoder: SFTTaskEncoder,
-        processor: Any,
+        processor: Processor,
         vlm: bool,
         loss_sum: LossSum,
     ) -> None:
