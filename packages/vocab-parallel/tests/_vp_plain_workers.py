@@ -16,6 +16,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 import _vp_reference as reference
 import vocab_parallel as vp
 from _vp_reference import IGNORE
+from train_testing.reference import token_log_probs
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, what: str) -> None:
@@ -65,7 +66,7 @@ def check_plain_logits(rank: int, world_size: int, cases: list[dict[str, Any]]) 
         lp_only = vp.token_log_probs(local, labels, temperature=temp, vocab_group=layout)
         ent_only = vp.token_entropy(local, temperature=temp, vocab_group=layout)
         ce = vp.cross_entropy(local, labels, vocab_group=layout, label_smoothing=0.1)
-        ref_lp = reference.ref_log_probs(ref, labels, temp, IGNORE)
+        ref_lp = token_log_probs(ref, labels, temperature=temp)
         ref_h = reference.ref_entropy(ref, temp)
         ref_ce = reference.ref_cross_entropy(ref, labels, IGNORE, "mean", 0.1)
         for name, value, expected in (
@@ -116,7 +117,7 @@ def check_plain_fused_linear(rank: int, world_size: int, uneven: bool) -> str:
 
     wd = weight.double().requires_grad_()
     hd = hidden_full.double().requires_grad_()
-    ref_lp = reference.ref_log_probs(hd @ wd.T, labels, temp, IGNORE)
+    ref_lp = token_log_probs(hd @ wd.T, labels, temperature=temp)
     ref_ce = reference.ref_cross_entropy(hd @ wd.T, labels, IGNORE, "mean", 0.0)
     for name, fn, ref_value in (
         (

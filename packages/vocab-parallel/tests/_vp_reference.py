@@ -1,4 +1,9 @@
-"""Independent float64 references (plain log_softmax / gather / F.cross_entropy), one process."""
+"""Independent float64 references (plain log_softmax / F.cross_entropy), one process, and inputs.
+
+A label's log-probability is :func:`train_testing.reference.token_log_probs` (shared by every
+package's tests); what only these tests need (entropy, the reductions and label smoothing of
+``cross_entropy``, policy losses) is here.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from train_testing.reference import IGNORE_INDEX
+
 # The label value every reference and every vocab_parallel call in these tests ignores.
-IGNORE = -100
-
-
-def ref_log_probs(logits: Tensor, labels: Tensor, temperature: float, ignore_index: int) -> Tensor:
-    """[...] float64 log p(label); 0 at ignored positions. ``logits`` is float64 [..., V]."""
-    log_p = F.log_softmax(logits / temperature, dim=-1)
-    valid = labels != ignore_index
-    picked = log_p.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
-    # A masked (-inf) column read at an ignored row must give 0, not -inf * 0 = nan.
-    return torch.where(valid, picked, torch.zeros_like(picked))
+IGNORE = IGNORE_INDEX
 
 
 def ref_entropy(logits: Tensor, temperature: float) -> Tensor:
@@ -92,6 +90,15 @@ def policy_inputs(log_p: Tensor, *, seed: int) -> tuple[Tensor, Tensor, Tensor]:
     advantage = torch.randn(log_p.shape, generator=gen, dtype=torch.float64)
     weight = torch.rand(log_p.shape, generator=gen, dtype=torch.float64) + 0.5
     return old.float(), advantage.float(), weight.float()
+
+
+# The fused linear losses' tests' case: 33 tokens, so chunks of 7 leave a ragged last chunk.
+LINEAR_SHAPE, LINEAR_HIDDEN, LINEAR_VOCAB = (3, 11), 24, 150
+
+
+def linear_case(dtype: torch.dtype, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`linear_inputs` of the LINEAR_* sizes."""
+    return linear_inputs(LINEAR_SHAPE, LINEAR_HIDDEN, LINEAR_VOCAB, dtype, seed=seed)
 
 
 def linear_inputs(

@@ -14,6 +14,7 @@ import torch
 import _vp_reference as reference
 import vocab_parallel as vp
 from _vp_reference import IGNORE
+from train_testing.reference import relative_error, token_log_probs
 
 
 def check(device: str, vocab: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -34,7 +35,7 @@ def check(device: str, vocab: int, shape: tuple[int, ...], dtype: torch.dtype) -
         log_p, ent = vp.token_log_probs_and_entropy(
             x, labels, temperature=temperature, backend="triton"
         )
-        ref_lp = reference.ref_log_probs(ref, labels, temperature, IGNORE)
+        ref_lp = token_log_probs(ref, labels, temperature=temperature)
         ref_h = reference.ref_entropy(ref, temperature)
         what = f"{device} V={vocab} {dtype} T={temperature}"
         torch.testing.assert_close(
@@ -135,7 +136,7 @@ def check_linear_float64(
         )
         rh = hidden.to(device).double().requires_grad_()
         rw = weight.to(device).double().requires_grad_()
-        ref = reference.ref_log_probs((rh @ rw.T), labels, temperature, IGNORE)
+        ref = token_log_probs(rh @ rw.T, labels, temperature=temperature)
         what = f"{device} N={tokens} V={vocab} H={hidden_dim} {dtype} chunk={chunk} T={temperature}"
         # Values: the block logits are rounded to the input dtype by the matmul (as in any
         # 16-bit matmul); |z| stays below about 12 here, so a logit is off by at most
@@ -265,7 +266,7 @@ def check_fused_float64(
     coef = reference.upstream((tokens,), seed=6).to(device)
     rh = hidden.to(device).double().requires_grad_()
     rw = weight.to(device).double().requires_grad_()
-    ref = (reference.ref_log_probs(rh @ rw.T, labels, 0.8, IGNORE) * coef).sum()
+    ref = (token_log_probs(rh @ rw.T, labels, temperature=0.8) * coef).sum()
     ref_h, ref_w = torch.autograd.grad(ref, [rh, rw])
     # (fp32 logits, fp32 weight-gradient sum, relative error allowed): with both, only the
     # final bf16/fp16 rounding remains.
@@ -291,7 +292,7 @@ def check_fused_float64(
         loss.backward()
         assert h.grad is not None and w.grad is not None
         for name, got, want in (("hidden", h.grad, ref_h), ("weight", w.grad, ref_w)):
-            err = float((got.double() - want).norm() / want.norm())
+            err = relative_error(got, want)
             assert err <= tol, (
                 f"fused {name} grad {device} {dtype} {fp32_logits=} {fp32_weight_grad=}: {err}"
             )

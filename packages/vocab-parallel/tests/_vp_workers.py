@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import _vp_reference as reference
 import vocab_parallel as vp
 from _vp_reference import IGNORE
+from train_testing.reference import relative_error, token_log_probs, token_sum_cross_entropy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # (value atol, grad atol, grad rtol)
@@ -92,7 +93,7 @@ def check_logits_parity(rank: int, world_size: int, cases: list[dict[str, Any]])
         for name, value in (("log-probs", log_p), ("entropy", ent), ("cross-entropy", ce)):
             assert not isinstance(value, DTensor), f"{name} should be a plain tensor"
             _same_on_all_ranks(value, f"{what} {name}")
-        ref_lp = reference.ref_log_probs(ref, labels_cpu, temp, IGNORE)
+        ref_lp = token_log_probs(ref, labels_cpu, temperature=temp)
         ref_h = reference.ref_entropy(ref, temp)
         ref_ce = reference.ref_cross_entropy(ref, labels_cpu, IGNORE, "mean", 0.0)
         _close(log_p, ref_lp, atol=v_atol, rtol=1e-5, what=f"{what} log-probs")
@@ -136,7 +137,7 @@ def check_colwise_lm_head(rank: int, world_size: int, vocab: int, dtype_name: st
     wd = weight.double().requires_grad_()
     hd = hidden_full.double().requires_grad_()
     ref_logits = hd @ wd.T
-    ref_lp = reference.ref_log_probs(ref_logits, labels, temp, IGNORE)
+    ref_lp = token_log_probs(ref_logits, labels, temperature=temp)
     ref_h = reference.ref_entropy(ref_logits, temp)
     ref_w_grad, ref_h_grad = torch.autograd.grad(
         (ref_lp * w1 + ref_h * w2).sum(), [wd, hd], retain_graph=True
@@ -203,7 +204,7 @@ def _check_sharded_grads(
         ("weight", weight_grad.full_tensor(), ref_weight_grad),
         ("hidden", hidden_grad, ref_hidden_grad),
     ):
-        err = float((got.double() - want).norm() / want.norm())
+        err = relative_error(got, want)
         assert err <= tol, f"rank {rank} {what} {grad_name} grad: relative error {err}"
 
 
@@ -223,7 +224,7 @@ def _autocast_on_sharded_head(
     hidden_full, weight = hidden_full.bfloat16().float(), weight.bfloat16().float()
     hd = hidden_full.double().requires_grad_()
     wd = weight.double().requires_grad_()
-    ref = -reference.ref_log_probs(hd @ wd.T, labels, temp, IGNORE).sum()
+    ref = -token_log_probs(hd @ wd.T, labels, temperature=temp).sum()
     ref_w_grad, ref_h_grad = torch.autograd.grad(ref, [wd, hd])
 
     def grads(form: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,7 +280,7 @@ def check_fused_linear_sharded(
     for name, (ref_coef, options) in cases.items():
         wd = weight.double().requires_grad_()
         hd = hidden_full.double().requires_grad_()
-        ref = (reference.ref_log_probs(hd @ wd.T, labels, temp, IGNORE) * ref_coef).sum()
+        ref = (token_log_probs(hd @ wd.T, labels, temperature=temp) * ref_coef).sum()
         ref_w_grad, ref_h_grad = torch.autograd.grad(ref, [wd, hd])
 
         w = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
@@ -305,9 +306,7 @@ def check_fused_linear_sharded(
     # the logits: exact for fp32; for bf16 the unfused matmul's rounded logits, because their
     # rounding moves each ratio (and may cross the clip), which no bf16 form can undo.
     with torch.no_grad():
-        ref_lp = reference.ref_log_probs(
-            hidden_full.double() @ weight.double().T, labels, temp, IGNORE
-        )
+        ref_lp = token_log_probs(hidden_full.double() @ weight.double().T, labels, temperature=temp)
     inputs = reference.policy_inputs(ref_lp, seed=33)
     if dtype == torch.float32:
         logits = hidden_full.double() @ weight.double().T
@@ -315,7 +314,7 @@ def check_fused_linear_sharded(
         logits = (hidden_full @ weight.T).double()
     logits.requires_grad_()
     per_token = reference.clipped_surrogate(
-        reference.ref_log_probs(logits, labels, temp, IGNORE), *(x.double() for x in inputs)
+        token_log_probs(logits, labels, temperature=temp), *(x.double() for x in inputs)
     )
     for entropy_bonus in (False, True):  # the entropy's statistics are reduced over ranks too
         ref_terms = per_token
@@ -355,10 +354,10 @@ def check_fused_linear_sharded(
     hidden = hidden_full.clone().requires_grad_()
     vp.linear_cross_entropy(hidden, w, labels, reduction="sum").backward()
     hd = hidden_full.double().requires_grad_()
-    ref = -reference.ref_log_probs(hd @ weight.double().T, labels, 1.0, IGNORE).sum()
+    ref = token_sum_cross_entropy(hd @ weight.double().T, labels)
     (ref_h_grad,) = torch.autograd.grad(ref, [hd])
     assert hidden.grad is not None and w.grad is None
-    err = float((hidden.grad.double() - ref_h_grad).norm() / ref_h_grad.norm())
+    err = relative_error(hidden.grad, ref_h_grad)
     assert err <= tol, f"frozen sharded head: hidden grad relative error {err}"
     # Bad labels raise on every rank (the count travels with the first chunk's SUM).
     bad = labels.clone()

@@ -8,6 +8,7 @@ import torch
 import _vp_reference as reference
 import vocab_parallel as vp
 from _vp_reference import IGNORE
+from train_testing.reference import token_log_probs
 
 SHAPE = (3, 5)
 VOCAB = 97
@@ -46,7 +47,7 @@ def test_token_log_probs_matches_reference(dtype: torch.dtype, temperature: floa
     ours, ref, labels = _inputs(dtype, seed=1)
     assert (labels == IGNORE).any() and (labels != IGNORE).any()
     out = vp.token_log_probs(ours, labels, temperature=temperature, chunk_size=4)
-    expected = reference.ref_log_probs(ref, labels, temperature, IGNORE)
+    expected = token_log_probs(ref, labels, temperature=temperature)
     assert out.dtype == torch.float32 and out.shape == SHAPE
     v_atol, g_atol, g_rtol = TOL[dtype]
     _close(out, expected, atol=v_atol, rtol=1e-5, what="log-probs")
@@ -78,7 +79,7 @@ def test_token_entropy_matches_reference(dtype: torch.dtype, temperature: float)
 def test_log_probs_and_entropy_share_one_pass(dtype: torch.dtype) -> None:
     ours, ref, labels = _inputs(dtype, seed=3)
     log_p, ent = vp.token_log_probs_and_entropy(ours, labels, temperature=0.9, chunk_size=3)
-    ref_lp = reference.ref_log_probs(ref, labels, 0.9, IGNORE)
+    ref_lp = token_log_probs(ref, labels, temperature=0.9)
     ref_h = reference.ref_entropy(ref, 0.9)
     v_atol, g_atol, g_rtol = TOL[dtype]
     _close(log_p, ref_lp, atol=v_atol, rtol=1e-5, what="log-probs")
@@ -128,7 +129,7 @@ def test_linear_token_log_probs_matches_reference(dtype: torch.dtype, chunk_size
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
     out = vp.linear_token_log_probs(h, w, labels, temperature=1.3, chunk_size=chunk_size)
-    expected = reference.ref_log_probs(hd @ wd.T, labels, 1.3, IGNORE)
+    expected = token_log_probs(hd @ wd.T, labels, temperature=1.3)
     # bf16: our logits are bf16 matmul outputs (as in `hidden @ weight.T`), the reference's exact.
     v_atol, g_atol = (1e-5, 1e-5) if dtype == torch.float32 else (0.1, 0.1)
     _close(out, expected, atol=v_atol, rtol=1e-4, what="linear log-probs")
@@ -211,7 +212,7 @@ def test_linear_log_probs_skip_ignored_forms_only_trained_rows(
     if dtype == torch.float32:  # and against the float64 reference, computed unfused
         hd = hidden.double().requires_grad_()
         wd = weight.double().requires_grad_()
-        expected = reference.ref_log_probs(hd @ wd.T, labels, 1.3, IGNORE)
+        expected = token_log_probs(hd @ wd.T, labels, temperature=1.3)
         (expected * coef).sum().backward()
         _close(skipped[0], expected, atol=1e-5, rtol=1e-4, what="skipped log-probs")
         _close(skipped[1], hd.grad, atol=1e-5, rtol=1e-4, what="skipped hidden gradient")
@@ -332,7 +333,7 @@ def test_sliced_logits_are_read_in_place(dtype: torch.dtype) -> None:
     big = [t for t in saved if t.numel() >= 3 * 5 * VOCAB]
     assert len(big) == 1, [tuple(t.shape) for t in big]
     assert big[0].untyped_storage().data_ptr() == full.untyped_storage().data_ptr(), "copied"
-    ref_lp = reference.ref_log_probs(ref_full[:, :-1], labels, 1.0, IGNORE)
+    ref_lp = token_log_probs(ref_full[:, :-1], labels)
     ref_h = reference.ref_entropy(ref_full[:, :-1], 1.0)
     v_atol, g_atol, g_rtol = TOL[dtype]
     _close(log_p, ref_lp, atol=v_atol, rtol=1e-5, what="sliced log-probs")

@@ -10,15 +10,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import vocab_parallel as vp
-from _vp_reference import linear_inputs, make_labels, make_logits, ref_log_probs, upstream
+from _vp_reference import (
+    IGNORE,
+    LINEAR_SHAPE,
+    LINEAR_VOCAB,
+    linear_case,
+    make_labels,
+    make_logits,
+    upstream,
+)
+from train_testing.reference import relative_error, token_log_probs
 from vocab_parallel._fused_linear import accumulate_weight_grad_, fused_chunk_tokens
-
-IGNORE = -100
-SHAPE, HIDDEN, VOCAB = (3, 11), 24, 150  # 33 tokens: chunks of 7 leave a ragged last chunk
-
-
-def _inputs(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return linear_inputs(SHAPE, HIDDEN, VOCAB, dtype, seed=seed)
 
 
 def _reference(
@@ -31,14 +33,10 @@ def _reference(
     """(loss, hidden grad, weight grad) in float64 from the same (rounded) inputs."""
     h = hidden.double().requires_grad_()
     w = weight.double().requires_grad_()
-    log_p = ref_log_probs(h @ w.T, labels, temperature, IGNORE)
+    log_p = token_log_probs(h @ w.T, labels, temperature=temperature)
     loss = (coefficients.double() * log_p).sum()
     grad_h, grad_w = torch.autograd.grad(loss, [h, w])
     return loss.detach(), grad_h, grad_w
-
-
-def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual.double() - expected).norm() / expected.norm().clamp(min=1e-30))
 
 
 # Relative (norm) error allowed, by (dtype, fp32_logits, fp32_weight_grad). With fp32 logits and
@@ -71,7 +69,7 @@ def test_fused_loss_matches_float64(
     # A fixed seed per case (hash() of a str is randomised per process).
     seed = zlib.crc32(repr((mode, dtype_name, fp32_logits, fp32_weight_grad, temperature)).encode())
     seed %= 1000
-    hidden, weight, labels = _inputs(dtype, seed)
+    hidden, weight, labels = linear_case(dtype, seed)
     valid = labels != IGNORE
     h = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
@@ -82,10 +80,10 @@ def test_fused_loss_matches_float64(
         "fp32_weight_grad": fp32_weight_grad,
     }
     if mode == "coefficients":
-        coef = upstream(SHAPE, seed=seed).float()
+        coef = upstream(LINEAR_SHAPE, seed=seed).float()
         loss = vp.fused_linear_token_loss(h, w, labels, coef, **options)
     else:
-        coef = -torch.ones(SHAPE, dtype=torch.float64)
+        coef = -torch.ones(LINEAR_SHAPE, dtype=torch.float64)
         if mode == "mean":
             coef = coef / valid.sum()
         loss = vp.linear_cross_entropy(h, w, labels, reduction=mode, **options)  # type: ignore[arg-type]
@@ -99,17 +97,17 @@ def test_fused_loss_matches_float64(
     assert h.grad is not None and w.grad is not None
     assert h.grad.dtype == dtype and w.grad.dtype == dtype
     tol = TOL[dtype_name, fp32_logits, fp32_weight_grad]
-    assert _rel(h.grad, 1.5 * ref_h) <= tol, _rel(h.grad, 1.5 * ref_h)
-    assert _rel(w.grad, 1.5 * ref_w) <= tol, _rel(w.grad, 1.5 * ref_w)
+    assert relative_error(h.grad, 1.5 * ref_h) <= tol, relative_error(h.grad, 1.5 * ref_h)
+    assert relative_error(w.grad, 1.5 * ref_w) <= tol, relative_error(w.grad, 1.5 * ref_w)
     assert torch.equal(h.grad[~valid], torch.zeros_like(h.grad[~valid]))
 
 
 def test_log_probs_returned_match_reference_and_recompute_form() -> None:
-    hidden, weight, labels = _inputs(torch.float32, 3)
+    hidden, weight, labels = linear_case(torch.float32, 3)
     loss, log_p = vp.fused_linear_token_loss(
         hidden, weight, labels, 1.0, temperature=0.8, return_log_probs=True
     )
-    ref = ref_log_probs(hidden.double() @ weight.double().T, labels, 0.8, IGNORE)
+    ref = token_log_probs(hidden.double() @ weight.double().T, labels, temperature=0.8)
     torch.testing.assert_close(log_p.double(), ref, atol=2e-5, rtol=1e-5)
     recompute = vp.linear_token_log_probs(hidden, weight, labels, temperature=0.8)
     torch.testing.assert_close(log_p, recompute, atol=1e-5, rtol=1e-5)
@@ -117,7 +115,7 @@ def test_log_probs_returned_match_reference_and_recompute_form() -> None:
 
 
 def test_chunking_leaves_results_unchanged_in_fp32() -> None:
-    hidden, weight, labels = _inputs(torch.float32, 4)
+    hidden, weight, labels = linear_case(torch.float32, 4)
     results = []
     for chunk_size in (1, 5, 33, 1000):
         h = hidden.clone().requires_grad_()
@@ -130,44 +128,44 @@ def test_chunking_leaves_results_unchanged_in_fp32() -> None:
 
 
 def test_gradient_accumulation_over_two_calls() -> None:
-    hidden, weight, labels = _inputs(torch.float32, 5)
-    hidden2, _, labels2 = _inputs(torch.float32, 6)
+    hidden, weight, labels = linear_case(torch.float32, 5)
+    hidden2, _, labels2 = linear_case(torch.float32, 6)
     w = weight.clone().requires_grad_()
     h1, h2 = hidden.clone().requires_grad_(), hidden2.clone().requires_grad_()
     vp.linear_cross_entropy(h1, w, labels, reduction="sum", chunk_size=8).backward()
     (vp.linear_cross_entropy(h2, w, labels2, reduction="sum") / 4).backward()
-    coef = -torch.ones(SHAPE, dtype=torch.float64)
+    coef = -torch.ones(LINEAR_SHAPE, dtype=torch.float64)
     _, ref_h1, ref_w1 = _reference(hidden, weight, labels, coef, 1.0)
     _, ref_h2, ref_w2 = _reference(hidden2, weight, labels2, coef / 4, 1.0)
     assert w.grad is not None and h1.grad is not None and h2.grad is not None
-    assert _rel(w.grad, ref_w1 + ref_w2) <= 2e-6
-    assert _rel(h1.grad, ref_h1) <= 2e-6 and _rel(h2.grad, ref_h2) <= 2e-6
+    assert relative_error(w.grad, ref_w1 + ref_w2) <= 2e-6
+    assert relative_error(h1.grad, ref_h1) <= 2e-6 and relative_error(h2.grad, ref_h2) <= 2e-6
 
 
 def test_frozen_weight_gets_no_gradient_and_hidden_is_exact() -> None:
-    hidden, weight, labels = _inputs(torch.float32, 7)
+    hidden, weight, labels = linear_case(torch.float32, 7)
     h = hidden.clone().requires_grad_()
     loss = vp.linear_cross_entropy(h, weight, labels)  # weight.requires_grad is False (LoRA)
     loss.backward()
-    coef = -torch.ones(SHAPE, dtype=torch.float64) / (labels != IGNORE).sum()
+    coef = -torch.ones(LINEAR_SHAPE, dtype=torch.float64) / (labels != IGNORE).sum()
     _, ref_h, _ = _reference(hidden, weight, labels, coef, 1.0)
     assert weight.grad is None and h.grad is not None
-    assert _rel(h.grad, ref_h) <= 2e-6
+    assert relative_error(h.grad, ref_h) <= 2e-6
 
 
 def test_no_grad_forward_gives_the_loss_only() -> None:
-    hidden, weight, labels = _inputs(torch.float32, 8)
+    hidden, weight, labels = linear_case(torch.float32, 8)
     with torch.no_grad():
         loss = vp.linear_cross_entropy(hidden.requires_grad_(), weight, labels)
-    coef = -torch.ones(SHAPE, dtype=torch.float64) / (labels != IGNORE).sum()
+    coef = -torch.ones(LINEAR_SHAPE, dtype=torch.float64) / (labels != IGNORE).sum()
     ref_loss, _, _ = _reference(hidden, weight, labels, coef, 1.0)
     assert not loss.requires_grad
     assert abs(loss.item() - ref_loss.item()) <= 1e-5
 
 
 def test_all_ignored_mean_is_nan_with_zero_gradients() -> None:
-    hidden, weight, _ = _inputs(torch.float32, 9)
-    labels = torch.full(SHAPE, IGNORE)
+    hidden, weight, _ = linear_case(torch.float32, 9)
+    labels = torch.full(LINEAR_SHAPE, IGNORE)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     loss = vp.linear_cross_entropy(h, w, labels)
     assert torch.isnan(loss)
@@ -177,13 +175,13 @@ def test_all_ignored_mean_is_nan_with_zero_gradients() -> None:
 
 
 def test_misuse_errors() -> None:
-    hidden, weight, labels = _inputs(torch.float32, 10)
+    hidden, weight, labels = linear_case(torch.float32, 10)
     h = hidden.clone().requires_grad_()
     loss = vp.linear_cross_entropy(h, weight, labels)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         loss.backward()
-    coef = torch.ones(SHAPE, requires_grad=True)
+    coef = torch.ones(LINEAR_SHAPE, requires_grad=True)
     with pytest.raises(ValueError, match="detach"):
         vp.fused_linear_token_loss(hidden, weight, labels, coef)
     with pytest.raises(ValueError, match="one per token"):
@@ -191,7 +189,7 @@ def test_misuse_errors() -> None:
     with pytest.raises(ValueError, match="linear_token_log_probs"):
         vp.linear_cross_entropy(hidden, weight, labels, reduction="none")  # type: ignore[arg-type]
     bad = labels.clone()
-    bad[0, 0] = VOCAB
+    bad[0, 0] = LINEAR_VOCAB
     with pytest.raises(ValueError, match="outside"):
         vp.linear_cross_entropy(hidden, weight, bad, validate=True)
 
@@ -295,14 +293,14 @@ def test_in_place_backward_twice_raises_and_sliced_logits_are_written() -> None:
     with pytest.raises(RuntimeError, match="backward ran twice"):
         log_p.sum().backward()
     ref = base.double().requires_grad_()
-    ref_log_probs(ref[:, :-1], labels, 1.0, IGNORE).sum().backward()
+    token_log_probs(ref[:, :-1], labels).sum().backward()
     assert logits.grad is not None
     torch.testing.assert_close(logits.grad.double(), ref.grad, atol=1e-6, rtol=1e-5)
 
 
 def _bf16_rounding_floor(*grads: torch.Tensor) -> float:
     """The error of the float64 gradients rounded to bf16: no bf16 gradient can be closer."""
-    return max(_rel(g.to(torch.bfloat16), g) for g in grads)
+    return max(relative_error(g.to(torch.bfloat16), g) for g in grads)
 
 
 @pytest.mark.parametrize("function", ["cross_entropy", "log_prob_loss", "recompute"])
@@ -316,7 +314,7 @@ def test_autocast_runs_in_its_dtype_and_returns_unrounded_fp32_gradients(
     float64 (from the same bf16 operands) than the bf16 call's, and with fp32 logits closer
     than rounding the exact gradients to bf16 could be (the floor every bf16 gradient is at).
     The recompute form (``linear_token_log_probs``) too, in forward and in backward."""
-    hidden, weight, labels = _inputs(torch.float32, 6)
+    hidden, weight, labels = linear_case(torch.float32, 6)
     # Values a bf16 cast keeps: the float64 reference sees exactly the matmuls' operands.
     hidden, weight = hidden.bfloat16().float(), weight.bfloat16().float()
 
@@ -332,14 +330,14 @@ def test_autocast_runs_in_its_dtype_and_returns_unrounded_fp32_gradients(
             h, w, labels, lambda log_p: -log_p, skip_ignored=skip_ignored, **options
         )
 
-    ref_loss, ref_h, ref_w = _reference(hidden, weight, labels, -torch.ones(SHAPE), 1.0)
+    ref_loss, ref_h, ref_w = _reference(hidden, weight, labels, -torch.ones(LINEAR_SHAPE), 1.0)
     floor = _bf16_rounding_floor(ref_h, ref_w)
     h16 = hidden.to(torch.bfloat16).requires_grad_()
     w16 = weight.to(torch.bfloat16).requires_grad_()
     by_hand = loss_of(h16, w16)
     by_hand.backward()
     assert h16.grad is not None and w16.grad is not None
-    by_hand_err = max(_rel(h16.grad, ref_h), _rel(w16.grad, ref_w))
+    by_hand_err = max(relative_error(h16.grad, ref_h), relative_error(w16.grad, ref_w))
     assert by_hand_err >= floor  # a bf16 gradient: at least the rounding floor
     for fp32_logits in (False, True) if function != "recompute" else (False,):
         h32, w32 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -348,7 +346,7 @@ def test_autocast_runs_in_its_dtype_and_returns_unrounded_fp32_gradients(
         loss.backward()
         assert h32.grad is not None and w32.grad is not None
         assert h32.grad.dtype == torch.float32 and w32.grad.dtype == torch.float32
-        err = max(_rel(h32.grad, ref_h), _rel(w32.grad, ref_w))
+        err = max(relative_error(h32.grad, ref_h), relative_error(w32.grad, ref_w))
         if not fp32_logits:
             torch.testing.assert_close(loss.float(), by_hand.float(), rtol=0, atol=0)
             assert err < 0.95 * by_hand_err, (err, by_hand_err)
@@ -366,11 +364,11 @@ def test_skipping_ignored_tokens_forms_only_the_trained_rows(
     ``trained_count`` finds them without the synchronising ``torch.nonzero``."""
     from vocab_parallel import _fused_linear
 
-    hidden, weight, labels = _inputs(torch.float32, 12)
+    hidden, weight, labels = linear_case(torch.float32, 12)
     valid = labels != IGNORE
     k = int(valid.sum())
     assert 0 < k < labels.numel()  # the test can fail: some tokens are ignored, some not
-    coef = upstream(SHAPE, seed=12).float()
+    coef = upstream(LINEAR_SHAPE, seed=12).float()
     rows: list[int] = []
     chunk_logits = _fused_linear._chunk_logits
 
@@ -417,11 +415,13 @@ def test_skipping_ignored_tokens_forms_only_the_trained_rows(
         assert not skipped[1][~valid].any()
         ref_loss, ref_h, ref_w = _reference(hidden, weight, labels, coef.double(), 1.0)
         assert abs(float(skipped[0]) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
-        assert _rel(skipped[2], ref_h) <= 2e-6 and _rel(skipped[3], ref_w) <= 2e-6
+        assert (
+            relative_error(skipped[2], ref_h) <= 2e-6 and relative_error(skipped[3], ref_w) <= 2e-6
+        )
 
 
 def test_trained_count_is_checked() -> None:
-    hidden, weight, labels = _inputs(torch.float32, 13)
+    hidden, weight, labels = linear_case(torch.float32, 13)
     k = int((labels != IGNORE).sum())
     with pytest.raises(ValueError, match=r"outside \[0, 33\]"):
         vp.linear_cross_entropy(hidden, weight, labels, trained_count=34)

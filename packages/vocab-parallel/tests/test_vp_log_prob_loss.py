@@ -9,20 +9,16 @@ import torch
 
 import vocab_parallel as vp
 from _vp_reference import (
+    IGNORE,
+    LINEAR_HIDDEN,
+    LINEAR_SHAPE,
     clipped_surrogate,
     clipped_with_entropy_bonus,
-    linear_inputs,
+    linear_case,
     policy_inputs,
     ref_entropy,
-    ref_log_probs,
 )
-
-IGNORE = -100
-SHAPE, HIDDEN, VOCAB = (3, 11), 24, 150  # 33 tokens: chunks of 7 leave a ragged last chunk
-
-
-def _inputs(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return linear_inputs(SHAPE, HIDDEN, VOCAB, dtype, seed=seed)
+from train_testing.reference import relative_error, token_log_probs
 
 
 def _reference(
@@ -47,7 +43,7 @@ def _reference(
     exact = hidden.dtype == torch.float32
     logits = (hidden.double() @ weight.double().T) if exact else (hidden @ weight.T).double()
     logits.requires_grad_()
-    log_p = ref_log_probs(logits, labels, temperature, IGNORE)
+    log_p = token_log_probs(logits, labels, temperature=temperature)
     constants = [x.double() for x in inputs]
     if entropy_bonus:
         entropy = ref_entropy(logits, temperature)
@@ -57,17 +53,15 @@ def _reference(
     loss = torch.where(labels != IGNORE, per_token, 0.0).sum()
     (grad_logits,) = torch.autograd.grad(loss, [logits])
     grad_h = grad_logits @ weight.double()
-    grad_w = grad_logits.reshape(-1, weight.shape[0]).T @ hidden.double().reshape(-1, HIDDEN)
+    grad_w = grad_logits.reshape(-1, weight.shape[0]).T @ hidden.double().reshape(-1, LINEAR_HIDDEN)
     return loss.detach(), grad_h, grad_w
-
-
-def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual.double() - expected).norm() / expected.norm().clamp(min=1e-30))
 
 
 def _policy_inputs(hidden, weight, labels, temperature, seed):  # type: ignore[no-untyped-def]
     with torch.no_grad():
-        log_p = ref_log_probs(hidden.double() @ weight.double().T, labels, temperature, IGNORE)
+        log_p = token_log_probs(
+            hidden.double() @ weight.double().T, labels, temperature=temperature
+        )
     return policy_inputs(log_p, seed=seed)
 
 
@@ -76,10 +70,10 @@ def _policy_inputs(hidden, weight, labels, temperature, seed):  # type: ignore[n
 def test_clipped_policy_loss_matches_float64(
     skip_ignored: bool, temperature: float, chunk_size: int | None
 ) -> None:
-    hidden, weight, labels = _inputs(torch.float32, 21)
+    hidden, weight, labels = linear_case(torch.float32, 21)
     inputs = _policy_inputs(hidden, weight, labels, temperature, seed=21)
     ratio = torch.exp(
-        ref_log_probs(hidden.double() @ weight.double().T, labels, temperature, IGNORE)
+        token_log_probs(hidden.double() @ weight.double().T, labels, temperature=temperature)
         - inputs[0].double()
     )
     trained = labels != IGNORE
@@ -103,26 +97,28 @@ def test_clipped_policy_loss_matches_float64(
     ref_loss, ref_h, ref_w = _reference(hidden, weight, labels, inputs, temperature)
     assert abs(float(loss.detach()) - float(ref_loss)) <= 1e-5 * max(1.0, abs(float(ref_loss)))
     assert h.grad is not None and w.grad is not None
-    assert _rel(h.grad, ref_h) <= 2e-6 and _rel(w.grad, ref_w) <= 2e-6
+    assert relative_error(h.grad, ref_h) <= 2e-6 and relative_error(w.grad, ref_w) <= 2e-6
     assert not h.grad[~trained].any()
-    expected_log_p = ref_log_probs(hidden.double() @ weight.double().T, labels, temperature, IGNORE)
+    expected_log_p = token_log_probs(
+        hidden.double() @ weight.double().T, labels, temperature=temperature
+    )
     torch.testing.assert_close(log_p.double(), expected_log_p, atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_policy_loss_is_within_bf16_rounding() -> None:
-    hidden, weight, labels = _inputs(torch.bfloat16, 22)
+    hidden, weight, labels = linear_case(torch.bfloat16, 22)
     inputs = _policy_inputs(hidden, weight, labels, 1.0, seed=22)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     vp.fused_linear_log_prob_loss(h, w, labels, clipped_surrogate, inputs).backward()
     _, ref_h, ref_w = _reference(hidden, weight, labels, inputs, 1.0)
     assert h.grad is not None and w.grad is not None
     # The gradients' rounding to bf16 (about 1.7e-3) and the chunk's bf16 logits gradient.
-    assert _rel(h.grad, ref_h) <= 6e-3 and _rel(w.grad, ref_w) <= 6e-3
+    assert relative_error(h.grad, ref_h) <= 6e-3 and relative_error(w.grad, ref_w) <= 6e-3
 
 
 def test_a_linear_function_equals_the_fixed_coefficient_loss() -> None:
-    hidden, weight, labels = _inputs(torch.float32, 23)
-    coef = torch.randn(SHAPE, generator=torch.Generator().manual_seed(23))
+    hidden, weight, labels = linear_case(torch.float32, 23)
+    coef = torch.randn(LINEAR_SHAPE, generator=torch.Generator().manual_seed(23))
 
     def run(by_function: bool) -> tuple[torch.Tensor, ...]:
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -142,7 +138,7 @@ def test_a_linear_function_equals_the_fixed_coefficient_loss() -> None:
 
 
 def test_scalar_inputs_and_a_loss_without_log_probs() -> None:
-    hidden, weight, labels = _inputs(torch.float32, 24)
+    hidden, weight, labels = linear_case(torch.float32, 24)
     trained = int((labels != IGNORE).sum())
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     # A 0-dim input is shared by every token; a loss that ignores log p has no gradient.
@@ -159,7 +155,7 @@ def test_scalar_inputs_and_a_loss_without_log_probs() -> None:
 
 
 def test_misuse_raises_with_the_fix() -> None:
-    hidden, weight, labels = _inputs(torch.float32, 25)
+    hidden, weight, labels = linear_case(torch.float32, 25)
     with pytest.raises(ValueError, match="not elementwise"):
         vp.fused_linear_log_prob_loss(
             hidden, weight, labels, lambda lp: lp - lp.mean(), validate=True, chunk_size=8
@@ -170,7 +166,7 @@ def test_misuse_raises_with_the_fix() -> None:
         vp.fused_linear_log_prob_loss(
             hidden, weight, labels, lambda lp, x: lp * x, (torch.ones(4),)
         )
-    needs_grad = torch.ones(SHAPE, requires_grad=True)
+    needs_grad = torch.ones(LINEAR_SHAPE, requires_grad=True)
     with pytest.raises(ValueError, match=r"pass token_inputs\[0\]\.detach\(\)"):
         vp.fused_linear_log_prob_loss(hidden, weight, labels, lambda lp, x: lp * x, (needs_grad,))
     with pytest.raises(TypeError, match="token_loss must be a function"):
@@ -191,7 +187,7 @@ def test_misuse_raises_with_the_fix() -> None:
 @pytest.mark.parametrize("entropy_bonus", [False, True])
 def test_clipped_policy_loss_on_cuda_matches_float64(entropy_bonus: bool) -> None:
     """On the GPU (Triton statistics and in-place gradient kernels): bf16 within rounding."""
-    hidden, weight, labels = _inputs(torch.bfloat16, 26)
+    hidden, weight, labels = linear_case(torch.bfloat16, 26)
     inputs = _policy_inputs(hidden, weight, labels, 1.0, seed=26)
     h = hidden.cuda().requires_grad_()
     w = weight.cuda().requires_grad_()
@@ -211,12 +207,14 @@ def test_clipped_policy_loss_on_cuda_matches_float64(entropy_bonus: bool) -> Non
     )
     assert abs(float(loss.detach()) - float(ref_loss)) <= 1e-3 * max(1.0, abs(float(ref_loss)))
     assert h.grad is not None and w.grad is not None
-    assert _rel(h.grad.cpu(), ref_h) <= 6e-3 and _rel(w.grad.cpu(), ref_w) <= 6e-3
+    assert (
+        relative_error(h.grad.cpu(), ref_h) <= 6e-3 and relative_error(w.grad.cpu(), ref_w) <= 6e-3
+    )
 
 
 def test_no_grad_and_frozen_weight_give_the_same_loss() -> None:
     """Without gradients the function still gives the loss; a frozen weight only the hidden's."""
-    hidden, weight, labels = _inputs(torch.float32, 27)
+    hidden, weight, labels = linear_case(torch.float32, 27)
     inputs = _policy_inputs(hidden, weight, labels, 1.0, seed=27)
     ref_loss, ref_h, _ = _reference(hidden, weight, labels, inputs, 1.0)
     with torch.no_grad():
@@ -227,14 +225,14 @@ def test_no_grad_and_frozen_weight_give_the_same_loss() -> None:
     frozen = vp.fused_linear_log_prob_loss(h, weight, labels, clipped_surrogate, inputs)
     assert isinstance(frozen, torch.Tensor)
     frozen.backward()
-    assert h.grad is not None and _rel(h.grad, ref_h) <= 2e-6
+    assert h.grad is not None and relative_error(h.grad, ref_h) <= 2e-6
 
 
 @pytest.mark.parametrize(("skip_ignored", "temperature"), [(True, 1.3), (False, 1.0)])
 def test_entropy_bonus_matches_float64(skip_ignored: bool, temperature: float) -> None:
     """``with_entropy``: the function reads each token's entropy, whose gradient flows through
     the logits too; the returned entropies equal the reference's (0 where ignored)."""
-    hidden, weight, labels = _inputs(torch.float32, 28)
+    hidden, weight, labels = linear_case(torch.float32, 28)
     inputs = _policy_inputs(hidden, weight, labels, temperature, seed=28)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     loss, log_p, entropy = vp.fused_linear_log_prob_loss(
@@ -256,7 +254,7 @@ def test_entropy_bonus_matches_float64(skip_ignored: bool, temperature: float) -
     )
     assert abs(float(loss.detach()) - float(ref_loss)) <= 1e-5 * max(1.0, abs(float(ref_loss)))
     assert h.grad is not None and w.grad is not None
-    assert _rel(h.grad, ref_h) <= 2e-6 and _rel(w.grad, ref_w) <= 2e-6
+    assert relative_error(h.grad, ref_h) <= 2e-6 and relative_error(w.grad, ref_w) <= 2e-6
     trained = labels != IGNORE
     expected = ref_entropy(hidden.double() @ weight.double().T, temperature)
     torch.testing.assert_close(
@@ -264,12 +262,12 @@ def test_entropy_bonus_matches_float64(skip_ignored: bool, temperature: float) -
     )
     # The bonus changes the gradients (the test can fail): without it they differ.
     _, plain_h, _ = _reference(hidden, weight, labels, inputs, temperature)
-    assert _rel(plain_h, ref_h) > 1e-3
-    assert log_p.shape == entropy.shape == SHAPE
+    assert relative_error(plain_h, ref_h) > 1e-3
+    assert log_p.shape == entropy.shape == LINEAR_SHAPE
 
 
 def test_entropy_for_logging_leaves_the_loss_unchanged() -> None:
-    hidden, weight, labels = _inputs(torch.float32, 29)
+    hidden, weight, labels = linear_case(torch.float32, 29)
     inputs = _policy_inputs(hidden, weight, labels, 1.0, seed=29)
 
     def run(with_entropy: bool) -> tuple[torch.Tensor, ...]:

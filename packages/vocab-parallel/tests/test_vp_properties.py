@@ -8,8 +8,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import vocab_parallel as vp
-from _vp_reference import make_labels, make_logits, ref_entropy, ref_log_probs, upstream
+from _vp_reference import make_labels, make_logits, ref_entropy, upstream
 from _vp_workers import check_logits_parity
+from train_testing.reference import token_log_probs
 
 shapes = st.lists(st.integers(1, 4), min_size=0, max_size=2).map(tuple)
 seeds = st.integers(0, 2**16)
@@ -42,7 +43,7 @@ def test_dense_log_probs_and_entropy_match_reference(
     log_p, ent = vp.token_log_probs_and_entropy(
         x, labels, temperature=temperature, chunk_size=chunk_size
     )
-    ref_lp = ref_log_probs(ref, labels, temperature, -100)
+    ref_lp = token_log_probs(ref, labels, temperature=temperature)
     ref_h = ref_entropy(ref, temperature)
     torch.testing.assert_close(log_p.double(), ref_lp, atol=5e-5, rtol=1e-5)
     torch.testing.assert_close(ent.double(), ref_h, atol=5e-5, rtol=1e-5)
@@ -71,7 +72,7 @@ def test_dense_linear_matches_reference(
     labels = make_labels((tokens,), vocab, seed=seed)
     hd, wd = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     out = vp.linear_token_log_probs(h, w, labels, temperature=temperature, chunk_size=chunk_size)
-    ref = ref_log_probs(hd @ wd.T, labels, temperature, -100)
+    ref = token_log_probs(hd @ wd.T, labels, temperature=temperature)
     torch.testing.assert_close(out.double(), ref, atol=5e-5, rtol=1e-5)
     weights = upstream((tokens,), seed=seed)
     (out.double() * weights).sum().backward()

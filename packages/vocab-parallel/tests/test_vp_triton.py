@@ -12,6 +12,7 @@ import torch
 
 import vocab_parallel as vp
 from train_testing import requires_cuda, requires_module
+from train_testing.reference import relative_error, token_log_probs, token_sum_cross_entropy
 
 CHECK = Path(__file__).parent / "_vp_triton_check.py"
 AOT = Path(__file__).parent / "_vp_triton_aot.py"
@@ -130,13 +131,11 @@ def test_linear_default_blocks_on_cuda_match_float64() -> None:
     (out * upstream.cuda()).sum().backward()
     h64 = hidden.double().requires_grad_()
     w64 = weight.double().requires_grad_()
-    logp = torch.log_softmax(h64 @ w64.T, dim=-1)
-    valid = labels != -100
-    ref = torch.where(valid, logp.gather(1, labels.clamp(min=0)[:, None])[:, 0], 0.0)
+    ref = token_log_probs(h64 @ w64.T, labels)
     (ref * upstream.double()).sum().backward()
     torch.testing.assert_close(out.double().cpu(), ref.detach(), atol=2e-2, rtol=1e-2)
     for got, want in ((h.grad, h64.grad), (w.grad, w64.grad)):
-        err = (got.double().cpu() - want).norm() / want.norm()
+        err = relative_error(got, want)
         assert err < 1e-2, float(err)
 
 
@@ -147,7 +146,7 @@ def _float64_token_sum(
     [V, H].T and its (hidden, weight) gradients (CPU), as the CUDA cases backpropagate it."""
     h64 = hidden.double().requires_grad_()
     w64 = weight.double().requires_grad_()
-    ref = torch.nn.functional.cross_entropy(h64 @ w64.T, labels, reduction="sum")
+    ref = token_sum_cross_entropy(h64 @ w64.T, labels)
     grads = torch.autograd.grad(ref / 1000, [h64, w64])
     return ref.item(), (grads[0], grads[1])
 
@@ -184,7 +183,7 @@ def test_grads_in_forward_default_chunks_on_cuda_match_float64(
     assert abs(loss.item() - ref) <= 1e-3 * abs(ref)
     for got, want in zip((h.grad, w.grad), ref_grads, strict=True):
         assert got is not None
-        err = (got.double().cpu() - want).norm() / want.norm()
+        err = relative_error(got, want)
         assert err < tol, float(err)
 
 
@@ -214,6 +213,6 @@ def test_autocast_fp32_gradients_on_cuda_beat_the_bf16_floor(fp32_logits: bool) 
     assert abs(loss.item() - ref) <= 1e-3 * abs(ref)
     for got, want in zip((h.grad, w.grad), ref_grads, strict=True):
         assert got is not None and got.dtype == torch.float32
-        err = float((got.double().cpu() - want).norm() / want.norm())
-        floor = float((want.bfloat16().double() - want).norm() / want.norm())
+        err = relative_error(got, want)
+        floor = relative_error(want.bfloat16(), want)
         assert err < min(1e-3, 0.7 * floor), (err, floor)
