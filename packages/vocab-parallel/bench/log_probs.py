@@ -174,14 +174,20 @@ def main(argv: list[str] | None = None) -> list[Row]:
     on_logits = logits_variants(logits, labels, device)
     if args.no_linear:
         _check_only(args.only, on_logits)
-    rows = measure(
-        _selected(on_logits, args.only),
-        device=device,
-        warmup=args.warmup,
-        repeats=args.repeats,
-        logits_bytes=logits_bytes,
-        reference=reference,
-    )
+
+    def measured(
+        candidates: dict[str, Variant], reference: tuple[torch.Tensor, list[torch.Tensor]]
+    ) -> list[Row]:
+        return measure(
+            _selected(candidates, args.only),
+            device=device,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            logits_bytes=logits_bytes,
+            reference=reference,
+        )
+
+    rows = measured(on_logits, reference)
     del reference
     if not args.no_linear:
         hidden = torch.randn(t, h, device=device, dtype=dtype).requires_grad_()
@@ -205,14 +211,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             autocast_dtype=dtype if args.autocast else None,
         )
         _check_only(args.only, on_logits, variants)
-        rows += measure(
-            _selected(variants, args.only),
-            device=device,
-            warmup=args.warmup,
-            repeats=args.repeats,
-            logits_bytes=logits_bytes,
-            reference=reference,
-        )
+        rows += measured(variants, reference)
         del reference
 
     bandwidth = _copy_bandwidth(logits_bytes, device, args.repeats)

@@ -27,14 +27,16 @@ def _compile(
     triton.compile(src, target=TARGET, options={"num_warps": num_warps})
 
 
+def _rows(dtype: str) -> dict[str, str]:
+    """The arguments every row kernel starts with: the input and its (slab, row) addressing."""
+    return {"x_ptr": dtype, "stride_slab": "i64", "stride_row": "i64", "rows_per_slab": "i64"}
+
+
 def main() -> None:
     for dtype in ("*bf16", "*fp16", "*fp32"):
         for entropy, sum_z in ((True, True), (False, False)):
             arguments = {
-                "x_ptr": dtype,
-                "stride_slab": "i64",
-                "stride_row": "i64",
-                "rows_per_slab": "i64",
+                **_rows(dtype),
                 "n_cols": "i32",
                 "inv_t": "fp32",
                 "max_ptr": "*fp32",
@@ -53,10 +55,7 @@ def main() -> None:
     for dtype, grad_dtype in grad_dtypes:
         for has_target, has_entropy, has_uniform in ((True, True, True), (True, False, False)):
             arguments = {
-                "x_ptr": dtype,
-                "stride_slab": "i64",
-                "stride_row": "i64",
-                "rows_per_slab": "i64",
+                **_rows(dtype),
                 "g_ptr": grad_dtype,
                 "g_stride_slab": "i64",
                 "g_stride_row": "i64",
@@ -80,10 +79,7 @@ def main() -> None:
     # The grads-in-forward losses' one-kernel step (a linear chunk, or in-place logits).
     for dtype in ("*bf16", "*fp16", "*fp32"):
         arguments = {
-            "x_ptr": dtype,
-            "stride_slab": "i64",
-            "stride_row": "i64",
-            "rows_per_slab": "i64",
+            **_rows(dtype),
             "n_cols": "i32",
             "inv_t": "fp32",
             "labels_ptr": "*i64",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -11,13 +12,18 @@ from train_testing.bench.quick import run_quick
 BENCH = Path(__file__).parents[1] / "bench" / "log_probs.py"
 
 
+def _rows(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The report's rows by variant."""
+    return {row["variant"]: row for row in report["rows"]}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_bench_quick_runs_and_writes_json(tmp_path: Path) -> None:
     result = run_quick(BENCH, tmp_path, "--device", "cpu", timeout_s=170)
     assert "x floor" in result.stdout
     report = result.report
-    rows = {row["variant"]: row for row in report["rows"]}
+    rows = _rows(report)
     ours = [
         "naive",
         "ours",
@@ -51,7 +57,7 @@ def test_bench_quick_runs_and_writes_json(tmp_path: Path) -> None:
 def test_policy_loss_bench_quick_runs_and_checks_each_form(tmp_path: Path) -> None:
     result = run_quick(BENCH.parent / "policy_loss.py", tmp_path, "--device", "cpu", timeout_s=170)
     report = result.report
-    rows = {row["variant"]: row for row in report["rows"]}
+    rows = _rows(report)
     ours = [
         "naive",
         "fused_policy",
@@ -105,7 +111,7 @@ def test_bench_autocast_rows_get_unrounded_fp32_gradients(tmp_path: Path) -> Non
     result = run_quick(BENCH, tmp_path, "--device", "cpu", "--autocast", "--only", only)
     report = result.report
     assert report["autocast"] is True
-    rows = {row["variant"]: row for row in report["rows"]}
+    rows = _rows(report)
     floor = report["rounding_floor_rel_err"]["linear"]
     assert rows["naive_linear"]["grad_rel_err"] >= 0.99 * floor, (rows["naive_linear"], floor)
     for name in only.split(","):
