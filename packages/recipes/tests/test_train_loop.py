@@ -136,10 +136,10 @@ def test_retrieval_and_sft_share_the_schedule() -> None:
     optimizer and its schedule from the shared runtime module, which calls build_lr_scheduler."""
     import train_recipes.retrieval.recipe as retrieval
     import train_recipes.run.runtime as runtime
-    import train_recipes.sft.recipe as sft_recipe
+    import train_recipes.sft.build as sft_build
 
     assert "build_lr_scheduler(" in Path(runtime.__file__ or "").read_text()
-    for module in (retrieval, sft_recipe):
+    for module in (retrieval, sft_build):
         source = Path(module.__file__ or "").read_text()
         assert "build_optimizer(" in source and "LambdaLR" not in source, module.__name__
 

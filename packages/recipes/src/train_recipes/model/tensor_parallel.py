@@ -173,7 +173,7 @@ def _check_sequence_divides(
     """
 
     def check(module: nn.Module, args: tuple[object, ...], kwargs: Mapping[str, object]) -> None:
-        hidden = cast(Tensor, args[0] if args else kwargs["hidden_states"])  # [B, S, H]
+        hidden = cast("Tensor", args[0] if args else kwargs["hidden_states"])  # [B, S, H]
         if hidden.shape[1] % tp:
             raise ValueError(
                 f"sequence parallelism over tp={tp} needs the sequence length divisible by tp, "
