@@ -187,6 +187,29 @@ def logits_token_sum_loss(model: CausalLM, inputs: ModelInputs, labels: Tensor) 
     return -token_log_probs(logits, labels).sum()
 
 
+def token_sum_loss_with(
+    model: CausalLM,
+    head: nn.Linear | None,
+    inputs: ModelInputs,
+    labels: Tensor,
+    *,
+    chunk_tokens: int | None = None,
+    trained_only: bool = True,
+) -> Tensor:
+    """The recipe's token-sum loss for a resolved ``head``: fused with gradients, else logits.
+
+    ``head``: :func:`fused_head` of the training model (None: the logits path). The fused loss
+    runs only with gradients enabled (evaluation reads the logits). ``chunk_tokens``: tokens
+    per chunk of the fused loss (None: vocab-parallel's default); ``trained_only``: the fused
+    loss sees only the trained positions (see :func:`fused_token_sum_loss`).
+    """
+    if head is not None and torch.is_grad_enabled():
+        return fused_token_sum_loss(
+            model, head, inputs, labels, chunk_tokens=chunk_tokens, trained_only=trained_only
+        )
+    return logits_token_sum_loss(model, inputs, labels)
+
+
 def token_sum_loss_of(
     model: CausalLM,
     inputs: ModelInputs,
@@ -195,16 +218,15 @@ def token_sum_loss_of(
     chunk_tokens: int | None = None,
     trained_only: bool = True,
 ) -> Tensor:
-    """The recipe's token-sum loss: fused where :func:`fused_head` allows, else on the logits.
+    """:func:`token_sum_loss_with` the head resolved on this call.
 
-    Resolves the head on every call; a run resolves it once
-    (:class:`train_recipes.loss.token_loss.TokenSumLoss`). ``chunk_tokens``: tokens per chunk
-    of the fused loss (None: vocab-parallel's default); ``trained_only``: the fused loss sees
-    only the trained positions (see :func:`fused_token_sum_loss`).
+    A run resolves it once (:class:`train_recipes.loss.token_loss.TokenSumLoss`).
     """
-    head = fused_head(model)
-    if head is not None and torch.is_grad_enabled():
-        return fused_token_sum_loss(
-            model, head, inputs, labels, chunk_tokens=chunk_tokens, trained_only=trained_only
-        )
-    return logits_token_sum_loss(model, inputs, labels)
+    return token_sum_loss_with(
+        model,
+        fused_head(model),
+        inputs,
+        labels,
+        chunk_tokens=chunk_tokens,
+        trained_only=trained_only,
+    )

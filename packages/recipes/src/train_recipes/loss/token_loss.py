@@ -15,8 +15,7 @@ from train_recipes.loss.fused_loss import (
     CausalLM,
     ModelInputs,
     fused_head,
-    fused_token_sum_loss,
-    logits_token_sum_loss,
+    token_sum_loss_with,
 )
 
 if TYPE_CHECKING:
@@ -144,18 +143,15 @@ class TokenSumLoss:
         return inputs
 
     def _loss(self, model: CausalLM, inputs: ModelInputs, labels: Tensor) -> Tensor:
-        # No KV cache: training never reuses one. The fused loss makes the loss from the hidden
-        # states and the head's weight, without the logits.
-        if self.head is not None and torch.is_grad_enabled():
-            return fused_token_sum_loss(
-                model,
-                self.head,
-                inputs,
-                labels,
-                chunk_tokens=self.chunk_tokens,
-                trained_only=self.trained_only,
-            )
-        return logits_token_sum_loss(model, inputs, labels)
+        # No KV cache: training never reuses one.
+        return token_sum_loss_with(
+            model,
+            self.head,
+            inputs,
+            labels,
+            chunk_tokens=self.chunk_tokens,
+            trained_only=self.trained_only,
+        )
 
 
 def token_sum_loss(
