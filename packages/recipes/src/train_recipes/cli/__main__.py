@@ -4,4 +4,7 @@ import sys
 
 from train_recipes.cli.main import main
 
-sys.exit(main())
+# Guarded so that importing every module of the package (the isolated-install check walks them
+# all) does not run the command.
+if __name__ == "__main__":
+    sys.exit(main())
