@@ -23,13 +23,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from train_recipes.run.safetensors_header import read_safetensors_header
 
 __all__ = ["LoadStats", "build_on_meta", "load_sharded_safetensors", "safetensors_files"]
 
@@ -93,20 +94,15 @@ def safetensors_files(folder: str | Path) -> list[Path]:
 def _read_headers(files: list[Path]) -> dict[str, _Entry]:
     entries: dict[str, _Entry] = {}
     for path in files:
-        with path.open("rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(length))
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
+        header = read_safetensors_header(path)
+        for name, meta in header.tensors.items():
             if meta["dtype"] not in _DTYPES:
                 raise ValueError(f"{path}: tensor {name} has unsupported dtype {meta['dtype']}")
-            begin = meta["data_offsets"][0]
             entries[name] = _Entry(
                 path=path,
                 dtype=_DTYPES[meta["dtype"]],
                 shape=tuple(meta["shape"]),
-                offset=8 + length + begin,
+                offset=header.data_start + meta["data_offsets"][0],
             )
     return entries
 

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from train_recipes.config.sft import SFTConfig
 from train_recipes.run.folder import CHECKPOINT_DIR
+from train_recipes.run.safetensors_header import read_safetensors_header
 
 __all__ = [
     "CheckpointSize",
@@ -104,12 +104,8 @@ def _safetensors_tensors(folder: Path) -> dict[str, int] | None:
         return None
     counts: dict[str, int] = {}
     for path in files:
-        with path.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        for name, entry in header.items():
-            if name != "__metadata__":
-                counts[name] = math.prod(entry["shape"])
+        for name, entry in read_safetensors_header(path).tensors.items():
+            counts[name] = math.prod(entry["shape"])
     return counts
 
 
