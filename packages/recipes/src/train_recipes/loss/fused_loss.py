@@ -103,6 +103,53 @@ def _keep_root_unsharded_after_forward(model: CausalLM) -> None:
         inner.set_reshard_after_forward(False, recurse=False)
 
 
+def hidden_and_head_weight(
+    model: CausalLM, head: nn.Linear, inputs: ModelInputs
+) -> tuple[Tensor, Tensor]:
+    """The model's final hidden states and the weight of its output projection ``head``.
+
+    The forward runs with ``head`` passed through (:func:`_head_passes_hidden`), so no logits
+    are formed; a loss then reads both through vocab-parallel's linear forms.
+
+    Args:
+        model: what the recipe calls (the Engine, a wrapper, or the unwrapped model).
+        head: :func:`fused_head` of it.
+        inputs: the model's keyword inputs (no labels).
+
+    Returns:
+        hidden [B, S, H] (replicated over the tensor-parallel ranks) and ``head.weight``
+        [V, H] (a vocabulary shard under tensor parallelism).
+
+    Under FSDP2 the root unit is set to stay unsharded after forward (only the root: blocks
+    keep their ``reshard_after_forward``), so that the head's weight is the gathered one.
+
+    Raises:
+        ValueError: the head's weight is still sharded by data parallelism when it is read
+            (e.g. the head in an FSDP2 unit of its own that resharded after forward), which
+            would read as vocabulary shards.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    _keep_root_unsharded_after_forward(model)
+    with _head_passes_hidden(head):
+        hidden = model(**inputs, use_cache=False).logits  # [B, S, H]
+    weight = head.weight
+    if isinstance(hidden, DTensor):
+        # Tensor parallel: ColwiseParallel's output hook split the passed-through hidden states
+        # over their last dim; every vocabulary rank needs all of them.
+        hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
+    if isinstance(weight, DTensor) and (
+        not isinstance(hidden, DTensor) or weight.device_mesh != hidden.device_mesh
+    ):
+        raise ValueError(
+            f"the output projection's weight is a DTensor on mesh {weight.device_mesh} with "
+            f"{weight.placements} after forward, not the tensor-parallel vocabulary shards; "
+            "leave the output projection in the root FSDP2 unit (as apply_data_parallel does), "
+            "not in a unit of its own"
+        )
+    return hidden, weight
+
+
 def fused_token_sum_loss(
     model: CausalLM,
     head: nn.Linear,
@@ -138,30 +185,12 @@ def fused_token_sum_loss(
             it (e.g. the head in an FSDP2 unit of its own that resharded after forward), which
             would read as vocabulary shards.
     """
-    from torch.distributed.tensor import DTensor, Replicate
-
     import vocab_parallel as vp
 
     # Counted before the forward is launched: by the time the forward is queued the count has
     # reached the host, and reading it costs no wait.
     rows = TrainedRows(labels) if trained_only else None
-    _keep_root_unsharded_after_forward(model)
-    with _head_passes_hidden(head):
-        hidden = model(**inputs, use_cache=False).logits  # [B, S, H]
-    weight = head.weight
-    if isinstance(hidden, DTensor):
-        # Tensor parallel: ColwiseParallel's output hook split the passed-through hidden states
-        # over their last dim; every vocabulary rank needs all of them.
-        hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
-    if isinstance(weight, DTensor) and (
-        not isinstance(hidden, DTensor) or weight.device_mesh != hidden.device_mesh
-    ):
-        raise ValueError(
-            f"the output projection's weight is a DTensor on mesh {weight.device_mesh} with "
-            f"{weight.placements} after forward, not the tensor-parallel vocabulary shards; "
-            "leave the output projection in the root FSDP2 unit (as apply_data_parallel does), "
-            "not in a unit of its own"
-        )
+    hidden, weight = hidden_and_head_weight(model, head, inputs)
     # The head's gradient is summed over the chunks in its own dtype, not in an fp32 buffer
     # the size of the head (1 GiB for a 128k x 2048 head) that would be alive at the end of
     # forward, with every activation: the peak. Its error stays at the bf16 rounding floor
