@@ -20,6 +20,7 @@ import statistics
 from pathlib import Path
 
 import torch
+from _measure import run_info
 
 import vocab_parallel as vp
 from train_testing.bench import write_json
@@ -119,13 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         _profile(forms, step, device)
     for row in rows:
         print(f"{row['form']:<52} {row['ms']:8.3f} ms  {row['TB/s (3 passes)']:6.2f} TB/s")
-    report: dict[str, object] = {
-        "tokens": t,
-        "vocab": v,
-        "device_name": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "rows": rows,
-    }
+    report: dict[str, object] = {**run_info(device), "tokens": t, "vocab": v, "rows": rows}
     if args.out is not None:
         write_json(args.out, report)
     return report

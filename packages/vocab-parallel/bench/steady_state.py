@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _measure import run_info
 
 import vocab_parallel as vp
 from train_testing.bench import write_json
@@ -114,11 +115,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             f"gpu {row['gpu_ms']:7.2f} ms (min {row['gpu_min_ms']:.2f})"
         )
     report: dict[str, object] = {
+        **run_info(device),
         "tokens": t,
         "vocab": v,
         "hidden": h,
-        "device_name": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
         "rows": rows,
     }
     if args.out is not None:
