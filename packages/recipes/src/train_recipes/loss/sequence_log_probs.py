@@ -13,12 +13,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from train_recipes.loss.fused_loss import (
-    CausalLM,
-    ModelInputs,
-    _head_passes_hidden,
-    _keep_root_unsharded_after_forward,
-)
+from train_recipes.loss.fused_loss import CausalLM, ModelInputs, hidden_and_head_weight
 
 __all__ = ["segment_sums", "sequence_sums", "token_log_probs_of"]
 
@@ -63,24 +58,7 @@ def token_log_probs_of(
     if head is None:
         logits = model(**inputs, use_cache=False).logits  # [B, S, V]
         return vp.token_log_probs(logits, labels, temperature=temperature)
-    from torch.distributed.tensor import DTensor, Replicate
-
-    _keep_root_unsharded_after_forward(model)
-    with _head_passes_hidden(head):
-        hidden = model(**inputs, use_cache=False).logits  # [B, S, H]
-    weight = head.weight
-    if isinstance(hidden, DTensor):
-        # Tensor parallel: the head's output hook split the passed-through hidden states over
-        # their last dim; every vocabulary rank needs all of them.
-        hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
-    if isinstance(weight, DTensor) and (
-        not isinstance(hidden, DTensor) or weight.device_mesh != hidden.device_mesh
-    ):
-        raise ValueError(
-            f"the output projection's weight is a DTensor on mesh {weight.device_mesh} with "
-            f"{weight.placements} after forward, not the tensor-parallel vocabulary shards; "
-            "leave the output projection in the root FSDP2 unit (as apply_data_parallel does)"
-        )
+    hidden, weight = hidden_and_head_weight(model, head, inputs)  # [B, S, H], [V, H]
     return vp.linear_token_log_probs(
         hidden, weight, labels, temperature=temperature, chunk_size=chunk_tokens
     )
