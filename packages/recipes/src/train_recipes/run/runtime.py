@@ -28,6 +28,7 @@ from train_recipes.run.schedule import build_lr_scheduler
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
+    from train_recipes.config.grpo import GRPOConfig
     from train_recipes.config.retrieval import RetrievalConfig
     from train_recipes.config.sft import SFTConfig
     from train_recipes.config.shared import OptimConfig
@@ -53,7 +54,9 @@ def open_run_folder(output_dir: str | Path, *, is_main: bool) -> Path:
     return out_dir
 
 
-def write_run_config(out_dir: Path, config: SFTConfig | RetrievalConfig, *, is_main: bool) -> None:
+def write_run_config(
+    out_dir: Path, config: SFTConfig | RetrievalConfig | GRPOConfig, *, is_main: bool
+) -> None:
     """``config.yaml``: the config that trains from here on (written whole, main rank)."""
     if is_main:
         write_atomic(out_dir / CONFIG_FILE, yaml.safe_dump(to_dict(config), sort_keys=False))
