@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from _runs import TinyRun
 from train_recipes.data.demo import DemoSplit, write_demo_dataset
 
 # A short CPU run that logs every step and spends nothing on checkpoints, held-out evaluation or
@@ -127,39 +128,33 @@ def data_overrides(split: DemoSplit) -> list[str]:
 
 def unshuffled_cpu_run(
     split: DemoSplit, out: Path, steps: int, *, checkpoint_every: int = 0
-) -> list[str]:
-    """Overrides of a CPU run on ``split`` into ``out`` that logs every step, neither evaluates
-    nor exports, and reads unshuffled micro-batches of 8 from 2 logical shards (so the samples
-    each step sees are known): the data-plane, scale and Ray tests add their parallelism."""
-    return [
-        *data_overrides(split),
-        f"train.output_dir={out}",
-        f"train.steps={steps}",
-        "train.log_every=1",
-        f"train.checkpoint_every={checkpoint_every}",
-        "train.eval_samples=0",
-        "train.tensorboard=false",
-        "train.export=false",
-        "train.device=cpu",
-        "data.micro_batch_size=8",
-        "data.num_logical_shards=2",
-        "data.shuffle=false",
-    ]
+) -> TinyRun:
+    """A CPU run on ``split`` into ``out`` that logs every step, neither evaluates nor exports,
+    and reads unshuffled micro-batches of 8 from 2 logical shards (so the samples each step
+    sees are known): the data-plane, scale and Ray tests add their parallelism."""
+    return TinyRun(
+        data=split,
+        out=out,
+        steps=steps,
+        checkpoint_every=checkpoint_every,
+        export=False,
+        micro_batch_size=8,
+        logical_shards=2,
+        shuffle=False,
+    )
 
 
-def merged_lora_run(split: DemoSplit, out: Path, steps: int) -> list[str]:
-    """Overrides of a quiet CPU LoRA run on ``split`` into ``out`` (learning rate 1e-2, micro-
-    batches of 8) that exports the merged model: the LoRA tests add their rank and parallelism."""
-    return [
-        *data_overrides(split),
-        f"train.output_dir={out}",
-        "lora.enabled=true",
-        "lora.export=merged",
-        "optim.lr=1e-2",
-        f"train.steps={steps}",
-        *QUIET_CPU_RUN,
-        "data.micro_batch_size=8",
-    ]
+def merged_lora_run(split: DemoSplit, out: Path, steps: int) -> TinyRun:
+    """A quiet CPU LoRA run on ``split`` into ``out`` (learning rate 1e-2, micro-batches of 8)
+    that exports the merged model: the LoRA tests add their rank and parallelism."""
+    return TinyRun(
+        data=split,
+        out=out,
+        steps=steps,
+        lr=1e-2,
+        micro_batch_size=8,
+        extra=("lora.enabled=true", "lora.export=merged"),
+    )
 
 
 def check_lora_run(

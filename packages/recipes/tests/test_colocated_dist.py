@@ -24,10 +24,7 @@ def test_cp2_builds_one_loader_per_replica_and_the_plane_lists_one_epoch(
     reports = rank_pool.run(  # type: ignore[attr-defined]
         2,
         run_sft_plane_on_rank,
-        [
-            *unshuffled_cpu_run(epoch_data, tmp_path / "cp2", EPOCH_STEPS),
-            "parallel.cp=2",
-        ],
+        unshuffled_cpu_run(epoch_data, tmp_path / "cp2", EPOCH_STEPS).but(cp=2).overrides(),
         timeout_s=240,
     )
     # Rank 0 (cp=0) owns the replica's loader; its cp peer built none.

@@ -22,7 +22,7 @@ def test_lora_trains_adapters_and_exports(
     run = rank_pool.run(  # type: ignore[attr-defined]
         2,
         run_lora_on_rank,
-        [*merged_lora_run(demo_data, tmp_path / "lora", 20), "lora.r=8"],
+        merged_lora_run(demo_data, tmp_path / "lora", 20).but("lora.r=8").overrides(),
         PROBE,
         str(tmp_path / "adapter"),
         timeout_s=240,

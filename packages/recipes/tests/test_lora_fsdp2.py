@@ -18,18 +18,16 @@ PROBE = [[3, 23, 24, 17, 25, 35, 5, 4]]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("parallel", ["parallel.tp=1", "parallel.tp=2"])
+@pytest.mark.parametrize("tp", [1, 2])
 def test_lora_under_fsdp2_trains_adapters_and_exports(
-    rank_pool: Any, demo_data: Any, tmp_path: Path, parallel: str
+    rank_pool: Any, demo_data: Any, tmp_path: Path, tp: int
 ) -> None:
     run = rank_pool.run(
         2,
         lora_fsdp2_on_rank,
-        [
-            *merged_lora_run(demo_data, tmp_path / "lora", 12),
-            "parallel.data_parallel=fsdp2",
-            parallel,
-        ],
+        merged_lora_run(demo_data, tmp_path / "lora", 12)
+        .but(data_parallel="fsdp2", tp=tp)
+        .overrides(),
         PROBE,
         str(tmp_path / "adapter"),
         timeout_s=240,

@@ -34,11 +34,8 @@ STEPS = 20
 def _common(split: DemoSplit, out: Path) -> list[str]:
     # A constant rate after the warm-up: the killed run's longer train.steps gives the same
     # rates, so its resume must reproduce the 20-step run.
-    return [
-        *unshuffled_cpu_run(split, out, STEPS, checkpoint_every=10),
-        "optim.schedule=constant",
-        "optim.warmup_steps=5",
-    ]
+    run = unshuffled_cpu_run(split, out, STEPS, checkpoint_every=10)
+    return run.but("optim.schedule=constant", warmup_steps=5).overrides()
 
 
 def _config(overrides: list[str], world_size: int) -> SFTConfig:

@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from _recipes_workers import run_sft_on_rank
+from _runs import TinyRun
 from conftest import unshuffled_cpu_run
 from train_recipes.data.demo import DemoSplit
 
 
-def _common(split: DemoSplit, out: Path, steps: int) -> list[str]:
-    return [*unshuffled_cpu_run(split, out, steps), "parallel.data_parallel=fsdp2"]
+def _fsdp2_run(split: DemoSplit, out: Path, steps: int) -> TinyRun:
+    return unshuffled_cpu_run(split, out, steps).but(data_parallel="fsdp2")
 
 
 def _losses(
@@ -45,17 +46,18 @@ def test_cp2_x_tp2_and_dp2_x_tp2_on_four_ranks_follow_the_dp_losses(
     tp=2 (FSDP2 over dp on a 2-D mesh) on 4 ranks."""
     steps = 3
     base = _losses(
-        rank_pool, 2, [*_common(demo_data, tmp_path / "dp2", steps)], steps, timeout_s=400
+        rank_pool,
+        2,
+        _fsdp2_run(demo_data, tmp_path / "dp2", steps).overrides(),
+        steps,
+        timeout_s=400,
     )
     cp_tp = _losses(
         rank_pool,
         4,
-        [
-            *_common(demo_data, tmp_path / "cp2tp2", steps),
-            "parallel.cp=2",
-            "parallel.tp=2",
-            "train.gradient_accumulation_steps=2",
-        ],
+        _fsdp2_run(demo_data, tmp_path / "cp2tp2", steps)
+        .but(cp=2, tp=2, accumulation=2)
+        .overrides(),
         steps,
         timeout_s=600,
     )
@@ -63,7 +65,7 @@ def test_cp2_x_tp2_and_dp2_x_tp2_on_four_ranks_follow_the_dp_losses(
     dp_tp = _losses(
         rank_pool,
         4,
-        [*_common(demo_data, tmp_path / "dp2tp2", steps), "parallel.tp=2"],
+        _fsdp2_run(demo_data, tmp_path / "dp2tp2", steps).but(tp=2).overrides(),
         steps,
         timeout_s=600,
     )
@@ -79,28 +81,20 @@ def test_packed_rows_under_tp2_with_sequence_parallel_follow_the_dp_losses(
     sequence-parallel norms and activation checkpointing (the recomputation re-enters the
     sharder's context), rows padded to 2*tp; and cp=2 x tp=1 with checkpointing."""
     steps = 3
-    packed = ["data.packing=true", "data.max_length=96", "data.micro_batch_size=2"]
-    base = _losses(
-        rank_pool,
-        2,
-        [*_common(demo_data, tmp_path / "dp2", steps), *packed],
-        steps,
-        timeout_s=400,
-    )
-    for name, extra in (
-        ("tp=2+sp+ac", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-        ("cp=2+ac", ["parallel.cp=2"]),
+    packed = ("data.packing=true", "data.max_length=96")
+
+    def run(name: str) -> TinyRun:
+        return _fsdp2_run(demo_data, tmp_path / name, steps).but(*packed, micro_batch_size=2)
+
+    base = _losses(rank_pool, 2, run("dp2").overrides(), steps, timeout_s=400)
+    for name, other_run in (
+        ("tp=2+sp+ac", run("tp=2+sp+ac").but("parallel.sequence_parallel=true", tp=2)),
+        ("cp=2+ac", run("cp=2+ac").but(cp=2)),
     ):
         other = _losses(
             rank_pool,
             2,
-            [
-                *_common(demo_data, tmp_path / name, steps),
-                *packed,
-                *extra,
-                "model.activation_checkpointing=true",
-                "train.gradient_accumulation_steps=2",
-            ],
+            other_run.but("model.activation_checkpointing=true", accumulation=2).overrides(),
             steps,
             timeout_s=400,
         )
@@ -137,26 +131,23 @@ def test_tp2_follows_dp2_for_qwen3_and_the_qwen2_5_vl_language_model(
     steps = 4
     if family == "qwen3":
         split = demo_data
-        extra = [f"model.path={_save_tiny_qwen3(tmp_path / 'qwen3')}"]
+        family_run = {"model_path": _save_tiny_qwen3(tmp_path / "qwen3")}
     else:
         split = shapes_data
-        extra = ["data.model_family=qwen2_5_vl"]
+        family_run = {"extra": ("data.model_family=qwen2_5_vl",)}
     dp = _losses(
         rank_pool,
         2,
-        [*_common(split, tmp_path / "dp2", steps), *extra],
+        _fsdp2_run(split, tmp_path / "dp2", steps).but(**family_run).overrides(),
         steps,
         timeout_s=400,
     )
     tp = _losses(
         rank_pool,
         2,
-        [
-            *_common(split, tmp_path / "tp2", steps),
-            *extra,
-            "parallel.tp=2",
-            "train.gradient_accumulation_steps=2",
-        ],
+        _fsdp2_run(split, tmp_path / "tp2", steps)
+        .but(**family_run, tp=2, accumulation=2)
+        .overrides(),
         steps,
         timeout_s=400,
     )

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from _recipes_workers import metric_rows
+from _runs import TinyRun
 from _train_loop_workers import (
     eval_loss_run,
     run_sft_expecting_error,
@@ -25,7 +26,7 @@ from _train_loop_workers import (
     watchdog_names_a_sleeping_rank,
     watchdog_names_a_stopped_rank,
 )
-from conftest import CLI, QUIET_CPU_RUN, cli_env, data_overrides, sft_args
+from conftest import CLI, cli_env, data_overrides
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
 from train_recipes.data.demo import DemoSplit, read_jsonl
 from train_recipes.run.schedule import (
@@ -36,16 +37,9 @@ from train_recipes.run.schedule import (
 )
 
 
-def _common(split: DemoSplit, out: Path, *extra: str) -> list[str]:
-    return [
-        *data_overrides(split),
-        f"train.output_dir={out}",
-        *QUIET_CPU_RUN,
-        "train.export=false",
-        "data.micro_batch_size=8",
-        "data.shuffle=false",
-        *extra,
-    ]
+def _loop_run(split: DemoSplit, out: Path) -> TinyRun:
+    """The loop tests' run: quiet, no export, unshuffled micro-batches of 8."""
+    return TinyRun(data=split, out=out, export=False, micro_batch_size=8, shuffle=False)
 
 
 # ----------------------------------------------------------------------------------- schedules
@@ -159,10 +153,10 @@ def test_build_optimizer_takes_the_configs_adamw_values() -> None:
 # ----------------------------------------------------------------------------- held-out loss
 
 
-@pytest.mark.parametrize("layout", ["parallel.cp=1", "parallel.cp=2"])
+@pytest.mark.parametrize("cp", [1, 2])
 @pytest.mark.timeout(240)
 def test_logged_eval_loss_equals_a_float64_forward(
-    rank_pool: Any, demo_data: DemoSplit, tmp_path: Path, layout: str
+    rank_pool: Any, demo_data: DemoSplit, tmp_path: Path, cp: int
 ) -> None:
     """2 ranks, 13 held-out chats in batches of 4 (dp=2: uneven, filler rows on one rank;
     cp=2: every chat sharded over both ranks): the eval/loss logged at the last step equals the
@@ -171,16 +165,10 @@ def test_logged_eval_loss_equals_a_float64_forward(
     from energon_sft import IGNORE_INDEX, SFTTaskEncoder, cook_chat
     from train_recipes.data.demo import build_char_tokenizer
 
-    overrides = _common(
-        demo_data,
-        tmp_path / "run",
-        "train.steps=4",
-        "train.eval_every=2",
-        "train.eval_loss_samples=13",
-        "data.micro_batch_size=4",
-        layout,
+    run = _loop_run(demo_data, tmp_path / "run").but(
+        "train.eval_every=2", "train.eval_loss_samples=13", steps=4, micro_batch_size=4, cp=cp
     )
-    out = rank_pool.run(2, eval_loss_run, overrides, timeout_s=200)[0]
+    out = rank_pool.run(2, eval_loss_run, run.overrides(), timeout_s=200)[0]
     logged = {r["step"]: r["eval/loss"] for r in out["rows"] if "eval/loss" in r}
     assert sorted(logged) == [0, 2, 4]  # step 0: before training (the summary's "before")
     model = out["model"].to(torch.float64).eval()
@@ -243,15 +231,10 @@ def test_an_epoch_run_trains_the_derived_steps(
 ) -> None:
     """4000 samples / (dp=2 x 50 x accumulation 2) = 20 steps per epoch."""
     out = tmp_path / "epochs"
-    overrides = _common(
-        demo_data,
-        out,
-        "train.epochs=1",
-        "data.micro_batch_size=50",
-        "train.gradient_accumulation_steps=2",
-        "train.log_every=5",
+    run = _loop_run(demo_data, out).but(
+        "train.epochs=1", micro_batch_size=50, accumulation=2, log_every=5
     )
-    summary = rank_pool.run(2, run_sft_summary, overrides, timeout_s=200)[0]
+    summary = rank_pool.run(2, run_sft_summary, run.overrides(), timeout_s=200)[0]
     assert summary["steps"] == 20
     rows = metric_rows(out)
     assert [r["step"] for r in rows if "loss" in r] == [5, 10, 15, 20]
@@ -458,10 +441,8 @@ def test_lr_1e30_skips_19_of_20_steps_and_reports_them(
     rank_pool: Any, demo_data: DemoSplit, tmp_path: Path
 ) -> None:
     out = tmp_path / "skips"
-    overrides = _common(
-        demo_data, out, "train.steps=20", "optim.lr=1e30", "train.max_consecutive_skips=0"
-    )
-    summary = rank_pool.run(2, run_sft_summary, overrides, timeout_s=200)[0]
+    run = _loop_run(demo_data, out).but("train.max_consecutive_skips=0", steps=20, lr=1e30)
+    summary = rank_pool.run(2, run_sft_summary, run.overrides(), timeout_s=200)[0]
     assert summary["steps"] == 20
     assert summary["skipped_steps"] == list(range(2, 21))
     assert summary["device"] == "cpu (gloo)" and summary["attention"].startswith("sdpa")
@@ -482,10 +463,8 @@ def test_lr_1e30_skips_19_of_20_steps_and_reports_them(
 def test_nonfinite_raise_policy_is_the_engines(
     rank_pool: Any, demo_data: DemoSplit, tmp_path: Path
 ) -> None:
-    overrides = _common(
-        demo_data, tmp_path / "raise", "train.steps=5", "optim.lr=1e30", "optim.nonfinite=raise"
-    )
-    errors = rank_pool.run(2, run_sft_expecting_error, overrides, timeout_s=200)
+    run = _loop_run(demo_data, tmp_path / "raise").but("optim.nonfinite=raise", steps=5, lr=1e30)
+    errors = rank_pool.run(2, run_sft_expecting_error, run.overrides(), timeout_s=200)
     assert all(e.startswith("NonFiniteGradientError") for e in errors), errors
 
 
@@ -501,9 +480,11 @@ def test_a_run_that_trains_no_token_fails_and_its_skips_survive_a_resume(
     checkpoint: the resume counts on from 3 (skipped_total 4 at step 4) and aborts at step 5
     on max_consecutive_skips=5 (both counts restarted at 0 before)."""
     out = tmp_path / "masked"
-    sets = ["data.max_length=3", "optim.weight_decay=0.1", "train.export=true"]
+    masked = _loop_run(demo_data, out).but(
+        "data.max_length=3", "optim.weight_decay=0.1", export=True
+    )
     errors = rank_pool.run(
-        2, run_sft_expecting_error, _common(demo_data, out, *sets, "train.steps=3"), timeout_s=240
+        2, run_sft_expecting_error, masked.but(steps=3).overrides(), timeout_s=240
     )
     assert all(e.startswith("TrainingAborted: none of the run's 3 steps") for e in errors), errors
     assert "data.max_length=3" in errors[0] and "nothing was exported" in errors[0]
@@ -514,7 +495,7 @@ def test_a_run_that_trains_no_token_fails_and_its_skips_survive_a_resume(
     assert [rows[s]["skipped"] for s in (1, 2, 3)] == [[1], [2], [3]]
     assert [rows[s]["loss_tokens"] for s in (1, 2, 3)] == [0, 0, 0]
 
-    longer = _common(demo_data, out, *sets, "train.steps=8", "train.max_consecutive_skips=5")
+    longer = masked.but("train.max_consecutive_skips=5", steps=8).overrides()
     errors = rank_pool.run(2, run_sft_expecting_error, longer, True, timeout_s=240)
     assert all("steps 1-5: 5 optimizer steps in a row" in e for e in errors), errors
     assert "trained no token" in errors[0]
@@ -572,11 +553,6 @@ def test_skip_tracker_continues_from_a_checkpoints_state() -> None:
     assert resumed.new_since_last_call() == [4, 5]
 
 
-def _cli(split: DemoSplit, out: Path, *sets: str, nproc: int = 1) -> list[str]:
-    run = [s for s in _common(split, out, *sets) if not s.startswith("train.output_dir=")]
-    return [*CLI, *sft_args(out, run, nproc=nproc)]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_consecutive_skips_abort_with_one_line_after_clean_startup_output(
@@ -585,9 +561,12 @@ def test_consecutive_skips_abort_with_one_line_after_clean_startup_output(
     """One CLI run: the start-up header and phases, the held-out accuracy line on its own (no
     progress bar yet), the skips named by their step, then the abort as one line, exit 1."""
     done = subprocess.run(
-        _cli(
-            demo_data, tmp_path / "abort", "train.steps=40", "optim.lr=1e30", "train.eval_samples=8"
-        ),
+        [
+            *CLI,
+            *_loop_run(demo_data, tmp_path / "abort")
+            .but(steps=40, lr=1e30, eval_samples=8)
+            .cli_args(),
+        ],
         env=cli_env(),
         capture_output=True,
         text=True,
@@ -689,7 +668,12 @@ def test_a_stopped_rank_fails_the_run_naming_it(demo_data: DemoSplit, tmp_path: 
 
     out = tmp_path / "hang"
     proc = subprocess.Popen(
-        _cli(demo_data, out, "train.steps=100000", "train.collective_timeout_s=8", nproc=2),
+        [
+            *CLI,
+            *_loop_run(demo_data, out)
+            .but("train.collective_timeout_s=8", steps=100000)
+            .cli_args(nproc=2),
+        ],
         env=cli_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
