@@ -28,6 +28,7 @@ from train_recipes.run.schedule import build_lr_scheduler
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
+    from train_recipes.config.dpo import DPOConfig
     from train_recipes.config.grpo import GRPOConfig
     from train_recipes.config.retrieval import RetrievalConfig
     from train_recipes.config.sft import SFTConfig
@@ -55,7 +56,10 @@ def open_run_folder(output_dir: str | Path, *, is_main: bool) -> Path:
 
 
 def write_run_config(
-    out_dir: Path, config: SFTConfig | RetrievalConfig | GRPOConfig, *, is_main: bool
+    out_dir: Path,
+    config: SFTConfig | RetrievalConfig | GRPOConfig | DPOConfig,
+    *,
+    is_main: bool,
 ) -> None:
     """``config.yaml``: the config that trains from here on (written whole, main rank)."""
     if is_main:
