@@ -28,6 +28,7 @@ LAYERS = {
     "controller": 5,
     "sft": 4,
     "retrieval": 4,
+    "grpo": 4,
     "loop": 3,
     "evaluation": 3,
     "export": 3,

@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from train_recipes.config.sft import LoRAConfig, ModelConfig, MoELossConfig
+from train_recipes.config.sft import (
+    DataConfig,
+    LoRAConfig,
+    ModelConfig,
+    MoELossConfig,
+    SFTConfig,
+    TrainConfig,
+)
 from train_recipes.config.shared import LaunchConfig, OptimConfig, ParallelConfig
 
 __all__ = [
@@ -19,6 +26,7 @@ __all__ = [
     "GRPOTrainConfig",
     "PolicyLossConfig",
     "RolloutConfig",
+    "policy_sft_config",
 ]
 
 
@@ -154,3 +162,31 @@ class GRPOConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     moe: MoELossConfig = field(default_factory=MoELossConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+
+def policy_sft_config(config: GRPOConfig) -> SFTConfig:
+    """The SFT config that builds this run's policy (and its reference) as the SFT recipe would.
+
+    The model, parallelism, LoRA, MoE and optimizer sections are the run's; the data and
+    training keys the model builders read (``data.max_length``, ``train.seed``,
+    ``train.device``, one micro-batch per step) are filled in from this recipe's.
+    """
+    train = config.train
+    return SFTConfig(
+        model=config.model,
+        data=DataConfig(max_length=config.data.max_length),
+        optim=config.optim,
+        parallel=config.parallel,
+        train=TrainConfig(
+            steps=train.steps,
+            seed=train.seed,
+            output_dir=train.output_dir,
+            device=train.device,
+            eval_samples=0,
+            export=train.export,
+            tensorboard=train.tensorboard,
+        ),
+        lora=config.lora,
+        moe=config.moe,
+        launch=config.launch,
+    )

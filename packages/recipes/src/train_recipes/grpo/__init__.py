@@ -1,0 +1,1 @@
+"""The GRPO recipe: the policy update of GRPO/PPO from rollouts (``train-recipes grpo``)."""
