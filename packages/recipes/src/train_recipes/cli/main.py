@@ -1,6 +1,7 @@
 """The ``train-recipes`` command line: its arguments, and the commands that do not train.
 
-The training commands (``sft``, ``retrieval``) are launched by :mod:`train_recipes.cli.launch`.
+The training commands (``sft``, ``retrieval``) are launched by :mod:`train_recipes.cli.launch`,
+``grpo`` by :mod:`train_recipes.cli.grpo_launch`.
 """
 
 from __future__ import annotations
@@ -240,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show.set_defaults(handler=_versions)
 
+    from train_recipes.config.grpo import GRPOConfig
     from train_recipes.config.retrieval import RetrievalConfig
     from train_recipes.config.sft import SFTConfig
 
@@ -262,6 +264,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_recipe_command(
         commands, "retrieval", RetrievalConfig, help="bi-encoder contrastive fine-tuning (InfoNCE)"
+    )
+    grpo = _add_recipe_command(
+        commands,
+        "grpo",
+        GRPOConfig,
+        help="GRPO/PPO policy update from rollouts (sampled on the ranks, or a rollout file)",
+    )
+    grpo.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    grpo.add_argument(
+        "--controller",
+        choices=("spmd", "ray"),
+        default="spmd",
+        help="spmd: the ranks sample and update in lock-step (default); ray: not supported yet",
     )
 
     demo = commands.add_parser(
@@ -318,6 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (2 for a user mistake, in one line)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.command == "grpo":
+        from train_recipes.cli.grpo_launch import launch_grpo
+
+        return launch_grpo(args, argv)
     if args.handler is None:
         try:
             return train(args, argv)

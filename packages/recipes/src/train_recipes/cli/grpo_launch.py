@@ -1,0 +1,111 @@
+"""Launching ``train-recipes grpo``: the config and the rollout file checked once, then the ranks.
+
+In the process the user ran: the config is loaded and validated, a rollout file is read whole
+with the policy's tokenizer (a bad row is one line, before any rank starts), the run folder is
+locked and checked; then the run trains here (one rank) or on local ranks started through
+torch's elastic launcher, which run the same command again (SPMD, in lock-step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from train_recipes.cli.launch import overrides, relaunch, strip_nproc, world_size
+from train_recipes.run.launch_env import GUARDED_OUTPUT_DIR, is_rank_zero, under_launcher
+
+if TYPE_CHECKING:
+    from train_recipes.config.grpo import GRPOConfig
+    from train_recipes.run.folder import RunLock
+
+__all__ = ["launch_grpo"]
+
+
+def _load(args: argparse.Namespace) -> GRPOConfig:
+    """The validated config, with the rollout file's rows checked (raises one-line errors)."""
+    from train_recipes.cli.config_commands import resolve_config_path
+    from train_recipes.config.grpo import GRPOConfig, policy_sft_config
+    from train_recipes.config.grpo_validation import validate_grpo
+    from train_recipes.config.loader import ConfigError, load_config
+
+    if args.controller == "ray":
+        raise ConfigError(
+            "--controller",
+            "'ray' is not supported by grpo yet; run it without --controller (SPMD ranks in "
+            "lock-step: rollout, update, the next rollout)",
+        )
+    path = None if args.config is None else resolve_config_path(args.config)
+    config = load_config(GRPOConfig, path, overrides(args))
+    if args.nproc_per_node is None:
+        args.nproc_per_node = config.launch.nproc_per_node or 1
+    validate_grpo(config, world_size=world_size(args))
+    if config.rollout.source == "file" and is_rank_zero():
+        from train_recipes.data.processors import load_tokenizer
+        from train_recipes.grpo.rollout_file import RolloutFileError, read_rollout_file
+
+        assert config.rollout.path is not None  # validate_grpo enforces it
+        try:
+            read_rollout_file(
+                config.rollout.path,
+                load_tokenizer(policy_sft_config(config)),
+                max_length=config.data.max_length,
+            )
+        except RolloutFileError as err:
+            raise ConfigError("rollout.path", str(err)) from None
+    return config
+
+
+def _guard(args: argparse.Namespace, config: GRPOConfig) -> RunLock | None:
+    """Lock and check the run folder (the launching process, or rank 0 under torchrun)."""
+    from train_recipes.run.folder import RunLock, check_output_dir, clear_run
+
+    out = Path(config.train.output_dir)
+    if os.environ.get(GUARDED_OUTPUT_DIR) == str(out.resolve()) or not is_rank_zero():
+        return None
+    lock = RunLock(out).acquire()
+    try:
+        inputs = [
+            ("model.path", config.model.path),
+            ("data.prompts", config.data.prompts),
+            ("rollout.path", config.rollout.path),
+        ]
+        check_output_dir(out, resume=args.resume, overwrite=args.overwrite, inputs=inputs)
+        if args.overwrite and (removed := clear_run(out)):
+            print(f"train-recipes grpo: --overwrite removed {', '.join(removed)} from {out}")
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def launch_grpo(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Run ``train-recipes grpo``: here, or on local ranks; returns the exit code."""
+    from train_recipes.config.loader import ConfigError
+
+    if under_launcher():
+        from train_recipes.run.process_group import die_with_parent
+
+        die_with_parent()  # a rank never outlives its launcher
+    try:
+        config = _load(args)
+        lock = _guard(args, config)
+    except ConfigError as err:
+        print(f"train-recipes grpo: {err}", file=sys.stderr)
+        return 2
+    try:
+        if args.nproc_per_node > 1 and not under_launcher():
+            os.environ[GUARDED_OUTPUT_DIR] = str(Path(config.train.output_dir).resolve())
+            return relaunch(args.nproc_per_node, strip_nproc(argv))
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+        from train_recipes.grpo.recipe import run_grpo
+
+        run_grpo(config, resume=args.resume)
+        return 0
+    finally:
+        if lock is not None:
+            lock.release()
