@@ -1,0 +1,1 @@
+"""The DPO recipe: offline preference tuning (sigmoid DPO, SimPO) of a causal LM."""
