@@ -29,6 +29,7 @@ LAYERS = {
     "sft": 4,
     "retrieval": 4,
     "grpo": 4,
+    "dpo": 4,
     "loop": 3,
     "evaluation": 3,
     "export": 3,
