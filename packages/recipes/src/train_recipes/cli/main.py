@@ -1,7 +1,7 @@
 """The ``train-recipes`` command line: its arguments, and the commands that do not train.
 
 The training commands (``sft``, ``retrieval``) are launched by :mod:`train_recipes.cli.launch`,
-``grpo`` by :mod:`train_recipes.cli.grpo_launch`.
+``grpo`` by :mod:`train_recipes.cli.grpo_launch`, ``dpo`` by :mod:`train_recipes.cli.dpo_command`.
 """
 
 from __future__ import annotations
@@ -241,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show.set_defaults(handler=_versions)
 
+    from train_recipes.config.dpo import DPOConfig
     from train_recipes.config.grpo import GRPOConfig
     from train_recipes.config.retrieval import RetrievalConfig
     from train_recipes.config.sft import SFTConfig
@@ -278,6 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="spmd",
         help="spmd: the ranks sample and update in lock-step (default); ray: not supported yet",
     )
+    dpo = _add_recipe_command(
+        commands,
+        "dpo",
+        DPOConfig,
+        help="offline preference tuning: sigmoid DPO or SimPO on {prompt, chosen, rejected} pairs",
+    )
+    dpo.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
 
     demo = commands.add_parser(
         "demo-data", help="write the embedded demo dataset in Energon format"
@@ -337,6 +345,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from train_recipes.cli.grpo_launch import launch_grpo
 
         return launch_grpo(args, argv)
+    if args.command == "dpo":
+        from train_recipes.cli.dpo_command import run_dpo_command
+
+        return run_dpo_command(args, argv)
     if args.handler is None:
         try:
             return train(args, argv)

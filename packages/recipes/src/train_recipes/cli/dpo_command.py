@@ -1,0 +1,124 @@
+"""``train-recipes dpo``: the config loaded and checked once, the run folder guarded, the ranks run.
+
+In the process the user ran: the config (a file or a shipped name, with ``--set`` overrides)
+is loaded, checked (:func:`train_recipes.config.dpo.validate_dpo`) and, for a pairs file,
+every row is read and checked, so a bad key or row is one line before any rank starts. Then
+the run folder is locked and checked, and the recipe runs in this process (one rank) or on
+``--nproc-per-node`` local ranks started through torch's elastic launcher, which run this
+command again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from train_recipes.run.launch_env import GUARDED_OUTPUT_DIR, is_rank_zero, under_launcher
+
+if TYPE_CHECKING:
+    from train_recipes.config.dpo import DPOConfig
+    from train_recipes.run.folder import RunLock
+
+__all__ = ["load_dpo_config", "run_dpo_command"]
+
+
+def load_dpo_config(args: argparse.Namespace, *, world_size: int) -> DPOConfig:
+    """The checked config of the command line (pairs files read and checked too).
+
+    Raises:
+        ConfigError: naming the key or option at fault, in one line.
+    """
+    from train_recipes.cli.config_commands import resolve_config_path
+    from train_recipes.cli.launch import overrides
+    from train_recipes.config.dpo import DPOConfig, validate_dpo
+    from train_recipes.config.loader import ConfigError, load_config
+    from train_recipes.dpo.pairs import PairError, read_pair_rows
+
+    path = None if args.config is None else resolve_config_path(args.config)
+    config = load_config(DPOConfig, path, overrides(args))
+    validate_dpo(config, world_size=world_size)
+    if config.data.path is not None:
+        try:
+            read_pair_rows(config.data.path)
+        except PairError as err:
+            raise ConfigError("data.path", str(err)) from None
+    return config
+
+
+def _guard(args: argparse.Namespace, config: DPOConfig) -> RunLock | None:
+    """Lock and check the run folder (the launching process, or rank 0 under torchrun)."""
+    from train_recipes.run.folder import RunLock, check_output_dir, clear_run
+
+    out = Path(config.train.output_dir)
+    if os.environ.get(GUARDED_OUTPUT_DIR) == str(out.resolve()) or not is_rank_zero():
+        return None
+    lock = RunLock(out).acquire()
+    try:
+        inputs = [("data.path", config.data.path), ("model.path", config.model.path)]
+        check_output_dir(out, resume=args.resume, overwrite=args.overwrite, inputs=inputs)
+        if args.overwrite:
+            removed = clear_run(out)
+            if removed:
+                print(f"train-recipes dpo: --overwrite removed {', '.join(removed)} from {out}")
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def run_dpo_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Run ``train-recipes dpo``; returns the exit code (2 for a refused config, in one line)."""
+    from train_recipes.cli.launch import relaunch, strip_nproc
+    from train_recipes.config.loader import ConfigError
+
+    if under_launcher():
+        from train_recipes.run.process_group import die_with_parent
+
+        die_with_parent()  # a rank never outlives its launcher
+        world = int(os.environ["WORLD_SIZE"])
+    lock = None
+    try:
+        if not under_launcher():
+            nproc = args.nproc_per_node
+            if nproc is None:
+                from train_recipes.config.dpo import DPOConfig
+                from train_recipes.config.loader import load_config
+
+                # The rank count the config asks for, read before the checks that need it.
+                path = None
+                if args.config is not None:
+                    from train_recipes.cli.config_commands import resolve_config_path
+
+                    path = resolve_config_path(args.config)
+                nproc = load_config(DPOConfig, path).launch.nproc_per_node or 1
+            if nproc < 1:
+                raise ConfigError("--nproc-per-node", f"must be >= 1, got {nproc}")
+            args.nproc_per_node = world = nproc
+        config = load_dpo_config(args, world_size=world)
+        lock = _guard(args, config)
+    except ConfigError as err:
+        print(f"train-recipes dpo: {err}", file=sys.stderr)
+        return 2
+    try:
+        if args.nproc_per_node is not None and args.nproc_per_node > 1 and not under_launcher():
+            os.environ[GUARDED_OUTPUT_DIR] = str(Path(config.train.output_dir).resolve())
+            return relaunch(args.nproc_per_node, strip_nproc(argv))
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+        from train_recipes.dpo.recipe import run_dpo
+        from train_recipes.run.health import TrainingAborted
+
+        try:
+            run_dpo(config, resume=args.resume)
+        except TrainingAborted as err:
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"train-recipes dpo: {err}", file=sys.stderr, flush=True)
+            return 1
+        return 0
+    finally:
+        if lock is not None:
+            lock.release()
