@@ -173,3 +173,24 @@ def test_micro_batch_equals_float64_model_on_chat_pairs() -> None:
     loss.backward()
     assert all(p.grad is None for p in reference.parameters())
     assert policy.get_output_embeddings().weight.grad is not None
+
+
+def test_nll_weight_adds_the_chosen_mean_token_nll() -> None:
+    """RPO: loss + alpha * (-log pi(y_w) / |y_w|), per pair, from the formula."""
+    gen = torch.Generator().manual_seed(3)
+    pc, pr, rc, rr = (-10 * torch.rand(8, generator=gen, dtype=torch.float64) for _ in range(4))
+    nc = torch.randint(1, 9, (8,), generator=gen).double()
+    terms = preference_loss(
+        pc.float(),
+        pr.float(),
+        loss_type="sigmoid",
+        beta=0.2,
+        reference_chosen=rc.float(),
+        reference_rejected=rr.float(),
+        chosen_tokens=nc.float(),
+        rejected_tokens=nc.float(),
+        nll_weight=0.7,
+    )
+    dpo = torch.tensor(_dpo_reference(pc.tolist(), pr.tolist(), rc.tolist(), rr.tolist(), 0.2, 0.0))
+    expected = dpo.double() + 0.7 * (-pc / nc)
+    torch.testing.assert_close(terms.losses.double(), expected, rtol=1e-6, atol=1e-6)

@@ -79,12 +79,15 @@ class DPOLossConfig:
         beta: the inverse temperature of the implicit reward.
         label_smoothing: the assumed rate of flipped labels (conservative DPO), in [0, 0.5).
         simpo_gamma: SimPO's target reward margin.
+        nll_weight: adds this times the chosen answer's mean token negative log-likelihood
+            to each pair's loss (RPO; TRL's ``rpo_alpha``); 0 is plain DPO / SimPO.
     """
 
     loss_type: Literal["sigmoid", "simpo"] = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
+    nll_weight: float = 0.0
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -192,6 +195,8 @@ def validate_dpo(config: DPOConfig, *, world_size: int) -> None:
         )
     if not loss.beta > 0:
         raise ConfigError("loss.beta", f"must be > 0, got {loss.beta}; e.g. loss.beta=0.1")
+    if loss.nll_weight < 0:
+        raise ConfigError("loss.nll_weight", f"must be >= 0, got {loss.nll_weight}")
     if not 0.0 <= loss.label_smoothing < 0.5:
         raise ConfigError(
             "loss.label_smoothing", f"must be in [0, 0.5), got {loss.label_smoothing}"

@@ -124,6 +124,7 @@ def dpo_micro_batch(
         chosen_tokens=counts[:p],
         rejected_tokens=counts[p:],
         simpo_gamma=loss.simpo_gamma,
+        nll_weight=loss.nll_weight,
     )
     if metrics is not None:
         metrics.add(terms.chosen_rewards, terms.rejected_rewards, policy[:p], policy[p:])

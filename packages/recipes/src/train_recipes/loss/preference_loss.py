@@ -47,12 +47,16 @@ def preference_loss(
     chosen_tokens: Tensor | None = None,
     rejected_tokens: Tensor | None = None,
     simpo_gamma: float = 0.5,
+    nll_weight: float = 0.0,
 ) -> PreferenceTerms:
     """The per-pair preference loss.
 
     sigmoid (DPO): z = beta * ((pi_c - ref_c) - (pi_r - ref_r));
     simpo: z = beta * (pi_c / n_c - pi_r / n_r) - gamma;
-    loss = -(1 - eps) * log sigmoid(z) - eps * log sigmoid(-z), eps = ``label_smoothing``.
+    loss = -(1 - eps) * log sigmoid(z) - eps * log sigmoid(-z), eps = ``label_smoothing``,
+    plus ``nll_weight * (-pi_c / n_c)``: the chosen answer's mean token negative log-likelihood
+    (RPO, Pang et al. 2024; TRL's ``rpo_alpha``), which keeps DPO from lowering the chosen
+    answer's likelihood along with the rejected one's.
 
     Args:
         policy_chosen: [P] summed log-probs of the chosen answers under the policy.
@@ -65,6 +69,7 @@ def preference_loss(
         chosen_tokens: [P] answer token counts n_c (simpo only; required).
         rejected_tokens: [P] n_r (simpo only; required).
         simpo_gamma: SimPO's target margin.
+        nll_weight: weight of the chosen answers' mean token NLL (needs ``chosen_tokens``).
 
     Returns:
         :class:`PreferenceTerms`.
@@ -87,6 +92,10 @@ def preference_loss(
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}; expected 'sigmoid' or 'simpo'")
     losses = -(1.0 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+    if nll_weight:
+        if chosen_tokens is None:
+            raise ValueError("nll_weight needs chosen_tokens")
+        losses = losses - nll_weight * policy_chosen / chosen_tokens.clamp(min=1)
     return PreferenceTerms(
         losses=losses, chosen_rewards=chosen.detach(), rejected_rewards=rejected.detach()
     )
