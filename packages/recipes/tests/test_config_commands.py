@@ -12,7 +12,15 @@ from train_recipes.cli.config_commands import given_keys, header, shipped_config
 from train_recipes.cli.main import main
 from train_recipes.config import RetrievalConfig, SFTConfig, load_config, to_dict
 from train_recipes.config.defaults import apply_run_defaults
+from train_recipes.config.dpo import DPOConfig
 from train_recipes.config.key_help import config_keys
+
+
+def _recipe_of(name: str) -> str:
+    """The recipe a shipped config is for, by its name."""
+    if name.startswith("retrieval"):
+        return "retrieval"
+    return "dpo" if name.removesuffix(".yaml").endswith("-dpo") else "sft"
 
 
 def test_config_ls_lists_every_shipped_config(capsys: pytest.CaptureFixture[str]) -> None:
@@ -23,7 +31,7 @@ def test_config_ls_lists_every_shipped_config(capsys: pytest.CaptureFixture[str]
     assert [line.split()[0] for line in lines] == names
     for line in lines:
         name, recipe = line.split()[:2]
-        assert recipe == ("retrieval" if name.startswith("retrieval") else "sft"), line
+        assert recipe == _recipe_of(name), line
         assert header((SHIPPED_CONFIGS / name).read_text()) in line
 
 
@@ -50,8 +58,8 @@ def test_config_cp_copies_and_refuses_to_overwrite(
 def test_config_show_validates_each_shipped_config(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    recipe = "retrieval" if name.startswith("retrieval") else "sft"
-    cls = RetrievalConfig if recipe == "retrieval" else SFTConfig
+    recipe = _recipe_of(name)
+    cls = {"sft": SFTConfig, "retrieval": RetrievalConfig, "dpo": DPOConfig}[recipe]
     argv = ["config", "show", "--config", name, "--nproc-per-node", str(shipped_world_size(name))]
     # Cluster paths do not exist here: point them at stand-ins, as a user sets their own.
     model, data = model_and_data_stand_ins(tmp_path)
@@ -99,7 +107,9 @@ def test_config_show_is_the_dry_run_for_bad_configs(
     assert "'model.hidden'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("command", "cls"), [("sft", SFTConfig), ("retrieval", RetrievalConfig)])
+@pytest.mark.parametrize(
+    ("command", "cls"), [("sft", SFTConfig), ("retrieval", RetrievalConfig), ("dpo", DPOConfig)]
+)
 def test_help_lists_every_config_key_with_type_and_default(
     command: str, cls: type, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -111,7 +121,10 @@ def test_help_lists_every_config_key_with_type_and_default(
     assert len(keys) == len(to_flat_keys(to_dict(cls())))
     for doc in keys:
         assert f"  {doc.key}  ({doc.type}, default {doc.default})" in out, doc
-    if command == "sft":
+    if command == "dpo":
+        assert "  loss.loss_type  (sigmoid|simpo, default sigmoid)" in out
+        assert "  optim.lr  (float, default 1.0e-05)" in out
+    elif command == "sft":
         assert "  optim.lr  (float, default 0.003)" in out
         assert "  data.demo  (addition|reverse|shapes, default addition)" in out
         assert "  optim.max_grad_norm  (float | null, default 1.0)" in out

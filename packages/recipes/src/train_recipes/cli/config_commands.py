@@ -16,12 +16,15 @@ from typing import Literal
 import yaml
 
 from train_recipes.cli.preflight import DevicePlan
+from train_recipes.config.dpo import DPOConfig
 from train_recipes.config.key_help import config_keys
 from train_recipes.config.loader import ConfigError, leaf_keys, load_config, read_tree, to_dict
 from train_recipes.config.retrieval import RetrievalConfig
 from train_recipes.config.sft import SFTConfig
 
-Recipe = Literal["sft", "retrieval"]
+Recipe = Literal["sft", "retrieval", "dpo"]
+#: A config of a recipe ``config`` shows.
+RecipeConfig = SFTConfig | RetrievalConfig | DPOConfig
 
 
 class UsageError(ValueError):
@@ -31,9 +34,10 @@ class UsageError(ValueError):
     """
 
 
-RECIPES: dict[Recipe, type[SFTConfig] | type[RetrievalConfig]] = {
+RECIPES: dict[Recipe, type[SFTConfig] | type[RetrievalConfig] | type[DPOConfig]] = {
     "sft": SFTConfig,
     "retrieval": RetrievalConfig,
+    "dpo": DPOConfig,
 }
 
 
@@ -115,12 +119,12 @@ def infer_recipe(path: Path | None) -> Recipe:
         recipe: len(leaf_keys(tree) & {doc.key for doc in config_keys(RECIPES[recipe])})
         for recipe in RECIPES
     }
-    raise errors["retrieval" if known["retrieval"] > known["sft"] else "sft"]
+    raise errors[max(RECIPES, key=known.__getitem__)]  # the first (sft) on a tie
 
 
 def load_recipe_config(
     recipe: Recipe | None, path: Path | None, overrides: Sequence[str]
-) -> tuple[Recipe, SFTConfig | RetrievalConfig]:
+) -> tuple[Recipe, RecipeConfig]:
     """Resolve ``--config`` (a file or a shipped name), pick the recipe, load with overrides.
 
     Raises:
@@ -203,7 +207,7 @@ def describe_plan(recipe: Recipe, plan: DevicePlan) -> str:
 
 def show_config(
     recipe: Recipe,
-    config: SFTConfig | RetrievalConfig,
+    config: RecipeConfig,
     plan: DevicePlan,
     rows: Sequence[tuple[str, str]] = (),
     notes: Sequence[str] = (),

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING
 from train_recipes.run.launch_env import GUARDED_OUTPUT_DIR, is_rank_zero, under_launcher
 
 if TYPE_CHECKING:
+    from train_recipes.cli.preflight import DevicePlan
     from train_recipes.config.dpo import DPOConfig
     from train_recipes.run.folder import RunLock
 
-__all__ = ["load_dpo_config", "run_dpo_command"]
+__all__ = ["dpo_plan", "load_dpo_config", "run_dpo_command"]
 
 
 def load_dpo_config(args: argparse.Namespace, *, world_size: int) -> DPOConfig:
@@ -35,19 +36,33 @@ def load_dpo_config(args: argparse.Namespace, *, world_size: int) -> DPOConfig:
     """
     from train_recipes.cli.config_commands import resolve_config_path
     from train_recipes.cli.launch import overrides
-    from train_recipes.config.dpo import DPOConfig, validate_dpo
-    from train_recipes.config.loader import ConfigError, load_config
-    from train_recipes.dpo.pairs import PairError, read_pair_rows
+    from train_recipes.config.dpo import DPOConfig
+    from train_recipes.config.loader import load_config
 
     path = None if args.config is None else resolve_config_path(args.config)
     config = load_config(DPOConfig, path, overrides(args))
-    validate_dpo(config, world_size=world_size)
+    dpo_plan(config, nproc=world_size)  # the checks; the plan is config show's
+    return config
+
+
+def dpo_plan(config: DPOConfig, *, nproc: int) -> DevicePlan:
+    """``config show``'s check of a DPO config on ``nproc`` local ranks, and its device plan.
+
+    Raises:
+        ConfigError: as :func:`load_dpo_config`.
+    """
+    from train_recipes.cli.preflight import plan_devices
+    from train_recipes.config.dpo import policy_config, validate_dpo
+    from train_recipes.config.loader import ConfigError
+    from train_recipes.dpo.pairs import PairError, read_pair_rows
+
+    validate_dpo(config, world_size=nproc)
     if config.data.path is not None:
         try:
             read_pair_rows(config.data.path)
         except PairError as err:
             raise ConfigError("data.path", str(err)) from None
-    return config
+    return plan_devices(policy_config(config), world_size=nproc, local_world_size=nproc)
 
 
 def _guard(args: argparse.Namespace, config: DPOConfig) -> RunLock | None:

@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from train_recipes.run.launch_env import (
     GUARDED_OUTPUT_DIR,
@@ -196,7 +196,8 @@ def load_checked(args: argparse.Namespace, kind: str) -> SFTConfig | RetrievalCo
     from train_recipes.data.direct_inputs import resolve_inputs
 
     recipe: Recipe = "sft" if kind == "sft" else "retrieval"
-    _, config = load_recipe_config(recipe, args.config, overrides(args))
+    _, loaded = load_recipe_config(recipe, args.config, overrides(args))
+    config = cast("SFTConfig | RetrievalConfig", loaded)  # the recipe asked for is one of them
     config = resolve_inputs(config)  # a chat file converted, a Hub id found, before any rank
     config, notes = run_defaults(args, recipe, config)
     checked = run_preflight(

@@ -28,6 +28,7 @@ from train_recipes.cli.launch import (
 from train_recipes.run.launch_env import is_rank_zero
 
 if TYPE_CHECKING:
+    from train_recipes.config.dpo import DPOConfig
     from train_recipes.config.retrieval import RetrievalConfig
     from train_recipes.config.sft import SFTConfig
 
@@ -107,9 +108,17 @@ def _config_cp(args: argparse.Namespace) -> int:
 def _config_show(args: argparse.Namespace) -> int:
     from train_recipes.cli.config_commands import load_recipe_config, show_config
     from train_recipes.cli.preflight import run_preflight
+    from train_recipes.config.dpo import DPOConfig
     from train_recipes.data.direct_inputs import resolve_inputs
 
     recipe, config = load_recipe_config(args.recipe, args.config, overrides(args))
+    if isinstance(config, DPOConfig):
+        from train_recipes.cli.dpo_command import dpo_plan
+
+        plan = dpo_plan(config, nproc=args.nproc_per_node or config.launch.nproc_per_node or 1)
+        rows = [("launch", _launch_line(args, recipe)), ("run folder", _folder_state(args, config))]
+        print(show_config(recipe, config, plan, rows))
+        return 0
     # Checked as a launch would use it (converted, found in the Hub cache); shown as given.
     resolved = resolve_inputs(config)
     config, notes = run_defaults(args, recipe, config, model_dir=resolved.model.path)
@@ -138,7 +147,7 @@ def _launch_line(args: argparse.Namespace, recipe: str) -> str:
     )
 
 
-def _folder_state(args: argparse.Namespace, config: SFTConfig | RetrievalConfig) -> str:
+def _folder_state(args: argparse.Namespace, config: SFTConfig | RetrievalConfig | DPOConfig) -> str:
     """Whether a fresh launch may use ``train.output_dir``, as the launch will check it."""
     from train_recipes.run.folder import RunFolderError, check_output_dir
 
@@ -320,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_args(show)
     show.add_argument(
         "--recipe",
-        choices=("sft", "retrieval"),
+        choices=("sft", "retrieval", "dpo"),
         default=None,
         help="the recipe the config is for (default: the one whose keys it uses; sft)",
     )
