@@ -360,6 +360,9 @@ def train(args: argparse.Namespace, argv: Sequence[str]) -> int:
             if int(os.environ.get("RANK", "0")) == 0:
                 print(f"train-recipes {args.command}: {err}", file=sys.stderr, flush=True)
             return err.exit_code if isinstance(err, RunStopped) else 1
+        from train_recipes.run.process_group import close_process_group
+
+        close_process_group()
         return 0
     finally:
         if lock is not None:
