@@ -340,13 +340,15 @@ def plot_loss(metrics: str | Path, out_png: str | Path | None = None) -> Path:
     png = Path(out_png) if out_png is not None else run_dir / LOSS_PLOT
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     steps = [cast(int, r["step"]) for r in rows]
-    ax.plot(steps, [cast(float, r["loss"]) for r in rows], lw=0.8, alpha=0.5, label="loss")
+    losses = [cast(float, r["loss"]) for r in rows]
+    ax.plot(steps, losses, lw=0.8, alpha=0.5, label="loss")
     if rows and "loss_avg_window" in rows[0]:
         avg = [cast(float, r["loss_avg_window"]) for r in rows]
         ax.plot(steps, avg, lw=1.8, label="loss_avg_window")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (token mean)")
-    ax.set_yscale("log")
+    # A policy-gradient loss (GRPO) is 0 or negative at times: no log scale for it.
+    ax.set_yscale("log" if losses and min(losses) > 0 else "linear")
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title(run_dir.name)
