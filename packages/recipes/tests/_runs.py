@@ -13,9 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+import torch
+
 from train_recipes.data.demo import DemoSplit
 
-__all__ = ["TinyRun"]
+__all__ = ["TinyRun", "assert_same_weights", "exported_weights"]
 
 # field -> the override key it renders (the quiet CPU part first, then the run's shape).
 _KEYS = {
@@ -116,3 +118,20 @@ class TinyRun:
                 continue
             sets.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
         return [*sets, *self.extra]
+
+
+def exported_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a run's Hugging Face export (its ``model.safetensors``)."""
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+def assert_same_weights(a: Path, b: Path) -> dict[str, torch.Tensor]:
+    """The exports ``a`` and ``b`` hold the same names and bitwise equal tensors; returns
+    ``a``'s."""
+    wa, wb = exported_weights(a), exported_weights(b)
+    assert wa.keys() == wb.keys(), sorted(wa.keys() ^ wb.keys())
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+    return wa

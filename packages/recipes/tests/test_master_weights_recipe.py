@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from _master_weights_workers import export_on_rank, run_and_describe
-from conftest import QUIET_CPU_RUN, data_overrides
+from _runs import TinyRun, assert_same_weights
 from train_recipes.config import OptimConfig, SFTConfig, load_config, validate_sft
 from train_recipes.config.loader import ConfigError
 from train_recipes.data.demo import DemoSplit
@@ -138,36 +138,27 @@ def test_master_weights_take_adamws_float64_update() -> None:
 
 
 def _one_rank_bf16(split: DemoSplit, out: Path) -> list[str]:
-    return [
-        *data_overrides(split),
-        f"train.output_dir={out}",
-        *QUIET_CPU_RUN,
-        "train.steps=6",
-        "train.checkpoint_every=3",
-        "train.export=true",
-        "optim.warmup_steps=1",
+    return TinyRun(
+        data=split,
+        out=out,
+        steps=6,
+        checkpoint_every=3,
+        export=True,
+        warmup_steps=1,
         # Two micro-batches a window: the Engine sums their bf16 gradients in fp32.
-        "data.micro_batch_size=4",
-        "train.gradient_accumulation_steps=2",
-        "data.shuffle=false",
-        "model.tiny.hidden_size=32",
-        "model.dtype=bfloat16",
-        "parallel.data_parallel=none",
-    ]
-
-
-def _weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(folder / "model.safetensors")
+        micro_batch_size=4,
+        accumulation=2,
+        shuffle=False,
+        hidden_size=32,
+        dtype="bfloat16",
+        data_parallel="none",
+    ).overrides()
 
 
 def _assert_equal_weights(a: Path, b: Path) -> None:
-    wa, wb = _weights(a), _weights(b)
-    assert wa.keys() == wb.keys()
-    for key in wa:
-        assert wa[key].dtype == torch.bfloat16, (key, wa[key].dtype)
-        assert torch.equal(wa[key], wb[key]), key
+    weights = assert_same_weights(a, b)
+    for key, tensor in weights.items():
+        assert tensor.dtype == torch.bfloat16, (key, tensor.dtype)
 
 
 @pytest.mark.slow  # three tiny runs (train, resume, export): about 30 s on 2 cores

@@ -21,29 +21,37 @@ import torch
 import yaml
 
 from _recipes_workers import metric_rows
-from conftest import CLI, cli_env, data_overrides, sft_args
+from _runs import TinyRun, assert_same_weights, exported_weights
+from conftest import CLI, cli_env
 from train_recipes.data.demo import DemoSplit
 
-# 7 steps of a hidden-32 model: the import of torch and transformers is most of a run's time.
-TINY = [
-    "train.steps=7",
-    "train.log_every=1",
-    "train.checkpoint_every=5",
-    "train.keep_checkpoints=3",
-    "train.eval_samples=0",
-    "train.tensorboard=false",
-    "train.device=cpu",
-    "train.export=false",
-    "data.micro_batch_size=8",
-    "model.tiny.hidden_size=32",
-]
+
+def _tiny(split: DemoSplit, out: Path, *extra: str, **fields: object) -> TinyRun:
+    """7 steps of a hidden-32 model (the import of torch and transformers is most of a run's
+    time), checkpoints at step 5 and the end, no export; ``fields`` and ``extra`` change it."""
+    run = TinyRun(
+        data=split,
+        out=out,
+        steps=7,
+        checkpoint_every=5,
+        keep_checkpoints=3,
+        export=False,
+        micro_batch_size=8,
+        hidden_size=32,
+    )
+    return run.but(*extra, **fields)
 
 
 def _cmd(
-    split: DemoSplit, out: Path, *sets: str, nproc: int = 1, flags: tuple[str, ...] = ()
+    split: DemoSplit,
+    out: Path,
+    *extra: str,
+    nproc: int = 1,
+    flags: tuple[str, ...] = (),
+    **fields: object,
 ) -> list[str]:
     """The arguments of ``train-recipes sft`` on the tiny run."""
-    return sft_args(out, [*data_overrides(split), *TINY, *sets], nproc=nproc, flags=flags)
+    return _tiny(split, out, *extra, **fields).cli_args(nproc=nproc, flags=flags)
 
 
 def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -93,24 +101,11 @@ def _checkpoints(run: Path) -> list[str]:
     return sorted(p.name for p in (run / "checkpoints").iterdir())
 
 
-def _weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(folder / "model.safetensors")
-
-
-def _assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = _weights(a), _weights(b)
-    assert wa.keys() == wb.keys()
-    for key in wa:
-        assert torch.equal(wa[key], wb[key]), key
-
-
 @pytest.fixture(scope="module")
 def finished_run(demo_data: DemoSplit, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished 7-step run with checkpoint_every=5 and the end-of-run export (the live model)."""
     run = tmp_path_factory.mktemp("finished") / "run"
-    _ok(_run(_cmd(demo_data, run, "train.export=true")))
+    _ok(_run(_cmd(demo_data, run, export=True)))
     return run
 
 
@@ -153,14 +148,14 @@ def test_final_step_is_saved_and_export_takes_the_newest_complete(
     done = _ok(_run(["export", str(run), "--out", str(out)]))
     assert str(out) in done.stdout
     # The final checkpoint holds the final weights: equal to the live model's export.
-    _assert_same_weights(out, finished_run / "hf_model")
+    assert_same_weights(out, finished_run / "hf_model")
 
     # A corrupt newest checkpoint is named and skipped for the previous one (step 5).
     distcp = _flip_a_byte(run / "checkpoints" / "step_000007")
     out5 = tmp_path / "exported-5"
     fallback = _ok(_run(["export", str(run), "--out", str(out5)]))
     assert distcp.name in fallback.stderr and "falling back" in fallback.stderr, fallback.stderr
-    final, step5 = _weights(finished_run / "hf_model"), _weights(out5)
+    final, step5 = exported_weights(finished_run / "hf_model"), exported_weights(out5)
     assert final.keys() == step5.keys() and any(not torch.equal(final[k], step5[k]) for k in final)
 
     # Resuming a finished run says so and exits 0 without replaying anything.
@@ -190,9 +185,7 @@ def test_resume_sets_damaged_checkpoints_aside_and_keeps_a_changed_schedule_cont
     alone would have jumped 3.2x."""
     run = _copy(finished_run, tmp_path / "run")
     _flip_a_byte(run / "checkpoints" / "step_000007")
-    done = _ok(
-        _run(_cmd(demo_data, run, "train.steps=10", "optim.warmup_steps=2", flags=("--resume",)))
-    )
+    done = _ok(_run(_cmd(demo_data, run, flags=("--resume",), steps=10, warmup_steps=2)))
     assert "step_000007 did not load" in done.stdout and "falling back" in done.stdout
     assert "to " + str(run / "checkpoints" / "damaged") in done.stdout, done.stdout
     assert (run / "checkpoints" / "damaged" / "step_000007" / "COMPLETE").is_file()
@@ -217,7 +210,7 @@ def test_resume_refuses_when_no_checkpoint_loads_and_changes_nothing(
     shutil.rmtree(run / "checkpoints" / "step_000005")
     distcp = _flip_a_byte(run / "checkpoints" / "step_000007")
     files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
-    done = _run(_cmd(demo_data, run, "train.steps=9", flags=("--resume",)))
+    done = _run(_cmd(demo_data, run, flags=("--resume",), steps=9))
     assert done.returncode == 1, (done.stdout[-2000:], done.stderr[-2000:])
     errors = _error_lines(done)
     assert len(errors) == 1 and "no checkpoint in" in errors[0], done.stderr[-2000:]
@@ -242,9 +235,9 @@ def test_resume_finishes_an_interrupted_end(
     (run / "hf_model").rename(run / "hf_model.tmp")
     (run / "summary.json").unlink()
     write_end_state(run, EndState(steps=7, trained=True, final_checkpoint=True))
-    done = _ok(_run(_cmd(demo_data, run, "train.export=true", flags=("--resume",))))
+    done = _ok(_run(_cmd(demo_data, run, flags=("--resume",), export=True)))
     assert "end was interrupted: finishing the export and the summary" in done.stdout
-    _assert_same_weights(run / "hf_model", finished_run / "hf_model")
+    assert_same_weights(run / "hf_model", finished_run / "hf_model")
     assert not (run / "hf_model.tmp").exists()
     summary = json.loads((run / "summary.json").read_text())
     reference = json.loads((finished_run / "summary.json").read_text())
@@ -252,7 +245,7 @@ def test_resume_finishes_an_interrupted_end(
         assert summary[key] == reference[key], key
     assert sorted(_rows(run)) == list(range(1, 8))
     assert read_end_state(run) == read_end_state(finished_run)
-    again = _ok(_main(capsys, _cmd(demo_data, run, "train.export=true", flags=("--resume",))))
+    again = _ok(_main(capsys, _cmd(demo_data, run, flags=("--resume",), export=True)))
     assert "finished at step 7" in again.stdout
 
 
@@ -279,10 +272,10 @@ def test_used_folder_is_refused_and_overwrite_replaces_only_the_run(
             _cmd(
                 demo_data,
                 run,
-                "train.steps=4",
-                "train.checkpoint_every=2",
-                "train.keep_checkpoints=1",
                 flags=("--overwrite",),
+                steps=4,
+                checkpoint_every=2,
+                keep_checkpoints=1,
             )
         )
     )
@@ -300,14 +293,7 @@ def test_config_changes_on_resume_are_applied_or_refused(
     config_before = (run / "config.yaml").read_text()
     refused = _main(
         capsys,
-        _cmd(
-            demo_data,
-            run,
-            "train.steps=10",
-            "data.micro_batch_size=4",
-            "train.seed=1",
-            flags=("--resume",),
-        ),
+        _cmd(demo_data, run, "train.seed=1", flags=("--resume",), steps=10, micro_batch_size=4),
     )
     _one_line_error(refused, "data.micro_batch_size: 8 -> 4", "train.seed: 0 -> 1")
     assert (run / "config.yaml").read_text() == config_before
@@ -317,11 +303,11 @@ def test_config_changes_on_resume_are_applied_or_refused(
             _cmd(
                 demo_data,
                 run,
-                "train.steps=10",
-                "optim.lr=1e-3",
-                "train.gradient_accumulation_steps=2",
                 "train.peak_tflops=0.5",
                 flags=("--resume",),
+                steps=10,
+                lr=1e-3,
+                accumulation=2,
             )
         )
     )
@@ -411,7 +397,7 @@ def test_ranks_die_with_their_launcher_and_a_live_run_folder_is_locked(
 
     run = tmp_path / "run"
     launcher = subprocess.Popen(
-        [*CLI, *_cmd(demo_data, run, "train.steps=100000", "train.checkpoint_every=0", nproc=2)],
+        [*CLI, *_cmd(demo_data, run, nproc=2, steps=100000, checkpoint_every=0)],
         env=cli_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -458,11 +444,11 @@ def test_resume_on_another_dp_size_continues_the_same_losses(
     from _recipes_workers import run_sft_on_rank
 
     ref = tmp_path / "dp2"
-    sets = ["train.steps=6", "train.checkpoint_every=3", "data.num_logical_shards=2"]
+    shape: dict[str, int] = {"steps": 6, "checkpoint_every": 3, "logical_shards": 2}
     rank_pool.run(  # type: ignore[attr-defined]
         2,
         run_sft_on_rank,
-        [*data_overrides(demo_data), *TINY, *sets, f"train.output_dir={ref}"],
+        _tiny(demo_data, ref, **shape).overrides(),
         [[3, 4]],
         timeout_s=240,
     )
@@ -471,21 +457,11 @@ def test_resume_on_another_dp_size_continues_the_same_losses(
     shutil.rmtree(run / "checkpoints" / "step_000006")  # as if killed after step 5
 
     mismatched = _main(
-        capsys, _cmd(demo_data, run, *sets, "data.num_logical_shards=4", flags=("--resume",))
+        capsys, _cmd(demo_data, run, flags=("--resume",), **{**shape, "logical_shards": 4})
     )
     _one_line_error(mismatched, "data.num_logical_shards", "2 logical shards")
 
-    resumed = _ok(
-        _run(
-            _cmd(
-                demo_data,
-                run,
-                *sets,
-                "train.gradient_accumulation_steps=2",
-                flags=("--resume",),
-            )
-        )
-    )
+    resumed = _ok(_run(_cmd(demo_data, run, flags=("--resume",), accumulation=2, **shape)))
     assert "the same global batch" in resumed.stdout, resumed.stdout
     rows = _rows(run)
     assert sorted(rows) == list(range(1, 7))
@@ -556,7 +532,7 @@ def test_sigkill_at_any_point_then_resume_is_exact(
     uninterrupted run's losses, loss windows, summary and final weights, bit for bit."""
     run = tmp_path / "run"
     ckpts = run / "checkpoints"
-    cmd = _cmd(demo_data, run, "train.checkpoint_every=2", "train.keep_checkpoints=2")
+    cmd = _cmd(demo_data, run, checkpoint_every=2, keep_checkpoints=2)
     resume = [*cmd, "--resume"]
 
     # 1. Frozen while step 2's save is in flight: its .tmp exists, the final name does not.
@@ -593,7 +569,7 @@ def test_sigkill_at_any_point_then_resume_is_exact(
     )
     out = tmp_path / "exported"
     _ok(_run(["export", str(run), "--out", str(out)]))
-    _assert_same_weights(out, finished_run / "hf_model")
+    assert_same_weights(out, finished_run / "hf_model")
 
 
 def _logged(run: Path, rows: int) -> Callable[[], bool]:
@@ -624,7 +600,7 @@ def test_sigterm_to_the_launcher_saves_the_step_and_resume_is_exact(
     the step, the launcher forwarding to each rank, a second signal and the grace period:
     test_preemption.py.)"""
     run = tmp_path / "run"
-    cmd = _cmd(demo_data, run, "train.checkpoint_every=0")
+    cmd = _cmd(demo_data, run, checkpoint_every=0)
     with _running_until(cmd, _logged(run, 1), tmp_path / "run.log", timeout=400) as launcher:
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=120) == 143

@@ -9,22 +9,18 @@ import torch
 
 from _packing_workers import run_packed_sft_without_dense_masks
 from _recipes_workers import run_sft_on_rank
-from conftest import QUIET_CPU_RUN, data_overrides
+from _runs import TinyRun
 from train_recipes.data.demo import DemoSplit
 
 PROBE = [[3, 23, 24, 17, 25, 35, 5, 4], [3, 30, 31, 17, 22, 22, 35, 5]]
 
 
-def _common(split: DemoSplit, out: Path) -> list[str]:
-    return [
-        *data_overrides(split),
-        f"train.output_dir={out}",
-        "train.steps=12",
-        *QUIET_CPU_RUN,
-        "data.micro_batch_size=8",
-        "data.num_logical_shards=2",
-        "data.shuffle=false",
-    ]
+def _two_shard_run(split: DemoSplit, out: Path) -> TinyRun:
+    """12 steps of unshuffled micro-batches of 8 from two logical shards: dp=2 and dp=1 x cp=2
+    (accumulation 2) see the same global batches."""
+    return TinyRun(
+        data=split, out=out, steps=12, micro_batch_size=8, logical_shards=2, shuffle=False
+    )
 
 
 @pytest.mark.timeout(300)
@@ -35,15 +31,13 @@ def test_ddp_fsdp2_and_cp_reach_the_same_losses_and_export_matches(
     (two logical loader shards), so with the token-sum loss they must follow the same losses;
     so must FSDP2 at dp=2. The HF exports reproduce the trained models' logits."""
 
-    def run(name: str, *overrides: str) -> dict:
-        argv = [*_common(demo_data, tmp_path / name), *overrides]
+    def run(name: str, **fields: object) -> dict:
+        argv = _two_shard_run(demo_data, tmp_path / name).but(**fields).overrides()
         return rank_pool.run(2, run_sft_on_rank, argv, PROBE, timeout_s=240)[0]  # type: ignore[attr-defined]
 
-    dp_run = run("dp2", "parallel.cp=1", "train.export=true")
-    cp_run = run(
-        "cp2", "parallel.cp=2", "train.gradient_accumulation_steps=2", "train.export=false"
-    )
-    fsdp_run = run("fsdp2", "parallel.cp=1", "parallel.data_parallel=fsdp2", "train.export=true")
+    dp_run = run("dp2", cp=1, export=True)
+    cp_run = run("cp2", cp=2, accumulation=2, export=False)
+    fsdp_run = run("fsdp2", cp=1, data_parallel="fsdp2", export=True)
     dp_losses, cp_losses = dp_run["losses"], cp_run["losses"]
     assert sorted(dp_losses) == sorted(cp_losses) == list(range(1, 13))
     steps = sorted(dp_losses)
@@ -81,18 +75,14 @@ def test_vlm_demo_trains_on_two_ranks(
     run = rank_pool.run(  # type: ignore[attr-defined]
         2,
         run_sft_on_rank,
-        [
-            f"train.output_dir={tmp_path / 'vlm'}",
-            *data_overrides(shapes_data),
-            "data.model_family=qwen2_5_vl",
-            "data.micro_batch_size=8",
-            "train.steps=30",
-            "train.log_every=1",
-            "train.checkpoint_every=0",
-            "train.eval_samples=16",
-            "train.tensorboard=false",
-            "train.device=cpu",
-        ],
+        TinyRun(
+            data=shapes_data,
+            out=tmp_path / "vlm",
+            steps=30,
+            eval_samples=16,
+            micro_batch_size=8,
+            extra=("data.model_family=qwen2_5_vl",),
+        ).overrides(),
         [[3, 101, 102, 102, 102, 102, 103, 30, 5, 4]],
         timeout_s=280,
     )[0]
@@ -116,25 +106,24 @@ def test_tensor_parallel_with_activation_checkpointing_matches_dp(
     FSDP2, with activation checkpointing on, and the loss runs on the vocab-sharded logits; it
     must follow the dp=2 losses (FSDP2, no checkpointing), and the export must give the
     trained logits."""
-    common = ["parallel.data_parallel=fsdp2", "train.export=true"]
+
+    def run(name: str) -> TinyRun:
+        return _two_shard_run(demo_data, tmp_path / name).but(data_parallel="fsdp2", export=True)
+
     dp_run = rank_pool.run(  # type: ignore[attr-defined]
-        2,
-        run_sft_on_rank,
-        [*_common(demo_data, tmp_path / "dp2"), *common, "parallel.tp=1"],
-        PROBE,
-        timeout_s=240,
+        2, run_sft_on_rank, run("dp2").but(tp=1).overrides(), PROBE, timeout_s=240
     )[0]
     tp_run = rank_pool.run(  # type: ignore[attr-defined]
         2,
         run_sft_on_rank,
-        [
-            *_common(demo_data, tmp_path / "tp2"),
-            *common,
-            "parallel.tp=2",
+        run("tp2")
+        .but(
             "parallel.sequence_parallel=true",
             "model.activation_checkpointing=true",
-            "train.gradient_accumulation_steps=2",
-        ],
+            tp=2,
+            accumulation=2,
+        )
+        .overrides(),
         PROBE,
         timeout_s=240,
     )[0]
@@ -162,22 +151,18 @@ def test_packed_runs_at_cp2_follow_the_cp1_losses(
     tiny Qwen2.5-VL (image tokens, M-RoPE ids and labels sharded alike). Both runs train with
     transformers' mask builders and cp-sharder's dense mask made to raise."""
     split = demo_data if kind == "text" else shapes_data
-    extra = ["data.packing=true", "data.max_length=96", "data.micro_batch_size=2"]
+    extra = ["data.packing=true", "data.max_length=96"]
     if kind == "vlm":
         extra.append("data.model_family=qwen2_5_vl")
     runs = {}
     for cp, accumulation in ((1, 1), (2, 2)):
+        run = _two_shard_run(split, tmp_path / f"{kind}-cp{cp}").but(
+            *extra, micro_batch_size=2, steps=4, cp=cp, accumulation=accumulation, export=False
+        )
         runs[cp] = rank_pool.run(  # type: ignore[attr-defined]
             2,
             run_packed_sft_without_dense_masks,
-            [
-                *_common(split, tmp_path / f"{kind}-cp{cp}"),
-                *extra,
-                "train.steps=4",
-                f"parallel.cp={cp}",
-                f"train.gradient_accumulation_steps={accumulation}",
-                "train.export=false",
-            ],
+            run.overrides(),
             96,  # max_length: no mask wider than one packed row
             timeout_s=300,
         )[0]
