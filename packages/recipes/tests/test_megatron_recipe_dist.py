@@ -14,7 +14,7 @@ import torch
 
 from _megatron_workers import run_megatron_sft_on_rank
 from _recipes_workers import run_sft_on_rank
-from conftest import data_overrides
+from _runs import TinyRun
 from train_recipes.data.demo import DemoSplit
 
 pytest.importorskip("megatron.core", reason="megatron-core is the megatron extra's dependency")
@@ -23,20 +23,10 @@ PROBE = [[3, 23, 24, 17, 25, 35, 5, 4], [3, 30, 31, 17, 22, 22, 35, 5]]
 STEPS = 5
 
 
-def _common(split: DemoSplit, out: Path) -> list[str]:
-    return [
-        *data_overrides(split),
-        f"train.output_dir={out}",
-        f"train.steps={STEPS}",
-        "train.log_every=1",
-        "train.checkpoint_every=0",
-        "train.eval_samples=0",
-        "train.tensorboard=false",
-        "train.device=cpu",
-        "data.micro_batch_size=8",
-        "data.num_logical_shards=2",
-        "data.shuffle=false",
-    ]
+def _two_shard_run(split: DemoSplit, out: Path) -> TinyRun:
+    return TinyRun(
+        data=split, out=out, steps=STEPS, micro_batch_size=8, logical_shards=2, shuffle=False
+    )
 
 
 def _losses(run: dict) -> torch.Tensor:
@@ -52,17 +42,18 @@ def test_megatron_backend_follows_the_hf_backend_and_exports(
     rank_pool: object, demo_data: DemoSplit, tmp_path: Path
 ) -> None:
     hf_run = rank_pool.run(  # type: ignore[attr-defined]
-        2, run_sft_on_rank, _common(demo_data, tmp_path / "hf"), PROBE, timeout_s=240
+        2,
+        run_sft_on_rank,
+        _two_shard_run(demo_data, tmp_path / "hf").overrides(),
+        PROBE,
+        timeout_s=240,
     )[0]
     tp2 = rank_pool.run(  # type: ignore[attr-defined]
         2,
         run_megatron_sft_on_rank,
-        [
-            *_common(demo_data, tmp_path / "mg2"),
-            "parallel.tp=2",
-            "train.gradient_accumulation_steps=2",
-            "train.export=true",
-        ],
+        _two_shard_run(demo_data, tmp_path / "mg2")
+        .but(tp=2, accumulation=2, export=True)
+        .overrides(),
         PROBE,
         timeout_s=240,
     )[0]
