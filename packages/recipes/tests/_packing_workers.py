@@ -290,3 +290,37 @@ def run_packed_sft_without_dense_masks(
     if rank != 0:
         return {}
     return logged_losses(metric_rows(config.train.output_dir))
+
+
+def model_kwargs_are_the_sharders_output(
+    rank: int, world_size: int, model: torch.nn.Module, batch: dict[str, Any]
+) -> dict[str, Any]:
+    """One training loss (gradients on: the fused path) through the run's ``TokenSumLoss`` at
+    cp=1: which of the sharder's local tensors reached the model's forward as the very same
+    objects, and which keyword inputs the forward got."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cp_sharder import ContextParallelSharder
+    from train_recipes.loss.token_loss import TokenSumLoss
+
+    sharder = ContextParallelSharder(model, init_device_mesh("cpu", (1,)), padding_token_id=0)
+    shard = sharder.shard
+    outputs: list[dict[str, Any]] = []
+
+    def spy_shard(inputs: dict[str, Any]) -> Any:
+        train_ctx, local = shard(inputs)
+        outputs.append(dict(local))  # before the loss pops the labels
+        return train_ctx, local
+
+    received: list[dict[str, Any]] = []
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: received.append(dict(kwargs)), with_kwargs=True
+    )
+    sharder.shard = spy_shard  # type: ignore[method-assign]
+    TokenSumLoss.for_model(model, sharder=sharder)(model, batch).backward()
+    (local,), (kwargs,) = outputs, received
+    return {
+        "local": sorted(local),
+        "received": sorted(kwargs),
+        "same_objects": sorted(k for k in local if k in kwargs and kwargs[k] is local[k]),
+    }

@@ -11,6 +11,7 @@ import torch
 
 from _packing_workers import (
     dense_mask_path_is_refused,
+    model_kwargs_are_the_sharders_output,
     packed_loss_matches_documents_alone,
     packed_token_sum_loss,
 )
@@ -110,6 +111,26 @@ def test_packed_loss_equals_per_sample_reference(rank_pool: Any, demo_data: Demo
                 keep = labels != -100
                 ref -= logp[keep].gather(-1, labels[keep][:, None]).sum()
     torch.testing.assert_close(packed.double(), ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_the_model_receives_the_sharders_output_unchanged(
+    rank_pool: Any, demo_data: DemoSplit
+) -> None:
+    """The training path's one batch form (ARCHITECTURE.md, "One micro-batch"): the tensors
+    cp-sharder returns are the objects the model's forward receives, labels aside (the loss
+    takes them), with nothing rebuilt or added between but ``use_cache``."""
+    tokenizer = build_char_tokenizer()
+    config = load_config(SFTConfig, None, ["data.max_length=64"])
+    torch.manual_seed(0)
+    model = build_model(config, tokenizer)
+    raw = _first_batch(demo_data, tokenizer, model_family="text", max_length=64, packing=True)
+    batch = data_api.batch_tensors(raw)
+    out = rank_pool.run(1, model_kwargs_are_the_sharders_output, model, batch)[0]
+    passed = [k for k in out["local"] if k != "labels"]
+    assert passed and "input_ids" in passed, out
+    assert out["same_objects"] == passed, out
+    assert out["received"] == sorted([*passed, "use_cache"]), out
 
 
 def _vlm_setup(shapes_data: DemoSplit, *, packing: bool) -> tuple[Any, Any, dict[str, Any]]:
