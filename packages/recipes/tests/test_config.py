@@ -10,6 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from conftest import SHIPPED_CONFIGS, model_and_data_stand_ins, shipped_world_size
+from train_recipes.cli.config_commands import RECIPES, infer_recipe
 from train_recipes.cli.main import main
 from train_recipes.config import (
     ConfigError,
@@ -21,6 +22,9 @@ from train_recipes.config import (
     validate_retrieval,
     validate_sft,
 )
+from train_recipes.config.dpo import DPOConfig, validate_dpo
+from train_recipes.config.grpo import GRPOConfig
+from train_recipes.config.grpo_validation import validate_grpo
 
 
 def test_every_shipped_config_loads_and_validates(tmp_path: Path) -> None:
@@ -28,7 +32,8 @@ def test_every_shipped_config_loads_and_validates(tmp_path: Path) -> None:
     assert len(files) >= 5, files
     model, data = model_and_data_stand_ins(tmp_path)
     for path in files:
-        cls = RetrievalConfig if path.name.startswith("retrieval") else SFTConfig
+        cls = RECIPES[infer_recipe(path)]
+        assert (cls is RetrievalConfig) == path.name.startswith("retrieval"), path.name
         config = load_config(cls, path)
         # Paths on a GPU cluster do not exist here: point them at stand-ins, validate the rest.
         overrides = []
@@ -37,10 +42,15 @@ def test_every_shipped_config_loads_and_validates(tmp_path: Path) -> None:
         if getattr(config.data, "path", None) is not None:
             overrides.append(f"data.path={data}")
         config = load_config(cls, path, overrides)
+        world = shipped_world_size(path.name)
         if isinstance(config, SFTConfig):
-            validate_sft(config, world_size=shipped_world_size(path.name))
+            validate_sft(config, world_size=world)
+        elif isinstance(config, DPOConfig):
+            validate_dpo(config, world_size=world)
+        elif isinstance(config, GRPOConfig):
+            validate_grpo(config, world_size=world)
         else:
-            validate_retrieval(config, world_size=shipped_world_size(path.name))
+            validate_retrieval(config, world_size=world)
         # Round trip through plain data (what the run directory stores).
         assert config_from_dict(cls, to_dict(config)) == config
 

@@ -13,6 +13,7 @@ from train_recipes.cli.main import main
 from train_recipes.config import RetrievalConfig, SFTConfig, load_config, to_dict
 from train_recipes.config.defaults import apply_run_defaults
 from train_recipes.config.dpo import DPOConfig
+from train_recipes.config.grpo import GRPOConfig
 from train_recipes.config.key_help import config_keys
 
 
@@ -20,7 +21,10 @@ def _recipe_of(name: str) -> str:
     """The recipe a shipped config is for, by its name."""
     if name.startswith("retrieval"):
         return "retrieval"
-    return "dpo" if name.removesuffix(".yaml").endswith("-dpo") else "sft"
+    for recipe in ("dpo", "grpo"):
+        if name.removesuffix(".yaml").endswith(f"-{recipe}"):
+            return recipe
+    return "sft"
 
 
 def test_config_ls_lists_every_shipped_config(capsys: pytest.CaptureFixture[str]) -> None:
@@ -59,7 +63,9 @@ def test_config_show_validates_each_shipped_config(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     recipe = _recipe_of(name)
-    cls = {"sft": SFTConfig, "retrieval": RetrievalConfig, "dpo": DPOConfig}[recipe]
+    cls = {"sft": SFTConfig, "retrieval": RetrievalConfig, "dpo": DPOConfig, "grpo": GRPOConfig}[
+        recipe
+    ]
     argv = ["config", "show", "--config", name, "--nproc-per-node", str(shipped_world_size(name))]
     # Cluster paths do not exist here: point them at stand-ins, as a user sets their own.
     model, data = model_and_data_stand_ins(tmp_path)
@@ -108,7 +114,13 @@ def test_config_show_is_the_dry_run_for_bad_configs(
 
 
 @pytest.mark.parametrize(
-    ("command", "cls"), [("sft", SFTConfig), ("retrieval", RetrievalConfig), ("dpo", DPOConfig)]
+    ("command", "cls"),
+    [
+        ("sft", SFTConfig),
+        ("retrieval", RetrievalConfig),
+        ("dpo", DPOConfig),
+        ("grpo", GRPOConfig),
+    ],
 )
 def test_help_lists_every_config_key_with_type_and_default(
     command: str, cls: type, capsys: pytest.CaptureFixture[str]
@@ -124,6 +136,9 @@ def test_help_lists_every_config_key_with_type_and_default(
     if command == "dpo":
         assert "  loss.loss_type  (sigmoid|simpo, default sigmoid)" in out
         assert "  optim.lr  (float, default 1.0e-05)" in out
+    elif command == "grpo":
+        assert "  loss.kl_estimator  (k1|k3, default k3)" in out
+        assert "  optim.lr  (float, default 0.0001)" in out
     elif command == "sft":
         assert "  optim.lr  (float, default 0.003)" in out
         assert "  data.demo  (addition|reverse|shapes, default addition)" in out

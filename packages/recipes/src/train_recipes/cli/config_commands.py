@@ -17,14 +17,15 @@ import yaml
 
 from train_recipes.cli.preflight import DevicePlan
 from train_recipes.config.dpo import DPOConfig
+from train_recipes.config.grpo import GRPOConfig
 from train_recipes.config.key_help import config_keys
 from train_recipes.config.loader import ConfigError, leaf_keys, load_config, read_tree, to_dict
 from train_recipes.config.retrieval import RetrievalConfig
 from train_recipes.config.sft import SFTConfig
 
-Recipe = Literal["sft", "retrieval", "dpo"]
+Recipe = Literal["sft", "retrieval", "dpo", "grpo"]
 #: A config of a recipe ``config`` shows.
-RecipeConfig = SFTConfig | RetrievalConfig | DPOConfig
+RecipeConfig = SFTConfig | RetrievalConfig | DPOConfig | GRPOConfig
 
 
 class UsageError(ValueError):
@@ -34,10 +35,13 @@ class UsageError(ValueError):
     """
 
 
-RECIPES: dict[Recipe, type[SFTConfig] | type[RetrievalConfig] | type[DPOConfig]] = {
+RECIPES: dict[
+    Recipe, type[SFTConfig] | type[RetrievalConfig] | type[DPOConfig] | type[GRPOConfig]
+] = {
     "sft": SFTConfig,
     "retrieval": RetrievalConfig,
     "dpo": DPOConfig,
+    "grpo": GRPOConfig,
 }
 
 

@@ -20,17 +20,17 @@ from train_recipes.cli.launch import overrides, relaunch, strip_nproc, world_siz
 from train_recipes.run.launch_env import GUARDED_OUTPUT_DIR, is_rank_zero, under_launcher
 
 if TYPE_CHECKING:
+    from train_recipes.cli.preflight import DevicePlan
     from train_recipes.config.grpo import GRPOConfig
     from train_recipes.run.folder import RunLock
 
-__all__ = ["launch_grpo"]
+__all__ = ["grpo_plan", "launch_grpo"]
 
 
 def _load(args: argparse.Namespace) -> GRPOConfig:
     """The validated config, with the rollout file's rows checked (raises one-line errors)."""
     from train_recipes.cli.config_commands import resolve_config_path
-    from train_recipes.config.grpo import GRPOConfig, policy_sft_config
-    from train_recipes.config.grpo_validation import validate_grpo
+    from train_recipes.config.grpo import GRPOConfig
     from train_recipes.config.loader import ConfigError, load_config
 
     if args.controller == "ray":
@@ -43,21 +43,39 @@ def _load(args: argparse.Namespace) -> GRPOConfig:
     config = load_config(GRPOConfig, path, overrides(args))
     if args.nproc_per_node is None:
         args.nproc_per_node = config.launch.nproc_per_node or 1
-    validate_grpo(config, world_size=world_size(args))
-    if config.rollout.source == "file" and is_rank_zero():
+    if is_rank_zero():
+        grpo_plan(config, nproc=world_size(args))
+    return config
+
+
+def grpo_plan(config: GRPOConfig, *, nproc: int) -> DevicePlan:
+    """The checks of a GRPO config on ``nproc`` ranks, and its device plan.
+
+    A rollout file is read whole with the policy's tokenizer. ``config show`` prints the plan
+    (its dry run); a launch only checks.
+
+    Raises:
+        ConfigError: naming the key (``rollout.path`` for a bad row: its line and fault).
+    """
+    from train_recipes.cli.preflight import plan_devices
+    from train_recipes.config.grpo import policy_sft_config
+    from train_recipes.config.grpo_validation import validate_grpo
+    from train_recipes.config.loader import ConfigError
+
+    validate_grpo(config, world_size=nproc)
+    sft = policy_sft_config(config)
+    if config.rollout.source == "file":
         from train_recipes.data.processors import load_tokenizer
         from train_recipes.grpo.rollout_file import RolloutFileError, read_rollout_file
 
         assert config.rollout.path is not None  # validate_grpo enforces it
         try:
             read_rollout_file(
-                config.rollout.path,
-                load_tokenizer(policy_sft_config(config)),
-                max_length=config.data.max_length,
+                config.rollout.path, load_tokenizer(sft), max_length=config.data.max_length
             )
         except RolloutFileError as err:
             raise ConfigError("rollout.path", str(err)) from None
-    return config
+    return plan_devices(sft, world_size=nproc, local_world_size=nproc)
 
 
 def _guard(args: argparse.Namespace, config: GRPOConfig) -> RunLock | None:

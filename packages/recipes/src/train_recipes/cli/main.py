@@ -28,9 +28,7 @@ from train_recipes.cli.launch import (
 from train_recipes.run.launch_env import is_rank_zero
 
 if TYPE_CHECKING:
-    from train_recipes.config.dpo import DPOConfig
-    from train_recipes.config.retrieval import RetrievalConfig
-    from train_recipes.config.sft import SFTConfig
+    from train_recipes.cli.config_commands import RecipeConfig
 
 # The library packages whose versions this distribution pins exactly.
 COMPONENTS = ("train-engine", "cp-sharder", "moe-dispatch", "vocab-parallel", "energon-sft")
@@ -109,13 +107,19 @@ def _config_show(args: argparse.Namespace) -> int:
     from train_recipes.cli.config_commands import load_recipe_config, show_config
     from train_recipes.cli.preflight import run_preflight
     from train_recipes.config.dpo import DPOConfig
+    from train_recipes.config.grpo import GRPOConfig
     from train_recipes.data.direct_inputs import resolve_inputs
 
     recipe, config = load_recipe_config(args.recipe, args.config, overrides(args))
-    if isinstance(config, DPOConfig):
+    if isinstance(config, (DPOConfig, GRPOConfig)):
         from train_recipes.cli.dpo_command import dpo_plan
+        from train_recipes.cli.grpo_launch import grpo_plan
 
-        plan = dpo_plan(config, nproc=args.nproc_per_node or config.launch.nproc_per_node or 1)
+        nproc = args.nproc_per_node or config.launch.nproc_per_node or 1
+        if isinstance(config, DPOConfig):
+            plan = dpo_plan(config, nproc=nproc)
+        else:
+            plan = grpo_plan(config, nproc=nproc)
         rows = [("launch", _launch_line(args, recipe)), ("run folder", _folder_state(args, config))]
         print(show_config(recipe, config, plan, rows))
         return 0
@@ -147,7 +151,7 @@ def _launch_line(args: argparse.Namespace, recipe: str) -> str:
     )
 
 
-def _folder_state(args: argparse.Namespace, config: SFTConfig | RetrievalConfig | DPOConfig) -> str:
+def _folder_state(args: argparse.Namespace, config: RecipeConfig) -> str:
     """Whether a fresh launch may use ``train.output_dir``, as the launch will check it."""
     from train_recipes.run.folder import RunFolderError, check_output_dir
 
@@ -329,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_args(show)
     show.add_argument(
         "--recipe",
-        choices=("sft", "retrieval", "dpo"),
+        choices=("sft", "retrieval", "dpo", "grpo"),
         default=None,
         help="the recipe the config is for (default: the one whose keys it uses; sft)",
     )
