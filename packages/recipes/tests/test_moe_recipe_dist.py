@@ -13,7 +13,8 @@ import torch
 
 from _moe_recipe_models import save_tiny_moe
 from _moe_recipe_workers import export_after_build_on_rank, export_on_rank, run_moe_sft_on_rank
-from conftest import QUIET_CPU_RUN, data_overrides
+from _runs import TinyRun
+from conftest import data_overrides
 from train_recipes.config import ConfigError, SFTConfig, load_config, validate_sft
 from train_recipes.data.demo import DemoSplit
 
@@ -21,26 +22,24 @@ PROBE = [[3, 23, 24, 17, 25, 35, 5, 4], [3, 30, 31, 17, 22, 22, 35, 5]]
 STEPS = 4
 
 
-def _overrides(
+def _moe_run(
     split: DemoSplit, model_dir: Path, out: Path, ep: int, data_parallel: str = "fsdp2"
-) -> list[str]:
-    return [
-        *data_overrides(split),
-        f"model.path={model_dir}",
-        f"train.output_dir={out}",
-        f"train.steps={STEPS}",
-        *QUIET_CPU_RUN,
-        "train.gradient_accumulation_steps=2",
-        "data.micro_batch_size=2",  # rows of unequal length: unequal tokens per ep rank
-        "data.shuffle=false",
-        "optim.lr=3e-3",
-        "optim.warmup_steps=0",
-        f"parallel.data_parallel={data_parallel}",
-        f"parallel.ep={ep}",
-        "moe.aux_loss_coef=0.01",
-        "moe.z_loss_coef=0.001",
-        f"train.export={'true' if ep == 2 else 'false'}",
-    ]
+) -> TinyRun:
+    return TinyRun(
+        data=split,
+        out=out,
+        model_path=model_dir,
+        steps=STEPS,
+        accumulation=2,
+        micro_batch_size=2,  # rows of unequal length: unequal tokens per ep rank
+        shuffle=False,
+        lr=3e-3,
+        warmup_steps=0,
+        data_parallel=data_parallel,
+        ep=ep,
+        export=ep == 2,
+        extra=("moe.aux_loss_coef=0.01", "moe.z_loss_coef=0.001"),
+    )
 
 
 @pytest.mark.timeout(400)
@@ -93,9 +92,10 @@ def _ep2_follows_ep1(
         ranks = rank_pool.run(  # type: ignore[attr-defined]
             world,
             run_moe_sft_on_rank,
-            [
-                *_overrides(demo_data, model_dir, tmp_path / f"ep{ep}", ep, data_parallel),
-                f"parallel.cp={cp}",
+            _moe_run(demo_data, model_dir, tmp_path / f"ep{ep}", ep, data_parallel)
+            .but(
+                "optim.eps=1e-12",
+                cp=cp,
                 # AdamW moves each entry by about lr * g / (|g| + eps), so for |g| near eps the
                 # step follows g's rounding, which differs between ep=1 and ep=2 (other
                 # summation orders). Measured on qwen3_moe at step 1: layer 0's v_proj[11, 0]
@@ -103,8 +103,8 @@ def _ep2_follows_ep1(
                 # run's gradients within 3e-7 of float64, fused loss or logits path); at the
                 # default eps 1e-8 its update differed by 5% of lr and the trained logits by
                 # 6.6e-5. At eps 1e-12 every case here agrees to 7e-7.
-                "optim.eps=1e-12",
-            ],
+            )
+            .overrides(),
             PROBE,
             timeout_s=500,
         )
@@ -142,11 +142,9 @@ def test_ep2_checkpoint_resumes_exactly_and_exports_in_one_process(
     and weights, and `train-recipes export` (one process, all experts) its logits."""
     model_dir = save_tiny_moe("qwen3_moe", tmp_path / "model")
     out = tmp_path / "run"
-    overrides = [
-        *_overrides(demo_data, model_dir, out, 2),
-        "train.checkpoint_every=2",
-        "train.export=false",
-    ]
+    overrides = (
+        _moe_run(demo_data, model_dir, out, 2).but(checkpoint_every=2, export=False).overrides()
+    )
     run = rank_pool.run  # type: ignore[attr-defined]
     whole = run(2, run_moe_sft_on_rank, overrides, PROBE, False, timeout_s=400)[0]
     checkpoints = out / "checkpoints"
