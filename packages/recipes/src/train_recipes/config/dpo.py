@@ -217,7 +217,7 @@ def validate_dpo(config: DPOConfig, *, world_size: int) -> None:
     if config.model.path is not None and not Path(config.model.path).is_dir():
         hint = (
             "; the demo starts from a briefly SFT-trained model: run `train-recipes sft --config "
-            "demo-cpu --set train.steps=150 --output-dir runs/demo-sft` first"
+            "demo-cpu --set train.steps=500 --output-dir runs/demo-sft` first"
             if data.path is None
             else ""
         )
