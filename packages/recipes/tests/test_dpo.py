@@ -73,6 +73,35 @@ def test_resume_reproduces_the_losses(rank_pool: object, tmp_path: Path) -> None
     assert got.tolist() == expected.tolist()
 
 
+@pytest.mark.timeout(300)
+def test_simpo_and_reference_columns_train_without_a_reference_model(
+    rank_pool: object, tmp_path: Path
+) -> None:
+    """SimPO needs no reference; sigmoid DPO with ref_*_logp columns reads them instead of
+    building one. Both train (the loss moves) and log the reward metrics."""
+    pairs = write_pairs(tmp_path / "pairs.jsonl", 16)
+    with_refs = tmp_path / "refs.jsonl"
+    rows = [json.loads(line) for line in pairs.read_text().splitlines()]
+    with_refs.write_text(
+        "".join(
+            json.dumps({**r, "ref_chosen_logp": -3.0, "ref_rejected_logp": -2.0}) + "\n"
+            for r in rows
+        )
+    )
+    base = [*QUIET_DPO, "train.steps=3", "data.micro_batch_size=4"]
+    for name, extra in (
+        ("simpo", [f"data.path={pairs}", "loss.loss_type=simpo"]),
+        ("columns", [f"data.path={with_refs}"]),
+    ):
+        argv = [*base, *extra, f"train.output_dir={tmp_path / name}"]
+        got = rank_pool.run(1, run_dpo_on_rank, argv, timeout_s=240)[0]["rows"]  # type: ignore[attr-defined]
+        losses = _losses(got, 3)
+        assert losses[0] != losses[-1], name
+        assert all("rewards/accuracy" in r for r in got if "loss" in r), name
+    # With the columns, step 1's loss is the formula's at the policy's own log-probs: not log 2.
+    assert abs(float(losses[0]) - 0.6931) > 1e-3
+
+
 @pytest.mark.parametrize(
     ("row", "message"),
     [
