@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -456,6 +456,14 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=4, help="matrix cells run at once")
     parser.add_argument("--bench", action="store_true", help="also run sft_step.py recipes-master")
     parser.add_argument("--quick", action="store_true", help="tiny models on the CPU")
+    parser.add_argument(
+        "--set",
+        dest="extra_sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an override added to every cell's, after the suite's (e.g. data.num_workers=8)",
+    )
     args = parser.parse_args()
     wanted = set(filter(None, args.cells.split(",")))
     unknown = wanted - {c.name for c in CELLS}
@@ -471,6 +479,7 @@ def main() -> None:
     for cell in CELLS:
         if wanted and cell.name not in wanted:
             continue
+        cell = replace(cell, sets=(*cell.sets, *args.extra_sets))
         if not args.quick and cell.needs_gpus > gpus:
             skipped.append((cell, f"needs {cell.needs_gpus} GPUs, {gpus} present"))
         elif not args.quick and cell.min_gib > gib:
