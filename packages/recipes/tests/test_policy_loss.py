@@ -76,7 +76,7 @@ def _reference(
     loss = per_token[mask].sum()
     loss.backward()
     assert hidden.grad is not None and weight.grad is not None
-    return float(loss), hidden.grad, weight.grad
+    return float(loss.detach()), hidden.grad, weight.grad
 
 
 CONFIGS = [
