@@ -11,19 +11,17 @@ command again.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from train_recipes.run.launch_env import GUARDED_OUTPUT_DIR, is_rank_zero, under_launcher
+from train_recipes.run.launch_env import under_launcher
 
 if TYPE_CHECKING:
     from train_recipes.cli.preflight import DevicePlan
     from train_recipes.config.dpo import DPOConfig
-    from train_recipes.run.folder import RunLock
 
 __all__ = ["dpo_plan", "load_dpo_config", "run_dpo_command"]
 
@@ -65,31 +63,11 @@ def dpo_plan(config: DPOConfig, *, nproc: int) -> DevicePlan:
     return plan_devices(policy_config(config), world_size=nproc, local_world_size=nproc)
 
 
-def _guard(args: argparse.Namespace, config: DPOConfig) -> RunLock | None:
-    """Lock and check the run folder (the launching process, or rank 0 under torchrun)."""
-    from train_recipes.run.folder import RunLock, check_output_dir, clear_run
-
-    out = Path(config.train.output_dir)
-    if os.environ.get(GUARDED_OUTPUT_DIR) == str(out.resolve()) or not is_rank_zero():
-        return None
-    lock = RunLock(out).acquire()
-    try:
-        inputs = [("data.path", config.data.path), ("model.path", config.model.path)]
-        check_output_dir(out, resume=args.resume, overwrite=args.overwrite, inputs=inputs)
-        if args.overwrite:
-            removed = clear_run(out)
-            if removed:
-                print(f"train-recipes dpo: --overwrite removed {', '.join(removed)} from {out}")
-    except BaseException:
-        lock.release()
-        raise
-    return lock
-
-
 def run_dpo_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Run ``train-recipes dpo``; returns the exit code (2 for a refused config, in one line)."""
-    from train_recipes.cli.launch import relaunch, strip_nproc
+    from train_recipes.cli.recipe_launch import run_or_relaunch
     from train_recipes.config.loader import ConfigError
+    from train_recipes.run.folder import lock_and_check_folder
 
     if under_launcher():
         from train_recipes.run.process_group import die_with_parent
@@ -115,25 +93,25 @@ def run_dpo_command(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 raise ConfigError("--nproc-per-node", f"must be >= 1, got {nproc}")
             args.nproc_per_node = world = nproc
         config = load_dpo_config(args, world_size=world)
-        lock = _guard(args, config)
+        lock = lock_and_check_folder(
+            Path(config.train.output_dir),
+            command="dpo",
+            resume=args.resume,
+            overwrite=args.overwrite,
+            inputs=[("data.path", config.data.path), ("model.path", config.model.path)],
+        )
     except ConfigError as err:
         print(f"train-recipes dpo: {err}", file=sys.stderr)
         return 2
     try:
-        if args.nproc_per_node is not None and args.nproc_per_node > 1 and not under_launcher():
-            os.environ[GUARDED_OUTPUT_DIR] = str(Path(config.train.output_dir).resolve())
-            return relaunch(args.nproc_per_node, strip_nproc(argv))
-        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
         from train_recipes.dpo.recipe import run_dpo
-        from train_recipes.run.health import TrainingAborted
 
-        try:
-            run_dpo(config, resume=args.resume)
-        except TrainingAborted as err:
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(f"train-recipes dpo: {err}", file=sys.stderr, flush=True)
-            return 1
-        return 0
+        return run_or_relaunch(
+            args,
+            argv,
+            out=Path(config.train.output_dir),
+            run=lambda: run_dpo(config, resume=args.resume),
+        )
     finally:
         if lock is not None:
             lock.release()

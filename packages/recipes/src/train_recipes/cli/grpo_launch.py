@@ -9,20 +9,17 @@ torch's elastic launcher, which run the same command again (SPMD, in lock-step).
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from train_recipes.cli.launch import overrides, relaunch, strip_nproc, world_size
-from train_recipes.run.launch_env import GUARDED_OUTPUT_DIR, is_rank_zero, under_launcher
+from train_recipes.cli.launch import overrides, world_size
+from train_recipes.run.launch_env import is_rank_zero, under_launcher
 
 if TYPE_CHECKING:
     from train_recipes.cli.preflight import DevicePlan
     from train_recipes.config.grpo import GRPOConfig
-    from train_recipes.run.folder import RunLock
 
 __all__ = ["grpo_plan", "launch_grpo"]
 
@@ -78,32 +75,11 @@ def grpo_plan(config: GRPOConfig, *, nproc: int) -> DevicePlan:
     return plan_devices(sft, world_size=nproc, local_world_size=nproc)
 
 
-def _guard(args: argparse.Namespace, config: GRPOConfig) -> RunLock | None:
-    """Lock and check the run folder (the launching process, or rank 0 under torchrun)."""
-    from train_recipes.run.folder import RunLock, check_output_dir, clear_run
-
-    out = Path(config.train.output_dir)
-    if os.environ.get(GUARDED_OUTPUT_DIR) == str(out.resolve()) or not is_rank_zero():
-        return None
-    lock = RunLock(out).acquire()
-    try:
-        inputs = [
-            ("model.path", config.model.path),
-            ("data.prompts", config.data.prompts),
-            ("rollout.path", config.rollout.path),
-        ]
-        check_output_dir(out, resume=args.resume, overwrite=args.overwrite, inputs=inputs)
-        if args.overwrite and (removed := clear_run(out)):
-            print(f"train-recipes grpo: --overwrite removed {', '.join(removed)} from {out}")
-    except BaseException:
-        lock.release()
-        raise
-    return lock
-
-
 def launch_grpo(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Run ``train-recipes grpo``: here, or on local ranks; returns the exit code."""
+    from train_recipes.cli.recipe_launch import run_or_relaunch
     from train_recipes.config.loader import ConfigError
+    from train_recipes.run.folder import lock_and_check_folder
 
     if under_launcher():
         from train_recipes.run.process_group import die_with_parent
@@ -111,19 +87,30 @@ def launch_grpo(args: argparse.Namespace, argv: Sequence[str]) -> int:
         die_with_parent()  # a rank never outlives its launcher
     try:
         config = _load(args)
-        lock = _guard(args, config)
+        inputs = [
+            ("model.path", config.model.path),
+            ("data.prompts", config.data.prompts),
+            ("rollout.path", config.rollout.path),
+        ]
+        lock = lock_and_check_folder(
+            Path(config.train.output_dir),
+            command="grpo",
+            resume=args.resume,
+            overwrite=args.overwrite,
+            inputs=inputs,
+        )
     except ConfigError as err:
         print(f"train-recipes grpo: {err}", file=sys.stderr)
         return 2
     try:
-        if args.nproc_per_node > 1 and not under_launcher():
-            os.environ[GUARDED_OUTPUT_DIR] = str(Path(config.train.output_dir).resolve())
-            return relaunch(args.nproc_per_node, strip_nproc(argv))
-        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
         from train_recipes.grpo.recipe import run_grpo
 
-        run_grpo(config, resume=args.resume)
-        return 0
+        return run_or_relaunch(
+            args,
+            argv,
+            out=Path(config.train.output_dir),
+            run=lambda: run_grpo(config, resume=args.resume),
+        )
     finally:
         if lock is not None:
             lock.release()

@@ -228,32 +228,24 @@ def guard_run_folder(
     """
     from train_recipes.config.sft import SFTConfig
     from train_recipes.run.end_state import run_finished
-    from train_recipes.run.folder import RunLock, check_output_dir, clear_run
+    from train_recipes.run.folder import lock_and_check_folder
     from train_recipes.run.resume import plan_resume
 
     out = Path(config.train.output_dir)
     resume = bool(getattr(args, "resume", False))
     if os.environ.get(GUARDED_OUTPUT_DIR) == str(out.resolve()):
         return None, None
-    lock = RunLock(out).acquire() if is_rank_zero() else None
+    inputs: list[tuple[str, str | None]] = []
+    if isinstance(config, SFTConfig):
+        inputs = [
+            ("data.path", config.data.path),
+            ("data.eval_path", config.data.eval_path),
+            ("model.path", config.model.path),
+        ]
+    lock = lock_and_check_folder(
+        out, command=args.command, resume=resume, overwrite=args.overwrite, inputs=inputs
+    )
     try:
-        if lock is not None:
-            inputs: list[tuple[str, str | None]] = []
-            if isinstance(config, SFTConfig):
-                inputs = [
-                    ("data.path", config.data.path),
-                    ("data.eval_path", config.data.eval_path),
-                    ("model.path", config.model.path),
-                ]
-            check_output_dir(out, resume=resume, overwrite=args.overwrite, inputs=inputs)
-            if args.overwrite:
-                removed = clear_run(out)
-                if removed:
-                    print(
-                        f"train-recipes {args.command}: --overwrite removed "
-                        f"{', '.join(removed)} from {out}",
-                        flush=True,
-                    )
         if resume and isinstance(config, SFTConfig):
             saved = plan_resume(config, world_size=world_size(args))
             if saved is not None and run_finished(

@@ -21,6 +21,7 @@ from pathlib import Path
 from types import TracebackType
 
 from train_recipes.config.loader import ConfigError, JSONValue
+from train_recipes.run.launch_env import GUARDED_OUTPUT_DIR, is_rank_zero
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -237,6 +238,39 @@ class RunLock:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.release()
+
+
+def lock_and_check_folder(
+    out: Path,
+    *,
+    command: str,
+    resume: bool,
+    overwrite: bool,
+    inputs: Iterable[tuple[str, str | None]],
+) -> RunLock | None:
+    """Lock ``out`` and check it for this start (``--resume``/``--overwrite``) on rank zero.
+
+    Every training command does this before its ranks start. Returns None where the launching
+    parent of these ranks already did it, and on ranks other than 0. ``inputs`` are the config's
+    input paths (key, path): one inside ``out`` that ``--overwrite`` would delete is refused.
+
+    Raises:
+        RunFolderError: the folder does not fit the start, in one line.
+    """
+    if os.environ.get(GUARDED_OUTPUT_DIR) == str(out.resolve()) or not is_rank_zero():
+        return None
+    lock = RunLock(out).acquire()
+    try:
+        check_output_dir(out, resume=resume, overwrite=overwrite, inputs=list(inputs))
+        if overwrite and (removed := clear_run(out)):
+            print(
+                f"train-recipes {command}: --overwrite removed {', '.join(removed)} from {out}",
+                flush=True,
+            )
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def rank0_printer(enabled: bool) -> Callable[[str], None]:
