@@ -194,8 +194,8 @@ def test_a_full_disk_at_the_final_checkpoint_keeps_the_weights_and_a_resume_cont
         "FULL_DISK_FLAG": str(tmp_path / "failed-once"),
     }
     run = tmp_path / "run"
-    sets = ("train.steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=1")
-    args = _cmd(demo_data, run, *sets, nproc=2)
+    kept = {"checkpoint_every": 2, "keep_checkpoints": 1}
+    args = _cmd(demo_data, run, nproc=2, steps=4, **kept)
     done = subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=400)
     output = done.stdout + done.stderr
     assert done.returncode == 1, output[-3000:]
@@ -233,10 +233,9 @@ def test_a_full_disk_at_the_final_checkpoint_keeps_the_weights_and_a_resume_cont
     reference = tmp_path / "reference"
     shutil.copytree(run, reference, ignore=shutil.ignore_patterns(".lock"))
     shutil.rmtree(reference / "checkpoints" / "step_000004")
-    longer = (*sets, "train.steps=6")
     jobs = [
         subprocess.Popen(
-            [*CLI, *_cmd(demo_data, folder, *longer, *more, nproc=2, flags=("--resume",))],
+            [*CLI, *_cmd(demo_data, folder, *more, nproc=2, flags=("--resume",), steps=6, **kept)],
             env=cli_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
